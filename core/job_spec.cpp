@@ -1,0 +1,487 @@
+// The job spec's schema: one function per section, each reading its keys through
+// Section getters (Note [Config diagnostics] in config.h), then the cross-field rules.
+#include "core/job_spec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <limits>
+#include <set>
+
+#include "core/error.h"
+
+namespace tetra::core {
+
+namespace {
+
+const std::vector<std::string> kCoreSections = {"name",     "model", "data",       "optimizer",
+                                                "schedule", "train", "checkpoint", "log"};
+
+std::string join(const std::vector<std::string>& items, const std::string& sep = ", ") {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i) out += sep;
+    out += items[i];
+  }
+  return out;
+}
+
+std::string fmt(double x) {
+  char buf[40];
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
+  return buf;
+}
+
+std::string list_str(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+// The keys each variant of a typed section reads (besides the common ones). Used only to
+// word the error for a key that belongs to another variant: `model.channels: unknown key
+// for model type mlp (channels is for cnn)`. Every other unknown key is finish()'s.
+using Variants = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+// Reports keys of other variants, then finishes the section. `type_ok` is false when the
+// type itself was wrong: then keys of any variant are let be, to avoid a cascade.
+void finish_typed(Section& s, const std::string& kind, const std::string& type, bool type_ok,
+                  const Variants& variants) {
+  std::vector<std::string> own;
+  for (const auto& [t, keys] : variants)
+    if (t == type) own = keys;
+  std::vector<std::string> handled;
+  for (const std::string& key : s.keys()) {
+    if (std::find(own.begin(), own.end(), key) != own.end()) continue;
+    std::vector<std::string> owners;
+    for (const auto& [t, keys] : variants)
+      if (t != type && std::find(keys.begin(), keys.end(), key) != keys.end()) owners.push_back(t);
+    if (owners.empty()) continue;
+    if (std::find(handled.begin(), handled.end(), key) != handled.end()) continue;
+    handled.push_back(key);
+    if (type_ok)
+      s.error(key, "unknown key for " + kind + " " + type + " (" + key + " is for " +
+                       join(owners, " and ") + ")");
+  }
+  s.finish(handled);
+}
+
+// Runs `read` and tells whether it added a diagnostic.
+template <typename F>
+bool clean(Section& s, F&& read) {
+  size_t before = s.diagnostics().entries().size();
+  read();
+  return s.diagnostics().entries().size() == before;
+}
+
+double fraction(Section& s, const std::string& key, double def, bool open_low) {
+  double v = s.number(key, def, 0.0, 1.0);
+  if ((open_low && v <= 0.0) || v >= 1.0) {
+    s.error(key, std::string("must be in ") + (open_low ? "(" : "[") + "0, 1), got " + fmt(v));
+    return def;
+  }
+  return v;
+}
+
+ModelSpec parse_model(Section& m) {
+  ModelSpec spec;
+  const ModelSpec def;
+  bool type_ok = clean(m, [&] { spec.type = m.choice("type", def.type, {"mlp", "cnn", "gpt"}); });
+  const std::vector<std::string> activations = {"relu", "gelu", "tanh"};
+  if (spec.type == "mlp") {
+    spec.hidden = m.integers("hidden", def.hidden, 1);
+    spec.activation = m.choice("activation", def.activation, activations);
+    spec.dropout = fraction(m, "dropout", def.dropout, false);
+  } else if (spec.type == "cnn") {
+    spec.channels = m.integers("channels", def.channels, 1);
+    if (spec.channels.empty()) {
+      m.error("channels", "must not be empty (a cnn needs at least one conv block)");
+      spec.channels = def.channels;
+    }
+    spec.hidden = m.integers("hidden", {128}, 1);
+    spec.activation = m.choice("activation", def.activation, activations);
+    spec.dropout = fraction(m, "dropout", def.dropout, false);
+  } else {  // gpt
+    spec.layers = m.integer("layers", def.layers, 1);
+    spec.heads = m.integer("heads", def.heads, 1);
+    spec.d_model = m.integer("d_model", def.d_model, 1);
+    spec.d_ff = m.integer("d_ff", def.d_ff, 0);
+    if (spec.d_ff == 0) spec.d_ff = 4 * spec.d_model;
+    spec.dropout = fraction(m, "dropout", def.dropout, false);
+    if (spec.d_model % spec.heads != 0)
+      m.error("heads", std::to_string(spec.heads) + " heads do not divide model.d_model " +
+                           std::to_string(spec.d_model) + " (d_model must be a multiple of heads)");
+  }
+  finish_typed(m, "model type", spec.type, type_ok,
+               {{"mlp", {"type", "hidden", "activation", "dropout"}},
+                {"cnn", {"type", "channels", "hidden", "activation", "dropout"}},
+                {"gpt", {"type", "layers", "heads", "d_model", "d_ff", "dropout"}}});
+  return spec;
+}
+
+DataSpec parse_data(Section& d) {
+  DataSpec spec;
+  const DataSpec def;
+  bool type_ok = clean(d, [&] {
+    spec.type = d.choice("type", def.type, {"fashion-mnist", "text", "synthetic"});
+  });
+  spec.batch_size = d.integer("batch_size", def.batch_size, 1);
+  spec.eval_batch_size = d.integer("eval_batch_size", def.eval_batch_size, 1);
+  spec.eval_samples = d.integer("eval_samples", def.eval_samples, 0);
+  spec.shuffle = d.boolean("shuffle", def.shuffle);
+  if (spec.type == "fashion-mnist") {
+    spec.path = d.string("path", def.path);
+    if (spec.path.empty()) {
+      d.error("path", "must not be empty (the folder with the Fashion-MNIST IDX files)");
+      spec.path = def.path;
+    }
+  } else if (spec.type == "text") {
+    bool given = d.has("path");
+    spec.path = d.string("path", "");
+    if (!given)
+      d.error("path", "required for data type text (the text file to train on)");
+    else if (spec.path.empty())
+      d.error("path", "must not be empty");
+    spec.seq_len = d.integer("seq_len", def.seq_len, 1);
+    spec.test_fraction = fraction(d, "test_fraction", def.test_fraction, true);
+  } else {  // synthetic
+    spec.shape = d.integers("shape", def.shape, 1);
+    if (spec.shape.empty()) {
+      d.error("shape", "must not be empty (the shape of one input, e.g. [784] or [1, 28, 28])");
+      spec.shape = def.shape;
+    }
+    spec.classes = d.integer("classes", def.classes, 2);
+    spec.train_samples = d.integer("train_samples", def.train_samples, 1);
+    spec.test_samples = d.integer("test_samples", def.test_samples, 1);
+  }
+  const std::vector<std::string> common = {"type", "batch_size", "eval_batch_size", "eval_samples",
+                                           "shuffle"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), common.begin(), common.end());
+    return extra;
+  };
+  finish_typed(d, "data type", spec.type, type_ok,
+               {{"fashion-mnist", with({"path"})},
+                {"text", with({"path", "seq_len", "test_fraction"})},
+                {"synthetic", with({"shape", "classes", "train_samples", "test_samples"})}});
+  return spec;
+}
+
+OptimizerSpec parse_optimizer(Section& o) {
+  OptimizerSpec spec;
+  const OptimizerSpec def;
+  bool type_ok = clean(o, [&] {
+    spec.type = o.choice("type", def.type, {"sgd", "adam", "adamw"});
+  });
+  spec.lr = o.positive_number("lr", def.lr);
+  spec.weight_decay = o.number("weight_decay", def.weight_decay, 0.0);
+  spec.clip_grad_norm = o.number("clip_grad_norm", def.clip_grad_norm, 0.0);
+  if (spec.type == "sgd") {
+    spec.momentum = fraction(o, "momentum", def.momentum, false);
+    spec.nesterov = o.boolean("nesterov", def.nesterov);
+    if (spec.nesterov && spec.momentum <= 0.0)
+      o.error("nesterov", "requires optimizer.momentum > 0, got momentum " + fmt(spec.momentum));
+  } else {
+    std::vector<double> betas = o.numbers("betas", {def.beta1, def.beta2});
+    if (betas.size() != 2) {
+      o.error("betas", "expected a list of 2 numbers [beta1, beta2], got " +
+                           std::to_string(betas.size()) +
+                           (betas.size() == 1 ? " number" : " numbers"));
+    } else {
+      bool ok = true;
+      for (size_t i = 0; i < 2; ++i) {
+        if (betas[i] < 0.0 || betas[i] >= 1.0) {
+          o.error("betas",
+                  "beta" + std::to_string(i + 1) + " must be in [0, 1), got " + fmt(betas[i]));
+          ok = false;
+        }
+      }
+      if (ok) {
+        spec.beta1 = betas[0];
+        spec.beta2 = betas[1];
+      }
+    }
+    spec.eps = o.positive_number("eps", def.eps);
+  }
+  const std::vector<std::string> common = {"type", "lr", "weight_decay", "clip_grad_norm"};
+  std::vector<std::string> sgd = common, adam = common;
+  sgd.insert(sgd.end(), {"momentum", "nesterov"});
+  adam.insert(adam.end(), {"betas", "eps"});
+  finish_typed(o, "optimizer type", spec.type, type_ok,
+               {{"sgd", sgd}, {"adam", adam}, {"adamw", adam}});
+  return spec;
+}
+
+ScheduleSpec parse_schedule(Section& s, const OptimizerSpec& opt) {
+  ScheduleSpec spec;
+  const ScheduleSpec def;
+  bool type_ok = clean(s, [&] {
+    spec.type = s.choice("type", def.type, {"constant", "cosine", "linear"});
+  });
+  spec.warmup_steps = s.integer("warmup_steps", def.warmup_steps, 0);
+  if (spec.type != "constant") {
+    spec.min_lr = s.number("min_lr", def.min_lr, 0.0);
+    if (spec.min_lr > opt.lr)
+      s.error("min_lr", fmt(spec.min_lr) + " is above optimizer.lr " + fmt(opt.lr) +
+                            " (the decay ends at min_lr, so it must be <= lr)");
+    spec.decay_steps = s.integer("decay_steps", def.decay_steps, 0);
+  }
+  finish_typed(s, "schedule type", spec.type, type_ok,
+               {{"constant", {"type", "warmup_steps"}},
+                {"cosine", {"type", "warmup_steps", "min_lr", "decay_steps"}},
+                {"linear", {"type", "warmup_steps", "min_lr", "decay_steps"}}});
+  return spec;
+}
+
+TrainSpec parse_train(Section& t) {
+  TrainSpec spec;
+  const TrainSpec def;
+  spec.epochs = t.integer("epochs", def.epochs, 1);
+  spec.max_steps = t.optional_integer("max_steps", 1);
+  spec.eval_every = t.integer("eval_every", def.eval_every, 0);
+  spec.seed = t.integer("seed", def.seed);
+  spec.threads =
+      static_cast<int>(t.integer("threads", def.threads, 0, std::numeric_limits<int>::max()));
+  spec.precision = t.choice("precision", def.precision, {"fp32", "bf16"});
+  spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1);
+  t.finish();
+  return spec;
+}
+
+CheckpointSpec parse_checkpoint(Section& c, const std::string& name) {
+  CheckpointSpec spec;
+  spec.dir = c.string("dir", "runs/" + name + "/ckpt");
+  if (spec.dir.empty()) {
+    c.error("dir", "must not be empty");
+    spec.dir = "runs/" + name + "/ckpt";
+  }
+  spec.every_steps = c.integer("every_steps", 0, 0);
+  spec.keep = c.integer("keep", 3, 1);
+  spec.resume = c.string("resume", "auto");
+  if (spec.resume.empty()) {
+    c.error("resume", "must be auto, never or the path of a checkpoint, got \"\"");
+    spec.resume = "auto";
+  }
+  spec.safetensors = c.string("safetensors", "");
+  c.finish();
+  return spec;
+}
+
+LogSpec parse_log(Section& l, const std::string& name) {
+  LogSpec spec;
+  spec.metrics = l.string("metrics", "runs/" + name + "/metrics.jsonl");
+  spec.every = l.integer("every", 50, 1);
+  spec.trace = l.string("trace", "");
+  spec.progress = l.choice("progress", "auto", {"auto", "line", "plain", "off"});
+  l.finish();
+  return spec;
+}
+
+// The rules that tie sections together. Each error points at the key to change.
+void check_cross_fields(const JobSpec& spec, Section& model, Section& data, Section& train) {
+  const ModelSpec& m = spec.model;
+  const DataSpec& d = spec.data;
+  if (d.batch_size % spec.train.accumulation_steps != 0) {
+    char micro[32];
+    std::snprintf(
+        micro, sizeof micro, "%.2f",
+        static_cast<double>(d.batch_size) / static_cast<double>(spec.train.accumulation_steps));
+    train.error("accumulation_steps", std::to_string(spec.train.accumulation_steps) +
+                                          " does not divide data.batch_size " +
+                                          std::to_string(d.batch_size) + " (micro-batch would be " +
+                                          micro + ")");
+  }
+  if (m.type == "gpt" && d.type != "text") {
+    model.error("type", "model type gpt needs data.type text, got data.type " + d.type);
+  } else if (m.type != "gpt" && d.type == "text") {
+    model.error("type", "model type " + m.type +
+                            " needs data.type fashion-mnist or synthetic, got data.type text "
+                            "(use model type gpt for text)");
+  }
+  if (m.type == "cnn" && d.type != "text") {
+    std::vector<int64_t> shape = d.type == "synthetic" ? d.shape : std::vector<int64_t>{1, 28, 28};
+    if (shape.size() != 3) {
+      data.error("shape", "model type cnn needs an image shape [C, H, W], got " + list_str(shape));
+    } else {
+      // Each conv block ends in a 2x2 max-pool, halving height and width.
+      int64_t h = shape[1], w = shape[2];
+      size_t blocks = 0;
+      while (blocks < m.channels.size() && h / 2 >= 1 && w / 2 >= 1) {
+        h /= 2;
+        w /= 2;
+        ++blocks;
+      }
+      if (blocks < m.channels.size())
+        model.error("channels", std::to_string(m.channels.size()) + " conv blocks halve the " +
+                                    std::to_string(shape[1]) + "x" + std::to_string(shape[2]) +
+                                    " input below 1x1; use at most " + std::to_string(blocks));
+    }
+  }
+}
+
+std::string stem_of(const std::string& name) {
+  std::string stem = std::filesystem::path(name).stem().string();
+  return stem.empty() ? "job" : stem;
+}
+
+ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::string& source,
+                         const std::vector<std::string>& overrides,
+                         const SectionRegistry& plugins) {
+  bool loaded = diag.ok();
+  for (const std::string& o : overrides) doc.apply_override(o, diag);
+  ParsedJob out;
+  if (!loaded) {  // nothing to read: report the file's and the overrides' errors
+    diag.throw_if_errors();
+    return out;
+  }
+  JobSpec& spec = out.spec;
+  spec.source = source;
+  Section root = doc.root(diag);
+  spec.name = root.string("name", stem_of(doc.name()));
+  if (spec.name.empty()) {
+    root.error("name", "must not be empty (it names the run's output folder)");
+    spec.name = stem_of(doc.name());
+  }
+  Section model = root.section("model");
+  spec.model = parse_model(model);
+  Section data = root.section("data");
+  spec.data = parse_data(data);
+  Section optimizer = root.section("optimizer");
+  spec.optimizer = parse_optimizer(optimizer);
+  Section schedule = root.section("schedule");
+  spec.schedule = parse_schedule(schedule, spec.optimizer);
+  Section train = root.section("train");
+  spec.train = parse_train(train);
+  Section checkpoint = root.section("checkpoint");
+  spec.checkpoint = parse_checkpoint(checkpoint, spec.name);
+  Section log = root.section("log");
+  spec.log = parse_log(log, spec.name);
+  check_cross_fields(spec, model, data, train);
+
+  // d_ff: 0 means 4 * d_model; print what will be built.
+  if (spec.model.type == "gpt") {
+    YAML::Node resolved = doc.resolved();
+    resolved["model"]["d_ff"] = spec.model.d_ff;
+  }
+
+  for (const std::string& name : plugins.names()) {
+    Section section = root.section(name);
+    try {
+      std::shared_ptr<const PluginConfig> cfg = plugins.at(name)(section, spec);
+      if (cfg) spec.plugins[name] = std::move(cfg);
+    } catch (const YAML::Exception& e) {
+      section.error("", e.msg);
+    } catch (const std::exception& e) {
+      section.error("", e.what());
+    }
+  }
+  root.finish();
+  diag.throw_if_errors();
+  out.resolved = doc.resolved();
+  return out;
+}
+
+// Every failure leaves as a ConfigError: a bug deeper down must not surface as a bare
+// yaml-cpp message or a crash of the command line tool.
+template <typename F>
+ParsedJob guarded(const std::string& where, F&& body) {
+  try {
+    return body();
+  } catch (const tetra::ConfigError&) {
+    throw;
+  } catch (const YAML::Exception& e) {
+    throw tetra::ConfigError((where.empty() ? "" : where + ": ") + "error: " + e.msg);
+  } catch (const std::exception& e) {
+    throw tetra::ConfigError((where.empty() ? "" : where + ": ") + "error: " + e.what());
+  }
+}
+
+}  // namespace
+
+// ---- the registry ---------------------------------------------------------------------
+
+void SectionRegistry::add(const std::string& name, SectionParser parser) {
+  TETRA_CHECK(!name.empty(), "a plugin section needs a name");
+  TETRA_CHECK(std::find(kCoreSections.begin(), kCoreSections.end(), name) == kCoreSections.end(),
+              "section name \"", name, "\" is a core section and cannot be registered");
+  TETRA_CHECK(parser, "plugin section \"", name, "\" was registered without a parser");
+  TETRA_CHECK(!parsers_.count(name), "plugin section \"", name, "\" is registered twice");
+  parsers_.emplace(name, std::move(parser));
+}
+
+bool SectionRegistry::contains(const std::string& name) const { return parsers_.count(name) > 0; }
+
+const SectionParser& SectionRegistry::at(const std::string& name) const {
+  auto it = parsers_.find(name);
+  if (it == parsers_.end()) {
+    std::vector<std::string> known = names();
+    throw tetra::Error("no plugin section \"" + name + "\" is registered (known: " +
+                       (known.empty() ? std::string("none") : join(known)) + ")");
+  }
+  return it->second;
+}
+
+std::vector<std::string> SectionRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, parser] : parsers_) out.push_back(name);
+  return out;
+}
+
+// ---- parsing ----------------------------------------------------------------------------
+
+ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
+                         const SectionRegistry& plugins) {
+  return guarded(path, [&] {
+    Diagnostics diag;
+    ConfigDocument doc = ConfigDocument::load_file(path, diag);
+    return parse_document(doc, diag, path, overrides, plugins);
+  });
+}
+
+ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
+                           const std::vector<std::string>& overrides,
+                           const SectionRegistry& plugins) {
+  return guarded(name, [&] {
+    Diagnostics diag;
+    ConfigDocument doc = ConfigDocument::from_string(yaml, name, diag);
+    return parse_document(doc, diag, "", overrides, plugins);
+  });
+}
+
+std::string resolved_yaml(const YAML::Node& resolved) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::set<std::string> done;
+  auto emit = [&](const std::string& key) {
+    YAML::Node value;
+    bool found = false;
+    for (auto it = resolved.begin(); it != resolved.end(); ++it) {
+      if (it->first.IsScalar() && it->first.Scalar() == key) {
+        value = it->second;
+        found = true;
+        break;
+      }
+    }
+    if (!found || done.count(key)) return;
+    done.insert(key);
+    out << YAML::Key << key << YAML::Value << value;
+  };
+  if (resolved.IsDefined() && resolved.IsMap()) {
+    for (const std::string& key : kCoreSections) emit(key);
+    std::vector<std::string> rest;
+    for (auto it = resolved.begin(); it != resolved.end(); ++it)
+      if (it->first.IsScalar() && !done.count(it->first.Scalar()))
+        rest.push_back(it->first.Scalar());
+    std::sort(rest.begin(), rest.end());
+    for (const std::string& key : rest) emit(key);
+  }
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace tetra::core

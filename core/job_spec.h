@@ -1,0 +1,160 @@
+// The job spec: one YAML file parsed into typed, validated structs.
+//
+// Core owns the sections every job has (model, data, optimizer, schedule, train,
+// checkpoint, log). Strategy plugins register their own sections with the
+// SectionRegistry; core names none of them. Each field's default and meaning are
+// written beside it; tools/train --print-config prints the resolved values.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+
+namespace tetra::core {
+
+struct ModelSpec {
+  std::string type = "mlp";  // mlp | cnn | gpt
+  // mlp: widths of the hidden layers; cnn: widths of the dense layers after the convs.
+  std::vector<int64_t> hidden = {1024, 1024};
+  std::string activation = "relu";  // relu | gelu | tanh (mlp, cnn)
+  double dropout = 0.0;             // in [0, 1)
+  // cnn: output channels of each 3x3 conv block (conv, activation, 2x2 max-pool).
+  std::vector<int64_t> channels = {32, 64};
+  // gpt: a byte-level causal transformer; its context is data.seq_len.
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t d_model = 128;
+  int64_t d_ff = 0;  // 0 = 4 * d_model
+};
+
+struct DataSpec {
+  std::string type = "fashion-mnist";  // fashion-mnist | text | synthetic
+  // fashion-mnist: folder with the four gzipped IDX files; text: the text file.
+  std::string path = "/usr/share/datasets/fashion-mnist";
+  int64_t batch_size = 256;       // the global batch: all ranks and micro-batches together
+  int64_t eval_batch_size = 1000; // per evaluation forward
+  int64_t eval_samples = 0;       // 0 = the whole test split
+  bool shuffle = true;            // deterministic in (seed, epoch)
+  // text: a sample is seq_len + 1 consecutive bytes; the last test_fraction of the file
+  // is the test split.
+  int64_t seq_len = 128;
+  double test_fraction = 0.1;
+  // synthetic: seeded classification data, inputs of `shape`, `classes` labels.
+  std::vector<int64_t> shape = {784};
+  int64_t classes = 10;
+  int64_t train_samples = 8192;
+  int64_t test_samples = 1024;
+};
+
+struct OptimizerSpec {
+  std::string type = "adamw";  // sgd | adam | adamw
+  double lr = 1e-3;            // peak learning rate (after warmup)
+  double momentum = 0.0;       // sgd
+  bool nesterov = false;       // sgd; needs momentum > 0
+  double beta1 = 0.9;          // adam, adamw: `betas: [b1, b2]`
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;   // sgd/adam: L2 added to the gradient; adamw: decoupled
+  double clip_grad_norm = 0.0; // clip by global L2 norm; 0 = off
+};
+
+struct ScheduleSpec {
+  std::string type = "constant";  // constant | cosine | linear
+  int64_t warmup_steps = 0;       // linear ramp from 0 to optimizer.lr
+  double min_lr = 0.0;            // where cosine/linear decay ends
+  int64_t decay_steps = 0;        // steps of decay after warmup; 0 = until the last step
+};
+
+struct TrainSpec {
+  int64_t epochs = 1;
+  std::optional<int64_t> max_steps;  // when set, training stops after this many steps
+  int64_t eval_every = 0;            // steps between evaluations; 0 = at each epoch's end
+  int64_t seed = 1;
+  int threads = 0;                   // intra-op threads per process; 0 = cores / local ranks
+  std::string precision = "fp32";    // fp32 | bf16 (CPU autocast)
+  int64_t accumulation_steps = 1;    // micro-batches per optimizer step; divides batch_size
+};
+
+struct CheckpointSpec {
+  std::string dir;            // default runs/<name>/ckpt
+  int64_t every_steps = 0;    // 0 = only at the end
+  int64_t keep = 3;           // newest K kept; >= 1
+  std::string resume = "auto"; // auto (newest in dir, if any) | never | a checkpoint path
+  std::string safetensors;    // when set, the final weights are exported there
+};
+
+struct LogSpec {
+  std::string metrics;  // JSONL path; default runs/<name>/metrics.jsonl; "" after --set = off
+  int64_t every = 50;   // steps between train records / plain progress lines
+  std::string trace;    // Chrome trace JSON path (per rank); "" = off
+  std::string progress = "auto";  // auto (live line on a terminal) | line | plain | off
+};
+
+// What a plugin's section parses into. Plugins subclass it with their typed options.
+struct PluginConfig {
+  virtual ~PluginConfig() = default;
+};
+
+struct JobSpec;
+
+// Parses and validates one plugin section. Called with the section (empty when the job
+// does not have it) and the core part of the spec, already parsed, for cross-field
+// rules. Returns nullptr when the section is absent and the plugin is therefore off.
+using SectionParser =
+    std::function<std::shared_ptr<const PluginConfig>(Section& section, const JobSpec& job)>;
+
+// Section names -> parsers. Duplicate names are rejected; a missing name lists the known.
+class SectionRegistry {
+ public:
+  void add(const std::string& name, SectionParser parser);
+  bool contains(const std::string& name) const;
+  const SectionParser& at(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::map<std::string, SectionParser> parsers_;
+};
+
+struct JobSpec {
+  std::string name = "job";  // used in default output paths
+  std::string source;        // the job file's path ("" when built in code)
+  ModelSpec model;
+  DataSpec data;
+  OptimizerSpec optimizer;
+  ScheduleSpec schedule;
+  TrainSpec train;
+  CheckpointSpec checkpoint;
+  LogSpec log;
+  // Plugin sections present in the job, by name.
+  std::map<std::string, std::shared_ptr<const PluginConfig>> plugins;
+
+  template <typename T>
+  std::shared_ptr<const T> plugin(const std::string& name) const {
+    auto it = plugins.find(name);
+    return it == plugins.end() ? nullptr : std::dynamic_pointer_cast<const T>(it->second);
+  }
+};
+
+struct ParsedJob {
+  JobSpec spec;
+  YAML::Node resolved;  // every key with its value or default
+};
+
+// Parses a job file, applies the `--set` overrides, validates every section and the
+// cross-field rules. Throws tetra::ConfigError carrying every diagnostic at once.
+ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
+                         const SectionRegistry& plugins);
+ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
+                           const std::vector<std::string>& overrides,
+                           const SectionRegistry& plugins);
+
+// The resolved config as YAML text, sections in a fixed order.
+std::string resolved_yaml(const YAML::Node& resolved);
+
+}  // namespace tetra::core

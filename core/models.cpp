@@ -1,0 +1,307 @@
+#include "core/models.h"
+
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace tetra::core {
+
+using tetra::detail::concat;
+
+namespace {
+
+// ---- the GPT layers: each one a Sequential element, so a pipeline can cut between them --
+
+// Token embedding + learned positional embedding (+ dropout): int64 [n, T] -> [n, T, d].
+class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl> {
+ public:
+  GptEmbeddingImpl(int64_t vocab, int64_t seq_len, int64_t d_model, double dropout)
+      : vocab_(vocab), seq_len_(seq_len), d_model_(d_model), dropout_(dropout) {
+    reset();
+  }
+  void reset() override {
+    tok = register_module("tok", torch::nn::Embedding(vocab_, d_model_));
+    pos = register_parameter("pos", torch::zeros({seq_len_, d_model_}));
+  }
+  torch::Tensor forward(torch::Tensor tokens) {
+    TETRA_CHECK(tokens.dim() == 2, "GptEmbedding expects int64 tokens [n, T], got ",
+                tokens.dim(), " dims");
+    const int64_t T = tokens.size(1);
+    TETRA_CHECK(T <= seq_len_, "sequence of ", T, " tokens is longer than the context ", seq_len_);
+    torch::Tensor x = tok(tokens) + pos.slice(0, 0, T).unsqueeze(0);
+    if (dropout_ > 0) x = torch::dropout(x, dropout_, is_training());
+    return x;
+  }
+  void pretty_print(std::ostream& os) const override {
+    os << "GptEmbedding(vocab=" << vocab_ << ", seq_len=" << seq_len_ << ", d_model=" << d_model_
+       << ", dropout=" << dropout_ << ")";
+  }
+
+  torch::nn::Embedding tok{nullptr};
+  torch::Tensor pos;
+
+ private:
+  int64_t vocab_, seq_len_, d_model_;
+  double dropout_;
+};
+TORCH_MODULE(GptEmbedding);
+
+// Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
+ public:
+  GptBlockImpl(int64_t d_model, int64_t heads, int64_t d_ff, double dropout)
+      : d_model_(d_model), heads_(heads), d_ff_(d_ff), dropout_(dropout) {
+    reset();
+  }
+  void reset() override {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
+    qkv = register_module("qkv", torch::nn::Linear(d_model_, 3 * d_model_));
+    proj = register_module("proj", torch::nn::Linear(d_model_, d_model_));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
+    fc1 = register_module("fc1", torch::nn::Linear(d_model_, d_ff_));
+    fc2 = register_module("fc2", torch::nn::Linear(d_ff_, d_model_));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    TETRA_CHECK(x.dim() == 3 && x.size(2) == d_model_, "GptBlock expects [n, T, ", d_model_,
+                "], got ", x.sizes());
+    const int64_t n = x.size(0), T = x.size(1), hd = d_model_ / heads_;
+    // Causal self-attention, by hand (scaled_dot_product_attention differs across versions).
+    torch::Tensor qkv_out = qkv(ln1(x)).view({n, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
+    torch::Tensor q = qkv_out[0], k = qkv_out[1], v = qkv_out[2];  // [n, H, T, hd]
+    torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+    // Built on the fly (not a buffer: buffers would be saved in checkpoints).
+    torch::Tensor future =
+        torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+    att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+    if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());
+    torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({n, T, d_model_});
+    y = proj(y);
+    if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
+    x = x + y;
+    torch::Tensor m = fc2(torch::gelu(fc1(ln2(x))));
+    if (dropout_ > 0) m = torch::dropout(m, dropout_, is_training());
+    return x + m;
+  }
+  void pretty_print(std::ostream& os) const override {
+    os << "GptBlock(d_model=" << d_model_ << ", heads=" << heads_ << ", d_ff=" << d_ff_
+       << ", dropout=" << dropout_ << ")";
+  }
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+
+ private:
+  int64_t d_model_, heads_, d_ff_;
+  double dropout_;
+};
+TORCH_MODULE(GptBlock);
+
+// Final LayerNorm + Linear to the vocabulary: [n, T, d] -> [n, T, vocab].
+class GptHeadImpl : public torch::nn::Cloneable<GptHeadImpl> {
+ public:
+  GptHeadImpl(int64_t d_model, int64_t vocab) : d_model_(d_model), vocab_(vocab) { reset(); }
+  void reset() override {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
+    out = register_module("out", torch::nn::Linear(d_model_, vocab_));
+  }
+  torch::Tensor forward(torch::Tensor x) { return out(ln(x)); }
+  void pretty_print(std::ostream& os) const override {
+    os << "GptHead(d_model=" << d_model_ << ", vocab=" << vocab_ << ")";
+  }
+
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear out{nullptr};
+
+ private:
+  int64_t d_model_, vocab_;
+};
+TORCH_MODULE(GptHead);
+
+// ---- builders ---------------------------------------------------------------------------
+
+std::string shape_str(const std::vector<int64_t>& v) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+void push_activation(torch::nn::Sequential& seq, const std::string& activation) {
+  if (activation == "relu")
+    seq->push_back(torch::nn::ReLU());
+  else if (activation == "gelu")
+    seq->push_back(torch::nn::GELU());
+  else if (activation == "tanh")
+    seq->push_back(torch::nn::Tanh());
+  else
+    throw ConfigError(
+        concat("unknown model.activation '", activation, "' (known: relu, gelu, tanh)"));
+}
+
+void check_common(const ModelSpec& spec) {
+  if (!(spec.dropout >= 0.0 && spec.dropout < 1.0))
+    throw ConfigError(concat("model.dropout must be in [0, 1), got ", spec.dropout));
+  for (size_t i = 0; i < spec.hidden.size(); ++i)
+    if (spec.hidden[i] < 1)
+      throw ConfigError(concat("model.hidden[", i, "] must be >= 1, got ", spec.hidden[i]));
+}
+
+// Dense hidden layers (Linear, activation, dropout) and the final Linear to classes.
+void push_dense(torch::nn::Sequential& seq, const ModelSpec& spec, int64_t in, int64_t classes) {
+  for (int64_t width : spec.hidden) {
+    seq->push_back(torch::nn::Linear(in, width));
+    push_activation(seq, spec.activation);
+    if (spec.dropout > 0) seq->push_back(torch::nn::Dropout(spec.dropout));
+    in = width;
+  }
+  seq->push_back(torch::nn::Linear(in, classes));
+}
+
+torch::nn::Sequential build_mlp(const ModelSpec& spec, const DataInfo& data) {
+  check_common(spec);
+  int64_t in = 1;
+  for (int64_t d : data.input_shape) in *= d;
+  torch::nn::Sequential seq;
+  seq->push_back(torch::nn::Flatten());
+  push_dense(seq, spec, in, data.num_classes);
+  return seq;
+}
+
+torch::nn::Sequential build_cnn(const ModelSpec& spec, const DataInfo& data) {
+  check_common(spec);
+  if (data.input_shape.size() != 3)
+    throw ConfigError(concat("model.type cnn needs image inputs of [C, H, W]; the data (",
+                             data.description, ") has examples of shape ",
+                             shape_str(data.input_shape)));
+  if (spec.channels.empty()) throw ConfigError("model.channels must list at least one conv block");
+  int64_t c = data.input_shape[0], h = data.input_shape[1], w = data.input_shape[2];
+  torch::nn::Sequential seq;
+  for (size_t i = 0; i < spec.channels.size(); ++i) {
+    const int64_t out = spec.channels[i];
+    if (out < 1)
+      throw ConfigError(concat("model.channels[", i, "] must be >= 1, got ", out));
+    seq->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(c, out, 3).padding(1)));
+    push_activation(seq, spec.activation);
+    seq->push_back(torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
+    c = out;
+    h /= 2;
+    w /= 2;
+    if (h < 1 || w < 1)
+      throw ConfigError(concat("model.channels has ", spec.channels.size(),
+                               " conv blocks, too many for ", data.input_shape[1], "x",
+                               data.input_shape[2], " images: each halves the size, and block ",
+                               i + 1, " leaves nothing"));
+  }
+  seq->push_back(torch::nn::Flatten());
+  push_dense(seq, spec, c * h * w, data.num_classes);
+  return seq;
+}
+
+void init_gpt(torch::nn::Sequential& seq) {
+  torch::NoGradGuard no_grad;
+  for (const auto& m : seq->modules(/*include_self=*/false)) {
+    if (auto* lin = m->as<torch::nn::Linear>()) {
+      torch::nn::init::normal_(lin->weight, 0.0, 0.02);
+      if (lin->bias.defined()) torch::nn::init::zeros_(lin->bias);
+    } else if (auto* emb = m->as<torch::nn::Embedding>()) {
+      torch::nn::init::normal_(emb->weight, 0.0, 0.02);
+    } else if (auto* pe = m->as<GptEmbedding>()) {
+      torch::nn::init::normal_(pe->pos, 0.0, 0.02);
+    }
+  }
+}
+
+torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data) {
+  if (!(spec.dropout >= 0.0 && spec.dropout < 1.0))
+    throw ConfigError(concat("model.dropout must be in [0, 1), got ", spec.dropout));
+  if (spec.d_model < 1 || spec.heads < 1 || spec.layers < 0)
+    throw ConfigError(concat("model.d_model and model.heads must be >= 1 and model.layers >= 0, got ",
+                             spec.d_model, ", ", spec.heads, ", ", spec.layers));
+  if (spec.d_model % spec.heads != 0)
+    throw ConfigError(concat("model.d_model ", spec.d_model, " is not divisible by model.heads ",
+                             spec.heads));
+  if (spec.d_ff < 0) throw ConfigError(concat("model.d_ff must be >= 0, got ", spec.d_ff));
+  if (data.seq_len < 1)
+    throw ConfigError(concat("model.type gpt needs data.seq_len >= 1, got ", data.seq_len));
+  const int64_t d_ff = spec.d_ff > 0 ? spec.d_ff : 4 * spec.d_model;
+  torch::nn::Sequential seq;
+  seq->push_back(GptEmbedding(data.num_classes, data.seq_len, spec.d_model, spec.dropout));
+  for (int64_t i = 0; i < spec.layers; ++i)
+    seq->push_back(GptBlock(spec.d_model, spec.heads, d_ff, spec.dropout));
+  seq->push_back(GptHead(spec.d_model, data.num_classes));
+  init_gpt(seq);
+  return seq;
+}
+
+std::string data_name(const DataInfo& data) {
+  if (!data.description.empty()) return data.description;
+  return data.language_model ? "a language-model dataset" : "a classification dataset";
+}
+
+}  // namespace
+
+torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data) {
+  const bool known = spec.type == "mlp" || spec.type == "cnn" || spec.type == "gpt";
+  if (!known)
+    throw ConfigError(concat("unknown model.type '", spec.type, "' (known: mlp, cnn, gpt)"));
+  if (data.num_classes < 1)
+    throw ConfigError(concat("the data (", data_name(data), ") has no classes"));
+  if (spec.type == "gpt") {
+    if (!data.language_model)
+      throw ConfigError(concat("model.type gpt is a language model and needs text data "
+                               "(data.type text), but the data is ",
+                               data_name(data)));
+    return build_gpt(spec, data);
+  }
+  if (data.language_model)
+    throw ConfigError(concat("model.type ", spec.type,
+                             " is a classifier and needs fashion-mnist or synthetic data, but "
+                             "the data is ",
+                             data_name(data), " (use model.type gpt)"));
+  return spec.type == "mlp" ? build_mlp(spec, data) : build_cnn(spec, data);
+}
+
+torch::Tensor model_loss(const torch::Tensor& output, const torch::Tensor& targets) {
+  torch::Tensor out = output.scalar_type() == torch::kFloat || output.scalar_type() == torch::kDouble
+                          ? output
+                          : output.to(torch::kFloat);
+  if (out.dim() == 3) {
+    const int64_t V = out.size(2);
+    return torch::nn::functional::cross_entropy(out.reshape({-1, V}), targets.reshape({-1}));
+  }
+  return torch::nn::functional::cross_entropy(out, targets);
+}
+
+int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets) {
+  torch::NoGradGuard no_grad;
+  return output.argmax(-1).eq(targets).sum().item<int64_t>();
+}
+
+int64_t parameter_count(const torch::nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& p : model.parameters(/*recurse=*/true)) n += p.numel();
+  return n;
+}
+
+std::string describe(const torch::nn::Sequential& model) {
+  std::ostringstream os;
+  const size_t n = model->size();
+  const int width = static_cast<int>(std::to_string(n ? n - 1 : 0).size());
+  for (size_t i = 0; i < n; ++i) {
+    const auto layer = model->ptr(i);
+    std::ostringstream name;
+    layer->pretty_print(name);
+    std::string text = name.str();
+    if (text.rfind("torch::nn::", 0) == 0) text = text.substr(11);  // "Linear(...)"
+    os << std::setw(width) << i << "  " << text << "  " << parameter_count(*layer)
+       << " params\n";
+  }
+  os << "total " << parameter_count(*model) << " params\n";
+  return os.str();
+}
+
+}  // namespace tetra::core

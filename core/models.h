@@ -1,0 +1,33 @@
+// The model zoo. Every model is a torch::nn::Sequential of layers: that is what pipeline
+// stages cut and what ZeRO-3 gathers layer by layer. Users of the C++ API bring their own
+// Sequential; these are the ones a job spec names.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+
+#include "core/data.h"
+#include "core/job_spec.h"
+
+namespace tetra::core {
+
+// Builds model.type for the data it will see (input shape, classes or vocabulary).
+// Parameters are initialised from the current torch RNG state: seed it first.
+// Incompatible pairs (gpt on images, mlp on text) are ConfigErrors.
+torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data);
+
+// The training loss of a model's output against targets: cross-entropy over classes,
+// or over next tokens (output [n, seq, vocab] against targets [n, seq]), averaged over
+// the examples (and tokens) of the batch.
+torch::Tensor model_loss(const torch::Tensor& output, const torch::Tensor& targets);
+
+// Number of correct top-1 predictions (classifiers) or correct next tokens.
+int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets);
+
+int64_t parameter_count(const torch::nn::Module& model);
+
+// "Sequential(Flatten, Linear(784->1024), ReLU, ...)" one layer a line, with params.
+std::string describe(const torch::nn::Sequential& model);
+
+}  // namespace tetra::core

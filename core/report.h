@@ -1,0 +1,103 @@
+// What a run reports: metrics as JSON lines, a progress display, a Chrome trace.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace tetra::core {
+
+// One JSON object per line, flushed as written, so `tail -f` and a killed run both see
+// every record up to the last step.
+class MetricsWriter {
+ public:
+  MetricsWriter() = default;
+  // append=false truncates (a new run); true continues a resumed run's file.
+  void open(const std::string& path, bool append);
+  bool is_open() const { return out_.is_open(); }
+  void write(const nlohmann::json& record);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::ofstream out_;
+  std::string path_;
+};
+
+// The progress display. On a terminal (mode auto or line) one live line rewritten in
+// place; otherwise (plain) a line every log.every steps; off prints nothing.
+class Progress {
+ public:
+  struct Status {
+    int64_t step = 0, total = 0, epoch = 0, epochs = 0;
+    double loss = 0, lr = 0, samples_per_s = 0, elapsed_s = 0;
+    int64_t peak_rss = 0;
+  };
+  Progress(const std::string& mode, int64_t every, std::FILE* out = stdout);
+  void update(const Status& s);
+  // A line of its own (eval results, checkpoints), not overwritten by the live line.
+  void message(const std::string& text);
+  void finish();
+  bool live() const { return live_; }
+
+ private:
+  void clear_live();
+  std::string format(const Status& s) const;
+  bool live_ = false, off_ = false, shown_ = false;
+  int64_t every_;
+  std::FILE* out_;
+  std::chrono::steady_clock::time_point last_draw_{};
+};
+
+// A Chrome trace-event recorder (chrome://tracing, Perfetto): complete events ("X")
+// on named tracks. Cheap when disabled; thread-safe when enabled.
+class Trace {
+ public:
+  void enable(int pid, const std::string& process_name);
+  bool enabled() const { return enabled_; }
+  // Microseconds since the recorder was enabled.
+  double now_us() const;
+  void span(const std::string& track, const std::string& name, double begin_us, double end_us,
+            nlohmann::json args = nullptr);
+  void write(const std::string& path) const;
+
+  // RAII span.
+  class Scope {
+   public:
+    Scope(Trace& t, const char* track, const char* name)
+        : t_(t), track_(track), name_(name), begin_(t.enabled() ? t.now_us() : 0) {}
+    ~Scope() {
+      if (t_.enabled()) t_.span(track_, name_, begin_, t_.now_us());
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    Trace& t_;
+    const char* track_;
+    const char* name_;
+    double begin_;
+  };
+
+ private:
+  int track_id(const std::string& track);
+  bool enabled_ = false;
+  int pid_ = 0;
+  std::string process_name_;
+  std::chrono::steady_clock::time_point start_{};
+  mutable std::mutex mu_;
+  std::vector<std::string> tracks_;
+  std::vector<nlohmann::json> events_;
+};
+
+// "1.5 GiB", "312 MiB"
+std::string human_bytes(int64_t bytes);
+// "1h02m", "3m05s", "42s"
+std::string human_duration(double seconds);
+
+}  // namespace tetra::core

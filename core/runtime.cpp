@@ -1,0 +1,88 @@
+#include "core/runtime.h"
+
+#include <dlfcn.h>
+#include <malloc.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "hardware/host.h"
+
+namespace tetra::core {
+
+namespace {
+
+template <typename Fn>
+Fn find_symbol(const char* name) {
+  return reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
+}
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  long n = std::strtol(v, &end, 10);
+  return (end && *end == '\0' && n > 0) ? static_cast<int>(n) : 0;
+}
+
+}  // namespace
+
+void prepare_process(int argc, char** argv) {
+  (void)argc;
+  // Note [Thread pools and spinning]: libgomp has already read its environment.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("TETRA_NO_REEXEC") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    setenv("TETRA_NO_REEXEC", "1", 1);  // never loop, whatever happens below
+    execv("/proc/self/exe", argv);
+    // execv only returns on failure: carry on with the spinning default.
+  }
+  tune_allocator();
+}
+
+void tune_allocator() {
+  // 32 MiB is glibc's ceiling for the mmap threshold on 64-bit (HEAP_MAX_SIZE / 2).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TOP_PAD, 64 << 20);
+}
+
+int local_ranks_from_env() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
+                           "SLURM_NTASKS_PER_NODE", "PMIX_LOCAL_SIZE"}) {
+    int n = env_int(name);
+    if (n > 0) return n;
+  }
+  return 1;
+}
+
+int default_threads() {
+  int n = hardware::usable_cores() / local_ranks_from_env();
+  return n < 1 ? 1 : n;
+}
+
+int set_threads(int threads) {
+  if (threads <= 0) threads = default_threads();
+  at::set_num_threads(threads);
+  using SetFn = void (*)(int);
+  if (auto fn = find_symbol<SetFn>("openblas_set_num_threads")) fn(threads);
+  return threads;
+}
+
+std::string blas_description() {
+  using ConfigFn = char* (*)();
+  if (auto fn = find_symbol<ConfigFn>("openblas_get_config")) {
+    std::string s = fn();
+    using CoreFn = char* (*)();
+    if (auto core = find_symbol<CoreFn>("openblas_get_corename")) s += std::string(" (") + core() + ")";
+    return s;
+  }
+  if (find_symbol<void*>("mkl_get_version")) return "Intel MKL";
+  return "reference BLAS (slow: install libopenblas0-pthread)";
+}
+
+}  // namespace tetra::core

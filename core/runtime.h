@@ -1,0 +1,42 @@
+// Process-level settings that decide every speed figure on a small CPU machine.
+//
+// Note [Thread pools and spinning]
+// LibTorch's intra-op pool is OpenMP; Debian's LibTorch multiplies through OpenBLAS,
+// whose pthread build keeps a second pool. Both pools spin when idle, and on two cores
+// two spinning pools starve each other (up to 2.5x slower steps). libgomp reads
+// OMP_WAIT_POLICY once, when it is loaded — before main() — so prepare_process() re-execs
+// the binary once with OMP_WAIT_POLICY=PASSIVE when the user has not chosen a policy.
+// set_threads() then sizes both pools from train.threads.
+//
+// Note [Allocator thresholds]
+// glibc's malloc serves blocks above M_MMAP_THRESHOLD with mmap and returns them to the
+// kernel on free, so every step maps, faults in and unmaps each large activation and
+// gradient (and trims the heap top past M_TRIM_THRESHOLD). Raising both keeps those
+// pages in the heap across steps: about 15% on a small MLP here.
+#pragma once
+
+#include <string>
+
+namespace tetra::core {
+
+// Call first in main(). May replace the process image once (execv of /proc/self/exe)
+// to set the OpenMP wait policy; then tunes the allocator. Idempotent.
+void prepare_process(int argc, char** argv);
+
+// Raises glibc malloc's mmap and trim thresholds (Note [Allocator thresholds]).
+void tune_allocator();
+
+// Intra-op threads for LibTorch (OpenMP) and OpenBLAS. 0 picks default_threads().
+// Returns the count set.
+int set_threads(int threads);
+
+// Usable cores divided by the ranks this launcher put on this host (at least 1).
+int default_threads();
+
+// Ranks on this host according to the launcher's variables (1 when none).
+int local_ranks_from_env();
+
+// "OpenBLAS 0.3.21 (pthread, Haswell)" or "reference BLAS" etc., from the loaded library.
+std::string blas_description();
+
+}  // namespace tetra::core

@@ -1,0 +1,327 @@
+#include "core/trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <sstream>
+
+#include "core/checkpoint.h"
+#include "core/error.h"
+#include "core/models.h"
+#include "core/torch_compat.h"
+#include "hardware/host.h"
+
+namespace tetra::core {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+torch::Tensor cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_rng_state(const torch::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+
+}  // namespace
+
+Trainer::Trainer(JobSpec spec, TrainerOptions options)
+    : spec_(std::move(spec)), options_(std::move(options)) {
+  data_ = make_dataset(spec_.data, spec_.train.seed);
+  torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
+  model_ = build_model(spec_.model, data_->info());
+  for (const auto& p : model_->named_parameters()) params_.push_back({p.key(), p.value()});
+  optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
+  plan_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
+                                      spec_.train.seed, spec_.data.shuffle);
+  total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
+                                       : spec_.train.epochs * plan_->steps_per_epoch();
+  schedule_ = std::make_unique<LrSchedule>(spec_.schedule, spec_.optimizer.lr, total_steps_);
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::train_step(const torch::Tensor& indices) {
+  const int64_t micro = spec_.train.accumulation_steps;
+  const int64_t n = indices.size(0);
+  const bool bf16 = spec_.train.precision == "bf16";
+  optimizer_->zero_grad();
+  double loss_sum = 0;
+  for (int64_t m = 0; m < micro; ++m) {
+    torch::Tensor idx = micro == 1 ? indices : BatchPlan::slice(indices, m, micro);
+    Batch batch;
+    {
+      Trace::Scope s(trace_, "data", "batch");
+      batch = data_->get(Split::kTrain, idx);
+    }
+    // Each micro-batch's mean loss, weighted by its share, sums to the batch mean.
+    const double weight = static_cast<double>(batch.size()) / static_cast<double>(n);
+    torch::Tensor loss;
+    {
+      Trace::Scope s(trace_, "compute", "forward");
+      compat::CpuAutocast autocast(bf16);
+      loss = model_loss(model_->forward(batch.inputs), batch.targets);
+    }
+    {
+      Trace::Scope s(trace_, "compute", "backward");
+      (weight == 1.0 ? loss : loss * weight).backward();
+    }
+    loss_sum += loss.item<double>() * weight;
+  }
+  {
+    Trace::Scope s(trace_, "compute", "optimizer");
+    if (spec_.optimizer.clip_grad_norm > 0) clip_grad_norm(params_, spec_.optimizer.clip_grad_norm);
+    optimizer_->step(schedule_->at(step_));
+  }
+  return loss_sum;
+}
+
+EvalResult Trainer::evaluate() {
+  Trace::Scope scope(trace_, "compute", "evaluate");
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  const int64_t total = spec_.data.eval_samples > 0
+                            ? std::min(spec_.data.eval_samples, data_->size(Split::kTest))
+                            : data_->size(Split::kTest);
+  const bool lm = data_->info().language_model;
+  const bool bf16 = spec_.train.precision == "bf16";
+  double loss_sum = 0;
+  int64_t correct = 0, predictions = 0;
+  for (int64_t b = 0; b < total; b += spec_.data.eval_batch_size) {
+    Batch batch = data_->range(Split::kTest, b, std::min(total, b + spec_.data.eval_batch_size));
+    torch::Tensor out;
+    {
+      compat::CpuAutocast autocast(bf16);
+      out = model_->forward(batch.inputs);
+    }
+    out = out.to(torch::kFloat32);
+    loss_sum += model_loss(out, batch.targets).item<double>() * static_cast<double>(batch.size());
+    correct += count_correct(out, batch.targets);
+    predictions += batch.targets.numel();
+  }
+  model_->train();
+  EvalResult r;
+  r.samples = total;
+  r.test_loss = total ? loss_sum / static_cast<double>(total) : 0;
+  if (predictions) r.accuracy = static_cast<double>(correct) / static_cast<double>(predictions);
+  if (lm) r.perplexity = std::exp(r.test_loss);
+  return r;
+}
+
+std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch) {
+  Trace::Scope scope(trace_, "checkpoint", "save");
+  Checkpoint ckpt;
+  ckpt.step = step;
+  ckpt.epoch = epoch;
+  ckpt.step_in_epoch = step_in_epoch;
+  for (const auto& p : model_->named_parameters()) ckpt.tensors["model/" + p.key()] = p.value();
+  for (const auto& b : model_->named_buffers()) ckpt.tensors["model/" + b.key()] = b.value();
+  for (const auto& [k, v] : optimizer_->state_dict()) ckpt.tensors["optim/" + k] = v;
+  ckpt.tensors["rng/cpu"] = cpu_rng_state();
+  ckpt.meta["job"] = spec_.name;
+  ckpt.meta["batch_size"] = spec_.data.batch_size;
+  ckpt.meta["steps_per_epoch"] = plan_->steps_per_epoch();
+  ckpt.meta["optimizer"] = spec_.optimizer.type;
+  ckpt.meta["world_size"] = 1;
+  if (best_accuracy_) ckpt.meta["best_accuracy"] = *best_accuracy_;
+  CheckpointStore store(spec_.checkpoint.dir, spec_.checkpoint.keep);
+  return store.save(ckpt);
+}
+
+void Trainer::restore(const std::string& path) {
+  Checkpoint ckpt = CheckpointStore::load(path);
+  auto expect = [&](const char* key, const nlohmann::json& now) {
+    if (ckpt.meta.contains(key) && ckpt.meta[key] != now)
+      throw ConfigError("checkpoint " + path + " was written with " + key + " = " +
+                        ckpt.meta[key].dump() + ", this job has " + now.dump() +
+                        " (set checkpoint.resume: never to start afresh)");
+  };
+  expect("batch_size", spec_.data.batch_size);
+  expect("steps_per_epoch", plan_->steps_per_epoch());
+  expect("optimizer", spec_.optimizer.type);
+  torch::NoGradGuard no_grad;
+  auto load_into = [&](const std::string& name, torch::Tensor& t) {
+    auto it = ckpt.tensors.find("model/" + name);
+    if (it == ckpt.tensors.end())
+      throw ConfigError("checkpoint " + path + " has no tensor for model parameter " + name +
+                        " (is it from another model?)");
+    if (!it->second.sizes().equals(t.sizes()))
+      throw ConfigError("checkpoint " + path + ": model parameter " + name + " has shape " +
+                        c10::str(it->second.sizes()) + " there and " + c10::str(t.sizes()) +
+                        " in this model");
+    t.copy_(it->second);
+  };
+  for (auto& p : model_->named_parameters()) load_into(p.key(), p.value());
+  for (auto& b : model_->named_buffers()) load_into(b.key(), b.value());
+  std::map<std::string, torch::Tensor> opt;
+  for (const auto& [k, v] : ckpt.tensors)
+    if (k.rfind("optim/", 0) == 0) opt[k.substr(6)] = v;
+  optimizer_->load_state_dict(opt);
+  auto rng = ckpt.tensors.find("rng/cpu");
+  if (rng != ckpt.tensors.end()) set_cpu_rng_state(rng->second);
+  step_ = ckpt.step;
+  epoch_ = ckpt.epoch;
+  step_in_epoch_ = ckpt.step_in_epoch;
+  if (ckpt.meta.contains("best_accuracy")) best_accuracy_ = ckpt.meta["best_accuracy"].get<double>();
+  resumed_from_ = *CheckpointStore::resolve(path);
+}
+
+TrainResult Trainer::run() {
+  const auto t_start = Clock::now();
+  const auto& ck = spec_.checkpoint;
+  const bool checkpoints = !ck.dir.empty();
+  if (!spec_.log.trace.empty()) trace_.enable(0, spec_.name + " rank 0");
+
+  // Resume: auto takes the newest checkpoint in checkpoint.dir when there is one.
+  if (ck.resume != "never") {
+    std::string from;
+    if (ck.resume == "auto") {
+      if (checkpoints) {
+        if (auto latest = CheckpointStore(ck.dir, ck.keep).latest()) from = *latest;
+      }
+    } else {
+      if (!CheckpointStore::resolve(ck.resume))
+        throw ConfigError("checkpoint.resume: no checkpoint at " + ck.resume);
+      from = ck.resume;
+    }
+    if (!from.empty()) restore(from);
+  }
+
+  MetricsWriter metrics;
+  if (!spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
+  Progress progress(spec_.log.progress, spec_.log.every, options_.out);
+  if (!resumed_from_.empty())
+    progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
+
+  TrainResult result;
+  result.resumed_from = resumed_from_;
+  const int64_t spe = plan_->steps_per_epoch();
+  const int64_t epochs_shown = (total_steps_ + spe - 1) / spe;
+  const int64_t eval_every = spec_.train.eval_every;
+  double train_seconds = 0, interval_seconds = 0;
+  int64_t interval_samples = 0;
+  std::string last_checkpoint;
+  int64_t last_saved = resumed_from_.empty() ? -1 : step_;  // a resumed step is on disk
+
+  auto run_eval = [&](int64_t step) {
+    EvalResult e = evaluate();
+    nlohmann::json rec = {{"step", step}, {"epoch", epoch_}, {"eval", true}, {"test_loss", e.test_loss},
+                          {"time_s", seconds_since(t_start)}};
+    std::string line = "eval  step " + std::to_string(step) + "  test_loss " + fmt("%.4f", e.test_loss);
+    if (e.perplexity) {
+      rec["perplexity"] = *e.perplexity;
+      rec["test_accuracy"] = *e.accuracy;
+      line += "  perplexity " + fmt("%.3f", *e.perplexity) + "  next-byte accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
+    } else if (e.accuracy) {
+      rec["test_accuracy"] = *e.accuracy;
+      line += "  accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
+      if (!best_accuracy_ || *e.accuracy > *best_accuracy_) best_accuracy_ = e.accuracy;
+    }
+    metrics.write(rec);
+    progress.message(line);
+    return e;
+  };
+
+  model_->train();
+  std::optional<EvalResult> last_eval;
+  int64_t last_eval_step = -1;
+  while (step_ < total_steps_) {
+    if (step_in_epoch_ >= spe) {
+      ++epoch_;
+      step_in_epoch_ = 0;
+    }
+    const auto t0 = Clock::now();
+    torch::Tensor indices = plan_->global_batch(epoch_, step_in_epoch_);
+    const double lr = schedule_->at(step_);
+    const double loss = train_step(indices);
+    if (!std::isfinite(loss))
+      throw Error("training diverged: loss is " + fmt("%g", loss) + " at step " + std::to_string(step_ + 1) +
+                  " (lower optimizer.lr, or set optimizer.clip_grad_norm)");
+    ++step_;
+    ++step_in_epoch_;
+    interval_samples += indices.size(0);
+    result.losses.push_back(loss);
+    result.final_loss = loss;
+
+    const bool log_now = step_ % spec_.log.every == 0 || step_ == total_steps_;
+    // Training time counts everything a step costs, logging included; not eval or checkpoints.
+    const double dt = seconds_since(t0);
+    train_seconds += dt;
+    interval_seconds += dt;
+    const double sps = interval_seconds > 0 ? static_cast<double>(interval_samples) / interval_seconds : 0;
+    if (log_now) {
+      metrics.write({{"step", step_}, {"epoch", epoch_}, {"loss", loss}, {"lr", lr},
+                     {"samples_per_s", sps}, {"time_s", seconds_since(t_start)}});
+    }
+    Progress::Status st;
+    st.step = step_;
+    st.total = total_steps_;
+    st.epoch = epoch_ + 1;
+    st.epochs = epochs_shown;
+    st.loss = loss;
+    st.lr = lr;
+    st.samples_per_s = sps;
+    st.elapsed_s = train_seconds;
+    st.peak_rss = hardware::peak_rss_bytes();
+    progress.update(st);
+    if (log_now) {
+      interval_seconds = 0;
+      interval_samples = 0;
+    }
+    if (options_.on_step) options_.on_step(step_, loss);
+
+    const bool epoch_end = step_in_epoch_ == spe;
+    if ((eval_every > 0 && step_ % eval_every == 0) || (eval_every == 0 && epoch_end)) {
+      last_eval = run_eval(step_);
+      last_eval_step = step_;
+    }
+    if (checkpoints && ck.every_steps > 0 && step_ % ck.every_steps == 0 && step_ < total_steps_) {
+      last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
+      last_saved = step_;
+    }
+  }
+  progress.finish();
+  if (last_eval_step != step_) last_eval = run_eval(step_);
+  if (checkpoints && last_saved != step_) last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
+  if (!ck.safetensors.empty()) {
+    TensorMap weights;
+    for (const auto& p : model_->named_parameters()) weights[p.key()] = p.value();
+    save_safetensors(ck.safetensors, weights,
+                     {{"format", "pt"}, {"framework", "tetra"}, {"model", spec_.model.type},
+                      {"step", std::to_string(step_)}});
+  }
+  if (!spec_.log.trace.empty()) trace_.write(spec_.log.trace);
+
+  result.steps = static_cast<int64_t>(result.losses.size());
+  result.final_step = step_;
+  result.train_seconds = train_seconds;
+  result.total_seconds = seconds_since(t_start);
+  result.samples_per_s = train_seconds > 0
+                             ? static_cast<double>(result.steps * spec_.data.batch_size) / train_seconds
+                             : 0;
+  result.final_eval = last_eval;
+  result.best_accuracy = best_accuracy_;
+  result.checkpoint = last_checkpoint;
+  return result;
+}
+
+}  // namespace tetra::core

@@ -1,0 +1,81 @@
+// The training loop: read this rank's part of each global batch, split it into
+// micro-batches, forward and backward, clip, step, schedule the learning rate, evaluate,
+// checkpoint, log.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/data.h"
+#include "core/job_spec.h"
+#include "core/optim.h"
+#include "core/report.h"
+
+namespace tetra::core {
+
+struct EvalResult {
+  double test_loss = 0;
+  std::optional<double> accuracy;    // classifiers: top-1; language models: next-token
+  std::optional<double> perplexity;  // language models
+  int64_t samples = 0;
+};
+
+struct TrainResult {
+  int64_t steps = 0;            // optimizer steps taken by this run (after any resume)
+  int64_t final_step = 0;       // global step count at the end
+  double train_seconds = 0;     // time in training steps (no eval, no checkpoints)
+  double total_seconds = 0;
+  double samples_per_s = 0;     // global samples per second of training time
+  double final_loss = 0;
+  std::vector<double> losses;   // training loss of each step this run took
+  std::optional<EvalResult> final_eval;
+  std::optional<double> best_accuracy;
+  std::string checkpoint;       // the last checkpoint written ("" when none)
+  std::string resumed_from;     // "" when the run started fresh
+};
+
+struct TrainerOptions {
+  std::FILE* out = stdout;  // progress and summary
+  // Called after each optimizer step with (step, loss); tests use it to stop a run.
+  std::function<void(int64_t, double)> on_step;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(JobSpec spec, TrainerOptions options = {});
+  ~Trainer();
+
+  TrainResult run();
+  EvalResult evaluate();
+
+  torch::nn::Sequential& model() { return model_; }
+  const Dataset& dataset() const { return *data_; }
+  const JobSpec& spec() const { return spec_; }
+  int64_t total_steps() const { return total_steps_; }
+
+ private:
+  void restore(const std::string& path);
+  std::string save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch);
+  double train_step(const torch::Tensor& indices);
+
+  JobSpec spec_;
+  TrainerOptions options_;
+  std::unique_ptr<Dataset> data_;
+  torch::nn::Sequential model_{nullptr};
+  std::vector<NamedParam> params_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<LrSchedule> schedule_;
+  std::unique_ptr<BatchPlan> plan_;
+  int64_t total_steps_ = 0;
+  int64_t step_ = 0, epoch_ = 0, step_in_epoch_ = 0;
+  std::optional<double> best_accuracy_;
+  std::string resumed_from_;
+  Trace trace_;
+};
+
+}  // namespace tetra::core

@@ -1,0 +1,21 @@
+// The host a process runs on: its name, the cores it may use, its memory use.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tetra::hardware {
+
+std::string hostname();
+// Logical CPUs in this process's affinity mask (what it may really run on).
+int usable_cores();
+// Logical CPUs on the host.
+int host_cores();
+// Peak resident set size of this process so far, in bytes (getrusage).
+int64_t peak_rss_bytes();
+// Current resident set size, in bytes (/proc/self/statm).
+int64_t current_rss_bytes();
+// Total physical memory, in bytes.
+int64_t total_memory_bytes();
+
+}  // namespace tetra::hardware

@@ -1,0 +1,177 @@
+// `train` as a user runs it: exit codes, compiler-style errors, and a run killed with
+// SIGKILL mid-training that resumes and follows the uninterrupted run exactly.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+extern char** environ;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
+
+fs::path fresh_dir(const std::string& name) {
+  fs::path d = fs::path(testing::TempDir()) / ("tetra_cli_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+struct Outcome {
+  int status = -1;
+  std::string out;  // stdout and stderr together
+};
+
+pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(kTrain.c_str()));
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  EXPECT_EQ(posix_spawn(&pid, kTrain.c_str(), &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  return pid;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+Outcome run(const std::vector<std::string>& args) {
+  fs::path log = fs::path(testing::TempDir()) / ("tetra_cli_" + std::to_string(::getpid()) + ".log");
+  pid_t pid = spawn(args, log);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  Outcome r;
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.out = slurp(log);
+  return r;
+}
+
+fs::path write_job(const fs::path& dir, const std::string& name, const std::string& text) {
+  fs::path p = dir / name;
+  std::ofstream(p) << text;
+  return p;
+}
+
+// step -> loss of the train records (a later record of a step replaces an earlier one).
+std::map<int64_t, double> losses(const fs::path& metrics) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto rec = nlohmann::json::parse(line);
+    if (!rec.value("eval", false)) out[rec["step"].get<int64_t>()] = rec["loss"].get<double>();
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(TrainCli, MalformedJobIsACompilerStyleErrorWithExit2) {
+  fs::path d = fresh_dir("bad");
+  fs::path job = write_job(d, "job.yaml",
+                           "model: {type: mlp}\n"
+                           "optimizer:\n"
+                           "  lr: fast\n"
+                           "  tyep: adam\n");
+  Outcome r = run({job.string(), "--check"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find(job.string() + ":3:7: error: optimizer.lr: expected a number, got \"fast\""),
+            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(job.string() + ":4:3: error: optimizer.tyep: unknown key; did you mean \"type\"?"),
+            std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("terminate"), std::string::npos) << r.out;
+}
+
+TEST(TrainCli, BrokenYamlMissingFileAndBadFlagsExit2) {
+  fs::path d = fresh_dir("broken");
+  fs::path job = write_job(d, "job.yaml", "model: {type: mlp\ndata: [\n");
+  Outcome r = run({job.string()});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find(job.string() + ":"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("error: invalid YAML"), std::string::npos) << r.out;
+
+  r = run({(d / "nope.yaml").string()});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("nope.yaml"), std::string::npos) << r.out;
+
+  r = run({"--no-such-flag", job.string()});
+  EXPECT_EQ(r.status, 2) << r.out;
+
+  fs::path ok = write_job(d, "ok.yaml", "data: {type: fashion-mnist, path: /no/such/folder}\n");
+  r = run({ok.string(), "--set", "train.max_steps=1"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("/no/such/folder"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dataset-fashion-mnist"), std::string::npos) << r.out;
+}
+
+TEST(TrainCli, SetOverridesAndPrintConfigShowsDefaults) {
+  fs::path d = fresh_dir("print");
+  fs::path job = write_job(d, "job.yaml", "model: {type: mlp}\n");
+  Outcome r = run({job.string(), "--set", "optimizer.lr=0.05", "--set", "model.hidden=[64]", "--print-config"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("lr: 0.05"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("eps:"), std::string::npos) << r.out;         // a default
+  EXPECT_NE(r.out.find("accumulation_steps: 1"), std::string::npos) << r.out;
+  r = run({job.string(), "--set", "optimizer.lr=fast", "--check"});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--set optimizer.lr=fast: error: optimizer.lr: expected a number"), std::string::npos)
+      << r.out;
+}
+
+TEST(TrainCli, KilledRunResumesAndFollowsTheUninterruptedRun) {
+  fs::path d = fresh_dir("kill");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [256, 256], dropout: 0.1}
+data: {type: fashion-mnist, batch_size: 64, eval_samples: 1000}
+optimizer: {type: adamw, lr: 1.0e-3}
+schedule: {type: cosine, warmup_steps: 10}
+train: {max_steps: 400, seed: 3, threads: 1}
+checkpoint: {every_steps: 50, keep: 2}
+log: {every: 1, progress: plain}
+)").string();
+  auto args = [&](const std::string& sub) {
+    return std::vector<std::string>{job, "--set", "checkpoint.dir=" + (d / sub / "ckpt").string(),
+                                    "--set", "log.metrics=" + (d / sub / "m.jsonl").string()};
+  };
+  Outcome whole = run(args("whole"));
+  ASSERT_EQ(whole.status, 0) << whole.out;
+
+  // Start the same job and SIGKILL it once its second checkpoint is on disk.
+  pid_t pid = spawn(args("killed"), d / "killed.log");
+  const fs::path second = d / "killed" / "ckpt" / "step-00000100";
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
+  while (!fs::exists(second / "meta.json") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  kill(pid, SIGKILL);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  ASSERT_TRUE(WIFSIGNALED(st)) << "the run finished before it could be killed: " << slurp(d / "killed.log");
+
+  Outcome resumed = run(args("killed"));
+  ASSERT_EQ(resumed.status, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+
+  auto a = losses(d / "whole" / "m.jsonl"), b = losses(d / "killed" / "m.jsonl");
+  ASSERT_EQ(a.size(), 400u);
+  ASSERT_EQ(b.size(), 400u);
+  for (const auto& [step, loss] : a) EXPECT_EQ(b[step], loss) << "step " << step;
+}

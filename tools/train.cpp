@@ -1,0 +1,141 @@
+// train — runs a tetra job spec.
+//
+//   train JOB.yaml [--set key=value]... [--check | --print-config | --dry-run]
+//
+// Exit status: 0 done; 2 the job, a file it names or the command line is wrong (every
+// problem is printed, compiler-style); 1 the run failed (the message says why).
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/job_spec.h"
+#include "core/models.h"
+#include "core/report.h"
+#include "core/runtime.h"
+#include "core/trainer.h"
+#include "hardware/host.h"
+
+namespace {
+
+using namespace tetra;
+using namespace tetra::core;
+
+void print_summary(const JobSpec& spec, const TrainResult& r) {
+  std::printf("\n== %s: done ==\n", spec.name.c_str());
+  std::printf("  steps        %lld this run (%lld in all)\n", static_cast<long long>(r.steps),
+              static_cast<long long>(r.final_step));
+  std::printf("  time         %s (training %s)\n", human_duration(r.total_seconds).c_str(),
+              human_duration(r.train_seconds).c_str());
+  std::printf("  throughput   %.0f samples/s\n", r.samples_per_s);
+  std::printf("  final loss   %.4f\n", r.final_loss);
+  if (r.final_eval) {
+    std::printf("  test loss    %.4f\n", r.final_eval->test_loss);
+    if (r.final_eval->perplexity)
+      std::printf("  perplexity   %.3f\n", *r.final_eval->perplexity);
+    else if (r.final_eval->accuracy)
+      std::printf("  accuracy     %.2f%% final, %.2f%% best\n", 100 * *r.final_eval->accuracy,
+                  100 * r.best_accuracy.value_or(*r.final_eval->accuracy));
+  }
+  std::printf("  peak memory  %s\n", human_bytes(hardware::peak_rss_bytes()).c_str());
+  if (!r.checkpoint.empty()) std::printf("  checkpoint   %s\n", r.checkpoint.c_str());
+  if (!spec.checkpoint.safetensors.empty())
+    std::printf("  weights      %s (safetensors)\n", spec.checkpoint.safetensors.c_str());
+  if (!spec.log.metrics.empty()) std::printf("  metrics      %s\n", spec.log.metrics.c_str());
+  if (!spec.log.trace.empty()) std::printf("  trace        %s\n", spec.log.trace.c_str());
+}
+
+void print_plan(const JobSpec& spec, const Trainer& trainer, int threads) {
+  Trainer& t = const_cast<Trainer&>(trainer);
+  const auto& info = trainer.dataset().info();
+  const int64_t params = parameter_count(*t.model());
+  const int64_t state_per_param = spec.optimizer.type == "sgd" ? (spec.optimizer.momentum > 0 ? 1 : 0) : 2;
+  std::printf("job        %s (%s)\n", spec.name.c_str(), spec.source.c_str());
+  std::printf("world      1 process, %d intra-op thread%s\n", threads, threads == 1 ? "" : "s");
+  std::printf("data       %s\n", info.description.c_str());
+  std::printf("batch      %lld global = 1 rank x %lld micro-batch%s x %lld\n",
+              static_cast<long long>(spec.data.batch_size),
+              static_cast<long long>(spec.train.accumulation_steps),
+              spec.train.accumulation_steps == 1 ? "" : "es",
+              static_cast<long long>(spec.data.batch_size / spec.train.accumulation_steps));
+  std::printf("steps      %lld (%s)\n", static_cast<long long>(trainer.total_steps()),
+              spec.train.max_steps ? "train.max_steps" : "train.epochs x steps per epoch");
+  std::printf("model      %s, %lld parameters\n%s", spec.model.type.c_str(),
+              static_cast<long long>(params), describe(t.model()).c_str());
+  const int64_t bytes = params * 4;
+  std::printf("memory     parameters %s + gradients %s + optimizer state %s = %s (fp32)\n",
+              human_bytes(bytes).c_str(), human_bytes(bytes).c_str(),
+              human_bytes(bytes * state_per_param).c_str(),
+              human_bytes(bytes * (2 + state_per_param)).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tetra::core::prepare_process(argc, argv);
+
+  CLI::App app{"train: runs a tetra job spec (YAML)", "train"};
+  std::string job;
+  std::vector<std::string> sets;
+  bool check = false, print_config = false, dry_run = false;
+  app.add_option("job", job, "the job file (YAML)")->required();
+  app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
+      ->take_all();
+  app.add_flag("--check", check, "validate the job and exit (0 valid, 2 not)");
+  app.add_flag("--print-config", print_config, "print the resolved job with every default, and exit");
+  app.add_flag("--dry-run", dry_run, "build the plan (data, model, batch, memory) and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  try {
+    SectionRegistry plugins;  // strategy plugins register their sections here
+    ParsedJob parsed = parse_job_file(job, sets, plugins);
+    JobSpec& spec = parsed.spec;
+    if (check) {
+      std::printf("%s: ok\n", job.c_str());
+      return 0;
+    }
+    if (print_config) {
+      std::printf("%s", resolved_yaml(parsed.resolved).c_str());
+      return 0;
+    }
+    const int threads = set_threads(spec.train.threads);
+    Trainer trainer(spec);
+    if (dry_run) {
+      print_plan(spec, trainer, threads);
+      return 0;
+    }
+    std::printf("tetra %s | job %s | 1 process on %s | %d thread%s | %s | %s\n", "0.1.0",
+                spec.name.c_str(), hardware::hostname().c_str(), threads, threads == 1 ? "" : "s",
+                spec.train.precision.c_str(), blas_description().c_str());
+    std::printf("%s; model %s, %lld parameters; %lld steps\n",
+                trainer.dataset().info().description.c_str(), spec.model.type.c_str(),
+                static_cast<long long>(parameter_count(*trainer.model())),
+                static_cast<long long>(trainer.total_steps()));
+    std::fflush(stdout);
+    TrainResult r = trainer.run();
+    print_summary(spec, r);
+    return 0;
+  } catch (const tetra::ConfigError& e) {
+    std::fflush(stdout);
+    std::string msg = e.what();
+    if (!msg.empty() && msg.back() == '\n') msg.pop_back();
+    std::fprintf(stderr, "%s\n", msg.c_str());
+    return 2;
+  } catch (const tetra::DataError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "train: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\ntrain: error: %s\n", e.what());
+    return 1;
+  }
+}
