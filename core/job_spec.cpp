@@ -255,11 +255,7 @@ TrainSpec parse_train(Section& t) {
 
 CheckpointSpec parse_checkpoint(Section& c, const std::string& name) {
   CheckpointSpec spec;
-  spec.dir = c.string("dir", "runs/" + name + "/ckpt");
-  if (spec.dir.empty()) {
-    c.error("dir", "must not be empty");
-    spec.dir = "runs/" + name + "/ckpt";
-  }
+  spec.dir = c.string("dir", "runs/" + name + "/ckpt");  // "" turns checkpoints off
   spec.every_steps = c.integer("every_steps", 0, 0);
   spec.keep = c.integer("keep", 3, 1);
   spec.resume = c.string("resume", "auto");

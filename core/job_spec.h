@@ -82,7 +82,7 @@ struct TrainSpec {
 };
 
 struct CheckpointSpec {
-  std::string dir;            // default runs/<name>/ckpt
+  std::string dir;            // default runs/<name>/ckpt; "" = no checkpoints
   int64_t every_steps = 0;    // 0 = only at the end
   int64_t keep = 3;           // newest K kept; >= 1
   std::string resume = "auto"; // auto (newest in dir, if any) | never | a checkpoint path

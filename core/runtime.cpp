@@ -45,6 +45,8 @@ void prepare_process(int argc, char** argv) {
 }
 
 void tune_allocator() {
+  // TETRA_MALLOC_DEFAULTS=1 keeps glibc's defaults (to measure what the tuning buys).
+  if (const char* keep = std::getenv("TETRA_MALLOC_DEFAULTS"); keep && std::strcmp(keep, "1") == 0) return;
   // 32 MiB is glibc's ceiling for the mmap threshold on 64-bit (HEAP_MAX_SIZE / 2).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
@@ -76,7 +78,10 @@ int set_threads(int threads) {
 std::string blas_description() {
   using ConfigFn = char* (*)();
   if (auto fn = find_symbol<ConfigFn>("openblas_get_config")) {
-    std::string s = fn();
+    // "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH ..." -> "OpenBLAS 0.3.21 (Haswell)"
+    std::string config = fn();
+    size_t second_space = config.find(' ', config.find(' ') + 1);
+    std::string s = config.substr(0, second_space);
     using CoreFn = char* (*)();
     if (auto core = find_symbol<CoreFn>("openblas_get_corename")) s += std::string(" (") + core() + ")";
     return s;

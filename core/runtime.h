@@ -12,7 +12,8 @@
 // glibc's malloc serves blocks above M_MMAP_THRESHOLD with mmap and returns them to the
 // kernel on free, so every step maps, faults in and unmaps each large activation and
 // gradient (and trims the heap top past M_TRIM_THRESHOLD). Raising both keeps those
-// pages in the heap across steps: about 15% on a small MLP here.
+// pages in the heap across steps: about 15% on a small MLP here. TETRA_MALLOC_DEFAULTS=1
+// keeps glibc's defaults, to measure it.
 #pragma once
 
 #include <string>
