@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "steps per measurement")->check(CLI::PositiveNumber);
   app.add_option("--repeats", repeats, "measurements of each, alternating")->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "intra-op threads (both loops)")->check(CLI::PositiveNumber);
-  app.add_option("--set", sets, "override a job key");
+  app.add_option("--set", sets, "override a job key")
+      ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   bool check = false, print_config = false, dry_run = false;
   app.add_option("job", job, "the job file (YAML)")->required();
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
-      ->take_all();
+      ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_flag("--check", check, "validate the job and exit (0 valid, 2 not)");
   app.add_flag("--print-config", print_config, "print the resolved job with every default, and exit");
   app.add_flag("--dry-run", dry_run, "build the plan (data, model, batch, memory) and exit");

@@ -131,6 +131,10 @@ TEST(TrainCli, SetOverridesAndPrintConfigShowsDefaults) {
   EXPECT_NE(r.out.find("lr: 0.05"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("eps:"), std::string::npos) << r.out;         // a default
   EXPECT_NE(r.out.find("accumulation_steps: 1"), std::string::npos) << r.out;
+  // --set before the job file takes one value and leaves the job to the positional.
+  r = run({"--set", "optimizer.lr=0.07", job.string(), "--print-config"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("lr: 0.07"), std::string::npos) << r.out;
   r = run({job.string(), "--set", "optimizer.lr=fast", "--check"});
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("--set optimizer.lr=fast: error: optimizer.lr: expected a number"), std::string::npos)
