@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 namespace tetra::core {
 

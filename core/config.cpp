@@ -14,7 +14,7 @@
 #include <sstream>
 #include <utility>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 namespace tetra::core {
 

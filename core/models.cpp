@@ -5,7 +5,7 @@
 #include <limits>
 #include <sstream>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 namespace tetra::core {
 

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 namespace tetra::core {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <filesystem>
 
-#include "core/error.h"
+#include "collectives/error.h"
 #include "core/safetensors.h"
 
 namespace tetra::core {

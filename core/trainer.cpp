@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "core/checkpoint.h"
-#include "core/error.h"
+#include "collectives/error.h"
 #include "core/models.h"
 #include "core/torch_compat.h"
 #include "hardware/host.h"

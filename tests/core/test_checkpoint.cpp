@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "core/checkpoint.h"
-#include "core/error.h"
+#include "collectives/error.h"
 #include "core/safetensors.h"
 
 using namespace tetra::core;

@@ -12,7 +12,7 @@
 #include <set>
 #include <string>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 namespace fs = std::filesystem;
 using tetra::core::Batch;

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <string>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 using tetra::core::build_model;
 using tetra::core::count_correct;

@@ -7,7 +7,7 @@
 #include <fstream>
 #include <numeric>
 
-#include "core/error.h"
+#include "collectives/error.h"
 #include "core/job_spec.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"

@@ -1,0 +1,183 @@
+// Communicator: a group of ranks and asynchronous collectives on tensors.
+//
+// Note [Communicator shape]
+// In c10d's shape: every op takes one plain options struct (with a timeout) and returns
+// a Work to wait on; new knobs become fields, signatures do not grow. The public ops are
+// non-virtual: they validate their arguments here, once, so that a bad call is the same
+// clear error on every backend, then queue the op on the communicator's own progress
+// thread. Ops issued on one communicator run there one at a time, in issue order, so a
+// caller (the gradient bucketer) can go on computing while they run. A backend
+// implements only the blocking primitives (the Backend* hooks below), each handed a
+// deadline; it must return or throw TimeoutError by then, never hang.
+//
+// After an op fails the communicator is broken: the failed Work rethrows the error and
+// every later op fails at once with the same cause (peers may be mid-collective; going
+// on would deadlock or mix up messages).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/error.h"
+
+namespace tetra::collectives {
+
+using Duration = std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+inline constexpr Duration kDefaultTimeout = std::chrono::seconds(300);
+
+enum class ReduceOp { kSum, kAvg, kMin, kMax, kProd };
+const char* to_string(ReduceOp op);
+
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::kSum;
+  Duration timeout = kDefaultTimeout;
+};
+struct ReduceScatterOptions {
+  ReduceOp op = ReduceOp::kSum;
+  Duration timeout = kDefaultTimeout;
+};
+struct AllgatherOptions {
+  Duration timeout = kDefaultTimeout;
+};
+struct BroadcastOptions {
+  int root = 0;
+  Duration timeout = kDefaultTimeout;
+};
+struct SendOptions {
+  int tag = 0;  // >= 0; a recv matches a send of the same (source, tag)
+  Duration timeout = kDefaultTimeout;
+};
+struct RecvOptions {
+  int tag = 0;
+  Duration timeout = kDefaultTimeout;
+};
+struct BarrierOptions {
+  Duration timeout = kDefaultTimeout;
+};
+
+// The handle of one queued op.
+class Work {
+ public:
+  Work(std::string what) : what_(std::move(what)) {}
+  bool done() const;
+  // Blocks until the op finished; rethrows its error (CommError, TimeoutError, ...).
+  void wait();
+  // As wait(), but throws TimeoutError naming the op when it has not finished in time.
+  void wait(Duration timeout);
+  std::exception_ptr exception() const;
+  const std::string& what() const { return what_; }
+
+  // For backends: complete the op (with an error, or nullptr for success).
+  void finish(std::exception_ptr error = nullptr);
+
+ private:
+  std::string what_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  virtual ~Communicator();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // "mpi", "local", "nccl", "gloo".
+  virtual std::string backend() const = 0;
+  // "mpi world", "data (of mesh pipeline=2 x data=2)": what the group is, for messages.
+  const std::string& name() const { return name_; }
+
+  // In place: every rank ends with the reduction of all ranks' `tensor`.
+  WorkPtr allreduce(at::Tensor tensor, const AllreduceOptions& opts = {});
+  // Out of place: `output` (same shape and dtype as `input`) receives the reduction.
+  WorkPtr allreduce(at::Tensor input, at::Tensor output, const AllreduceOptions& opts = {});
+  // input holds size() equal chunks; rank r receives the reduction of chunk r in output.
+  // input.numel() must equal size() * output.numel().
+  WorkPtr reduce_scatter(at::Tensor input, at::Tensor output, const ReduceScatterOptions& opts = {});
+  // output.numel() == size() * input.numel(); rank r's input lands in chunk r.
+  WorkPtr allgather(at::Tensor input, at::Tensor output, const AllgatherOptions& opts = {});
+  WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& opts = {});
+  WorkPtr send(at::Tensor tensor, int dst, const SendOptions& opts = {});
+  WorkPtr recv(at::Tensor tensor, int src, const RecvOptions& opts = {});
+  WorkPtr barrier(const BarrierOptions& opts = {});
+
+  // Collective over this communicator: ranks with the same color form a new
+  // communicator, ordered by (key, rank). color < 0 joins none and gets nullptr.
+  // Blocking (it waits for the ops queued before it).
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name = "",
+                                      Duration timeout = kDefaultTimeout);
+
+  // Waits for every op queued so far (and rethrows the first error among them).
+  void synchronize();
+
+  // Dtypes every backend carries: f32 f64 bf16 f16 i32 i64 u8.
+  static bool supported(at::ScalarType t);
+
+ protected:
+  Communicator(int rank, int size, std::string name);
+
+  // Blocking primitives, run on the progress thread, one at a time. Tensors are
+  // validated (contiguous, supported dtype, sizes agree locally). For in-place
+  // allreduce, input and output are the same tensor. Each must finish by `deadline` or
+  // throw TimeoutError.
+  virtual void backend_allreduce(const at::Tensor& input, const at::Tensor& output, ReduceOp op,
+                                 Deadline deadline) = 0;
+  virtual void backend_reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                      ReduceOp op, Deadline deadline) = 0;
+  virtual void backend_allgather(const at::Tensor& input, const at::Tensor& output,
+                                 Deadline deadline) = 0;
+  virtual void backend_broadcast(const at::Tensor& tensor, int root, Deadline deadline) = 0;
+  virtual void backend_send(const at::Tensor& tensor, int dst, int tag, Deadline deadline) = 0;
+  virtual void backend_recv(const at::Tensor& tensor, int src, int tag, Deadline deadline) = 0;
+  virtual void backend_barrier(Deadline deadline) = 0;
+  virtual std::shared_ptr<Communicator> backend_split(int color, int key, const std::string& name,
+                                                      Deadline deadline) = 0;
+
+  // Backends call this from their destructor before tearing down their own state.
+  void stop_progress_thread();
+
+ private:
+  WorkPtr enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout);
+  void progress_loop();
+
+  int rank_, size_;
+  std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  struct Item {
+    WorkPtr work;
+    std::function<void(Deadline)> fn;
+    Duration timeout;
+  };
+  std::deque<Item> queue_;
+  bool stopping_ = false;
+  std::exception_ptr broken_;  // the first failure; later ops fail fast with it
+  std::thread thread_;
+};
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// Elementwise reduction of `src` into `dst` (same dtype and numel, contiguous): the one
+// arithmetic kernel the shared-memory and user-op paths use. kAvg reduces as kSum (the
+// caller divides once at the end with finish_average).
+void reduce_into(const at::Tensor& dst, const at::Tensor& src, ReduceOp op);
+// Divides a reduced tensor by the group size when op is kAvg (no-op otherwise).
+void finish_average(const at::Tensor& t, ReduceOp op, int size);
+
+}  // namespace tetra::collectives

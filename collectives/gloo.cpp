@@ -1,0 +1,238 @@
+#include "collectives/gloo.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "collectives/error.h"
+
+namespace tetra::collectives {
+
+namespace {
+
+c10d::ReduceOp c10d_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return c10d::ReduceOp::SUM;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kProd: return c10d::ReduceOp::PRODUCT;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+Duration left(Deadline d) {
+  auto ms = std::chrono::duration_cast<Duration>(d - Clock::now());
+  return ms.count() < 1 ? Duration(1) : ms;
+}
+
+// c10d's waits throw c10::Error (timeouts included): make them tetra's.
+template <typename W>
+void wait_for(W&& work, Deadline d, const char* what) {
+  try {
+    work->wait(left(d));
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    if (m.find("imed out") != std::string::npos || m.find("Timeout") != std::string::npos ||
+        Clock::now() >= d)
+      throw TimeoutError(std::string("gloo ") + what + ": " + m.substr(0, m.find('\n')));
+    throw CommError(std::string("gloo ") + what + ": " + m.substr(0, m.find('\n')));
+  }
+}
+
+template <typename Fn>
+void wait_for_fn(Fn&& wait, Deadline d, const char* what) {
+  struct Waiter {
+    Fn& fn;
+    void wait(Duration left) { fn(left); }
+  } w{wait};
+  wait_for(&w, d, what);
+}
+
+// Gloo reduces only some dtypes; others go through f32 (exact for what fits in 24 bits).
+bool gloo_reduces(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kInt || t == at::kLong ||
+         t == at::kByte;
+}
+
+// Gloo moves only some dtypes; bf16 travels as the f16 of the same bytes (moving data
+// never looks at the values).
+at::Tensor movable(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t; }
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(int rank, int size, std::string name, c10::intrusive_ptr<c10d::Store> store,
+                   Duration timeout)
+      : Communicator(rank, size, std::move(name)), store_(std::move(store)), timeout_(timeout) {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    opts->threads = 1;
+    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, size, opts);
+  }
+  ~GlooCommunicator() override {
+    stop_progress_thread();
+    try {
+      reap(true, Clock::now() + std::min<Duration>(timeout_, std::chrono::seconds(10)));
+    } catch (...) {
+      // A send nobody received: nothing to report to at shutdown.
+    }
+  }
+  std::string backend() const override { return "gloo"; }
+
+ protected:
+  // Gloo divides by the element count in places: empty tensors never reach it (every rank
+  // skips them alike, since the sizes agree).
+  void backend_allreduce(const at::Tensor& in, const at::Tensor& out, ReduceOp op, Deadline d) override {
+    if (in.numel() == 0) return;
+    at::Tensor t = out;
+    if (!in.is_same(out)) out.copy_(in);
+    const bool cast = !gloo_reduces(t.scalar_type());
+    std::vector<at::Tensor> ts = {cast ? t.to(at::kFloat) : t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d_op(op);
+    o.timeout = left(d);
+    wait_for(pg_->allreduce(ts, o), d, "allreduce");
+    if (cast) t.copy_(ts[0]);
+    finish_average(t, op, size());
+  }
+  void backend_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op, Deadline d) override {
+    if (in.numel() == 0) return;
+    at::Tensor all = in.clone();
+    backend_allreduce(all, all, op, d);
+    out.copy_(all.view({-1}).narrow(0, rank() * out.numel(), out.numel()).view(out.sizes()));
+  }
+  void backend_allgather(const at::Tensor& in, const at::Tensor& out, Deadline d) override {
+    if (in.numel() == 0) return;
+    std::vector<at::Tensor> inputs = {movable(in)};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    at::Tensor flat = movable(out).view({-1});
+    for (int r = 0; r < size(); ++r) outputs[0].push_back(flat.narrow(0, r * in.numel(), in.numel()).view(in.sizes()));
+    c10d::AllgatherOptions o;
+    o.timeout = left(d);
+    wait_for(pg_->allgather(outputs, inputs, o), d, "allgather");
+  }
+  void backend_broadcast(const at::Tensor& t, int root, Deadline d) override {
+    if (t.numel() == 0) return;
+    std::vector<at::Tensor> ts = {movable(t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = left(d);
+    wait_for(pg_->broadcast(ts, o), d, "broadcast");
+  }
+  // Gloo's send completes only when the peer has posted the matching recv; ops on one
+  // communicator run one at a time, so a ring of sends would deadlock. Sends are
+  // therefore buffered, as the local backend's: the data is copied, the send posted, and
+  // its completion collected later (before the next op, at the latest at shutdown).
+  void backend_send(const at::Tensor& t, int dst, int tag, Deadline d) override {
+    if (t.numel() == 0) return;
+    reap(false, d);
+    std::vector<at::Tensor> ts = {movable(t).clone()};
+    auto work = pg_->send(ts, dst, tag);
+    pending_.push_back({std::move(ts), [work](Duration left) { return work->wait(left); },
+                        [work] { return work->isCompleted(); }, d});
+  }
+  void backend_recv(const at::Tensor& t, int src, int tag, Deadline d) override {
+    if (t.numel() == 0) return;
+    std::vector<at::Tensor> ts = {movable(t)};
+    wait_for(pg_->recv(ts, src, tag), d, "recv");
+  }
+  void backend_barrier(Deadline d) override {
+    c10d::BarrierOptions o;
+    o.timeout = left(d);
+    wait_for(pg_->barrier(o), d, "barrier");
+  }
+  std::shared_ptr<Communicator> backend_split(int color, int key, const std::string& name, Deadline d) override {
+    // Everyone learns everyone's (color, key); each new group rendezvouses under its own
+    // prefix of the parent's store.
+    at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
+    at::Tensor all = at::empty({2 * size()}, at::kLong);
+    backend_allgather(mine, all, d);
+    const int64_t split_id = splits_++;
+    if (color < 0) return nullptr;
+    std::vector<std::pair<int64_t, int>> members;  // (key, old rank)
+    auto a = all.accessor<int64_t, 1>();
+    for (int r = 0; r < size(); ++r)
+      if (a[2 * r] == color) members.push_back({a[2 * r + 1], r});
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    for (size_t i = 0; i < members.size(); ++i)
+      if (members[i].second == rank()) new_rank = static_cast<int>(i);
+    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
+        "split" + std::to_string(split_id) + "/" + std::to_string(color), store_);
+    return std::make_shared<GlooCommunicator>(new_rank, static_cast<int>(members.size()), name, prefix, timeout_);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  Duration timeout_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  int64_t splits_ = 0;
+
+  struct PendingSend {
+    std::vector<at::Tensor> data;  // kept alive until gloo has sent it
+    std::function<bool(Duration)> wait;
+    std::function<bool()> completed;
+    Deadline deadline;
+  };
+  std::vector<PendingSend> pending_;
+
+  // Collects finished sends (all of them when `all`), surfacing their errors.
+  void reap(bool all, Deadline d) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (all || it->completed()) {
+        auto& p = *it;
+        wait_for_fn(p.wait, std::min(d, p.deadline), "send");
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port, const WorldOptions& options) {
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(port);
+  so.isServer = rank == 0;
+  so.numWorkers = static_cast<std::size_t>(size);
+  so.waitWorkers = true;
+  so.timeout = options.timeout;
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    return std::make_shared<GlooCommunicator>(rank, size, "gloo world", store, options.timeout);
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    throw CommError("gloo: cannot rendezvous at " + addr + ":" + std::to_string(port) + " as rank " +
+                    std::to_string(rank) + " of " + std::to_string(size) + ": " + m.substr(0, m.find('\n')));
+  }
+}
+
+void register_gloo_backend(BackendRegistry& registry) {
+  BackendEntry e;
+  e.name = "gloo";
+  e.description = "c10d ProcessGroupGloo (LibTorch)";
+  e.unavailable = [] { return std::string(); };
+  e.create = [](const LaunchInfo& l, const WorldOptions& options) -> CommunicatorPtr {
+    if (l.world_size == 0)
+      throw ConfigError("the gloo backend needs the world size (set WORLD_SIZE, or launch with torchrun or mpirun)");
+    std::string addr = l.master_addr;
+    int port = l.master_port;
+    if (addr.empty()) {
+      // All ranks on this host (mpirun -np N on one machine): rendezvous on loopback.
+      if (l.local_world_size != l.world_size)
+        throw ConfigError("the gloo backend needs MASTER_ADDR and MASTER_PORT when ranks span hosts");
+      addr = "127.0.0.1";
+    }
+    if (port == 0) port = 29500;
+    return gloo_world(l.rank, l.world_size, addr, port, options);
+  };
+  registry.add(std::move(e));
+}
+
+}  // namespace tetra::collectives

@@ -1,0 +1,19 @@
+// The gloo backend: LibTorch's own c10d ProcessGroupGloo over TCP.
+//
+// For torchrun-style launches without MPI (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
+// rank 0 serves a c10d TCPStore there) and as an independent implementation to check the
+// others against. c10d's Gloo has no reduce_scatter and no avg: tetra does them on top
+// (allreduce then keep the own chunk; sum then divide once).
+#pragma once
+
+#include "collectives/backends.h"
+
+namespace tetra::collectives {
+
+void register_gloo_backend(BackendRegistry& registry);
+
+// The world over a TCPStore at addr:port (rank 0 serves it). Collective.
+CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port,
+                           const WorldOptions& options = {});
+
+}  // namespace tetra::collectives

@@ -1,0 +1,44 @@
+// Who launched this process, and as which rank: read in one place.
+//
+// Order (the first that is set wins): an explicit override (TETRA_RANK and
+// TETRA_WORLD_SIZE, optional TETRA_LOCAL_RANK / TETRA_LOCAL_WORLD_SIZE); torchrun's
+// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
+// Open MPI's (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE); PMIx's
+// (PMIX_RANK, with the size from the launcher when it says); Slurm's (SLURM_PROCID,
+// SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE); else a single process.
+#pragma once
+
+#include <map>
+#include <string>
+
+namespace tetra::collectives {
+
+struct LaunchInfo {
+  std::string launcher = "single";  // override | torchrun | mpirun | pmix | slurm | single
+  int rank = 0;
+  int world_size = 1;     // 0 when the launcher does not say (PMIx alone)
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr;  // torchrun rendezvous
+  int master_port = 0;
+  // The variables the decision was made from, for messages ("OMPI_COMM_WORLD_SIZE=4").
+  std::string evidence;
+  bool multi_process() const { return world_size != 1; }
+};
+
+// Reads the environment. A malformed variable (RANK=abc, a rank >= the world size) is a
+// tetra::ConfigError naming it.
+LaunchInfo detect_launch();
+// The same from an explicit environment (tests).
+LaunchInfo detect_launch(const std::map<std::string, std::string>& env);
+
+// Throws tetra::CommError when the launcher's rank or world size disagrees with what
+// the backend found, naming both ("the launcher (mpirun: OMPI_COMM_WORLD_SIZE=4) says 4
+// ranks, the mpi backend has 2").
+void check_launch_agrees(const LaunchInfo& launch, const std::string& backend, int rank,
+                         int world_size);
+
+// "mpirun, world 4, 1 host, local ranks 4" style one-liner for banners.
+std::string describe(const LaunchInfo& launch);
+
+}  // namespace tetra::collectives

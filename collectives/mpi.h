@@ -1,0 +1,58 @@
+// The `mpi` backend: Open MPI, the multi-process and multi-host engine.
+//
+// Note [mpi backend design]
+// * One process-level runtime initialises MPI (MPI_Init_thread with
+//   MPI_THREAD_MULTIPLE: every communicator's progress thread calls MPI) on the first
+//   mpi_world() and finalises it at exit (an atexit handler), after it has stopped and
+//   freed every communicator still alive then; a communicator that outlives main's
+//   locals is shut down there and its destructor later does nothing. A process that
+//   exits with an op it had to abandon (a timeout, see below) still pending does not
+//   call MPI_Finalize (whose fence would wait for the peer that never came); it says so
+//   on stderr and mpirun ends the job.
+// * Each communicator owns a dup of MPI_COMM_WORLD (never the world itself), with
+//   MPI_ERRORS_RETURN: every MPI return code becomes a CommError naming the MPI call,
+//   MPI's error string and mpi.cpp's line.
+// * Timeouts: every op is non-blocking (MPI_Iallreduce, MPI_Ireduce_scatter_block,
+//   MPI_Iallgather, MPI_Ibcast, MPI_Ibarrier, MPI_Isend/MPI_Irecv, MPI_Comm_idup)
+//   followed by an MPI_Test loop up to the deadline: a tight spin for the first 100 us
+//   (small messages), then sched_yield (a large op, with every peer there) up to 5 ms,
+//   then 50 us sleeps (a peer is late: do not take a core from backward compute). On the
+//   deadline the op throws TimeoutError; its request and tensors are kept (MPI may still
+//   write them) until MPI completes it, e.g. when the late peer joins. MPI_Comm_split
+//   and MPI_Comm_split_type have no non-blocking form: an MPI_Ibarrier with the deadline
+//   goes first, so that a peer that never comes is a TimeoutError there too.
+// * libnbc (Open MPI's non-blocking collectives) picks a binomial reduce+bcast for
+//   iallreduce on < 4 ranks and for in-place ones, measured at ~0.55 of the blocking
+//   tuned MPI_Allreduce at 1-16 MiB; its ring runs at ~1.0. The runtime therefore sets
+//   OMPI_MCA_coll_libnbc_iallreduce_algorithm=1 (ring) before MPI_Init unless the
+//   environment already sets it.
+// * bf16 and f16: a committed 2-byte contiguous datatype and commutative user ops
+//   (MPI_Op_create) that reduce through float and round back with c10's conversions,
+//   created once per process.
+#pragma once
+
+#include <string>
+
+#include "collectives/backends.h"
+#include "collectives/communicator.h"
+
+namespace tetra::collectives {
+
+// name "mpi", description "Open MPI 4.1.4" (from MPI_Get_library_version).
+void register_mpi_backend(BackendRegistry& registry);
+
+// The world of this process: initialises MPI on first use (once per process; a single
+// process without mpirun is a world of 1) and returns the same world on later calls.
+// MPI without MPI_THREAD_MULTIPLE is a CommError.
+CommunicatorPtr mpi_world(const WorldOptions& options = {});
+
+// The ranks of `comm` on this host (MPI_Comm_split_type MPI_COMM_TYPE_SHARED), ordered
+// by their rank in `comm`. Collective over `comm`; waits for the ops queued on it first
+// (issue it from the thread that issues comm's ops). Throws CommError if comm is not an
+// mpi communicator.
+CommunicatorPtr mpi_split_shared(Communicator& comm, Duration timeout = kDefaultTimeout);
+
+// MPI_Get_library_version's first line: "Open MPI v4.1.4, package: Debian OpenMPI, ...".
+std::string mpi_library_version();
+
+}  // namespace tetra::collectives

@@ -1,0 +1,25 @@
+// The job's topology, gathered: every rank discovers its host and placement and all
+// ranks end with the same merged hardware::Topology.
+#pragma once
+
+#include "collectives/communicator.h"
+#include "collectives/launch.h"
+#include "hardware/topology.h"
+
+namespace tetra::collectives {
+
+// Collective over `comm`: each rank serialises hardware::local_topology (its host, its
+// CPU affinity, its rank in `comm`) to JSON; an allgather of the lengths (i64) and one of
+// the zero-padded bytes (u8) bring every document to every rank, which merges them
+// (hardware::merge). The local rank is the launcher's when the launcher's world is this
+// communicator (launch.world_size == comm.size()); otherwise (thread-ranks, a
+// sub-communicator) it is the rank's position among the ranks on its host. A document
+// that does not parse, or names another rank than its sender, is a tetra::CommError.
+hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
+                                   Duration timeout = kDefaultTimeout);
+// The same with this host already discovered (thread-ranks of one process share it).
+hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
+                                   const hardware::HostTopology& host,
+                                   Duration timeout = kDefaultTimeout);
+
+}  // namespace tetra::collectives

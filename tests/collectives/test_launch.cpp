@@ -1,0 +1,80 @@
+// Launch detection: which launcher, which rank, in the documented order of precedence.
+#include <gtest/gtest.h>
+
+#include "collectives/error.h"
+#include "collectives/launch.h"
+
+using namespace tetra::collectives;
+
+TEST(Launch, SingleProcessWhenNothingIsSet) {
+  LaunchInfo l = detect_launch({{"HOME", "/root"}});
+  EXPECT_EQ(l.launcher, "single");
+  EXPECT_EQ(l.rank, 0);
+  EXPECT_EQ(l.world_size, 1);
+  EXPECT_FALSE(l.multi_process());
+}
+
+TEST(Launch, OpenMpi) {
+  LaunchInfo l = detect_launch({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                {"PMIX_RANK", "3"}});
+  EXPECT_EQ(l.launcher, "mpirun");
+  EXPECT_EQ(l.rank, 3);
+  EXPECT_EQ(l.world_size, 4);
+  EXPECT_EQ(l.local_rank, 1);
+  EXPECT_EQ(l.local_world_size, 2);
+  EXPECT_NE(l.evidence.find("OMPI_COMM_WORLD_SIZE=4"), std::string::npos);
+}
+
+TEST(Launch, PrecedenceOverrideThenTorchrunThenMpiThenPmixThenSlurm) {
+  std::map<std::string, std::string> env = {
+      {"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "4(x2)"}};
+  EXPECT_EQ(detect_launch(env).launcher, "slurm");
+  EXPECT_EQ(detect_launch(env).local_world_size, 4);
+  env["PMIX_RANK"] = "5";
+  EXPECT_EQ(detect_launch(env).launcher, "pmix");
+  EXPECT_EQ(detect_launch(env).world_size, 0);  // PMIx alone does not say
+  env["OMPI_COMM_WORLD_RANK"] = "5";
+  env["OMPI_COMM_WORLD_SIZE"] = "8";
+  EXPECT_EQ(detect_launch(env).launcher, "mpirun");
+  env["RANK"] = "2";
+  env["WORLD_SIZE"] = "3";
+  env["MASTER_ADDR"] = "127.0.0.1";
+  env["MASTER_PORT"] = "29500";
+  LaunchInfo t = detect_launch(env);
+  EXPECT_EQ(t.launcher, "torchrun");
+  EXPECT_EQ(t.rank, 2);
+  EXPECT_EQ(t.master_port, 29500);
+  env["TETRA_RANK"] = "0";
+  env["TETRA_WORLD_SIZE"] = "1";
+  EXPECT_EQ(detect_launch(env).launcher, "override");
+}
+
+TEST(Launch, MalformedVariablesAreConfigErrors) {
+  try {
+    detect_launch({{"RANK", "abc"}, {"WORLD_SIZE", "2"}});
+    FAIL();
+  } catch (const tetra::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK=abc"), std::string::npos) << e.what();
+  }
+  try {
+    detect_launch({{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "4"}});
+    FAIL();
+  } catch (const tetra::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 4 is not below the world size 4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(detect_launch({{"TETRA_RANK", "1"}}), tetra::ConfigError);
+}
+
+TEST(Launch, DisagreementNamesBothViews) {
+  LaunchInfo l = detect_launch({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"}});
+  EXPECT_NO_THROW(check_launch_agrees(l, "mpi", 1, 4));
+  try {
+    check_launch_agrees(l, "mpi", 1, 2);
+    FAIL();
+  } catch (const tetra::CommError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("mpirun: OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=4"), std::string::npos) << m;
+    EXPECT_NE(m.find("the mpi backend has rank 1 of 2"), std::string::npos) << m;
+  }
+}

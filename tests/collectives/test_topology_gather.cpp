@@ -1,0 +1,77 @@
+// gather_topology over the local backend: thread-ranks of one process, one host.
+#include "collectives/topology_gather.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <mutex>
+#include <vector>
+
+#include "collectives/local.h"
+#include "hardware/host.h"
+
+namespace tetra::collectives {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(TopologyGather, ThreeThreadRanksAgreeOnOneHost) {
+  const int n = 3;
+  LaunchInfo single;  // the process was not launched as several: local ranks come from the hosts
+  std::mutex mu;
+  std::vector<hardware::Topology> seen(n);
+  run_local_ranks(n, [&](int rank, Communicator& comm) {
+    hardware::Topology t = gather_topology(comm, single, 60s);
+    std::lock_guard<std::mutex> lock(mu);
+    seen[rank] = std::move(t);
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(seen[r], seen[0]) << "rank " << r << " merged differently";
+  const hardware::Topology& t = seen[0];
+  ASSERT_EQ(t.hosts_count(), 1);
+  EXPECT_EQ(t.hosts[0].hostname, hardware::hostname());
+  EXPECT_EQ(t.hosts[0].pus, hardware::host_cores());
+  ASSERT_EQ(t.ranks_count(), n);
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(t.ranks[r].rank, r);
+    EXPECT_EQ(t.ranks[r].host, hardware::hostname());
+    EXPECT_EQ(t.ranks[r].local_rank, r);
+    EXPECT_FALSE(t.ranks[r].cpus.empty());
+    EXPECT_EQ(t.ranks[r].device, hardware::default_device(t.hosts[0], r));
+  }
+  EXPECT_EQ(t.max_ranks_per_host(), n);
+  EXPECT_EQ(hardware::topology_from_json(hardware::to_json(t)), t);
+}
+
+TEST(TopologyGather, LauncherLocalRankWinsWhenItsWorldIsTheCommunicator) {
+  // A world of 2 whose launcher numbered the local ranks in reverse: kept as given.
+  const hardware::HostTopology host = hardware::discover_host();
+  std::mutex mu;
+  std::vector<hardware::Topology> seen(2);
+  run_local_ranks(2, [&](int rank, Communicator& comm) {
+    LaunchInfo launch;
+    launch.launcher = "override";
+    launch.world_size = 2;
+    launch.rank = rank;
+    launch.local_rank = 1 - rank;
+    launch.local_world_size = 2;
+    hardware::Topology t = gather_topology(comm, launch, host, 60s);
+    std::lock_guard<std::mutex> lock(mu);
+    seen[rank] = std::move(t);
+  });
+  ASSERT_EQ(seen[0].ranks_count(), 2);
+  EXPECT_EQ(seen[0].ranks[0].local_rank, 1);
+  EXPECT_EQ(seen[0].ranks[1].local_rank, 0);
+  EXPECT_EQ(seen[1], seen[0]);
+}
+
+TEST(TopologyGather, OneRank) {
+  run_local_ranks(1, [&](int, Communicator& comm) {
+    hardware::Topology t = gather_topology(comm, LaunchInfo{}, 60s);
+    ASSERT_EQ(t.ranks_count(), 1);
+    EXPECT_EQ(t.ranks[0].local_rank, 0);
+    EXPECT_EQ(t.hosts_count(), 1);
+  });
+}
+
+}  // namespace
+}  // namespace tetra::collectives
