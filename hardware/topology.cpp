@@ -1,0 +1,1165 @@
+#include "hardware/topology.h"
+
+#include <dlfcn.h>
+#include <hwloc.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <tuple>
+#include <type_traits>
+
+#include "hardware/host.h"
+
+namespace tetra::hardware {
+
+// ---- value semantics ------------------------------------------------------------------
+
+bool Package::operator==(const Package& o) const {
+  return std::tie(index, model, cpus, cores, pus) == std::tie(o.index, o.model, o.cpus, o.cores, o.pus);
+}
+bool NumaNode::operator==(const NumaNode& o) const {
+  return std::tie(index, os_index, package, memory_bytes, cpus) ==
+         std::tie(o.index, o.os_index, o.package, o.memory_bytes, o.cpus);
+}
+bool Core::operator==(const Core& o) const {
+  return std::tie(index, package, numa, pus) == std::tie(o.index, o.package, o.numa, o.pus);
+}
+bool Cache::operator==(const Cache& o) const {
+  return std::tie(name, level, size_bytes, line_bytes, instances, pus_per_instance) ==
+         std::tie(o.name, o.level, o.size_bytes, o.line_bytes, o.instances, o.pus_per_instance);
+}
+bool Gpu::operator==(const Gpu& o) const {
+  return std::tie(index, name, uuid, pci_bus_id, memory_bytes, compute_major, compute_minor, numa_node,
+                  cpu_affinity) == std::tie(o.index, o.name, o.uuid, o.pci_bus_id, o.memory_bytes,
+                                            o.compute_major, o.compute_minor, o.numa_node, o.cpu_affinity);
+}
+bool GpuLink::operator==(const GpuLink& o) const {
+  return std::tie(pcie, nvlinks, p2p) == std::tie(o.pcie, o.nvlinks, o.p2p);
+}
+std::string GpuLink::label() const {
+  if (pcie == "X") return "X";
+  if (nvlinks > 0) return "NV" + std::to_string(nvlinks);
+  return pcie.empty() ? "?" : pcie;
+}
+bool HostTopology::operator==(const HostTopology& o) const {
+  return std::tie(hostname, packages, numa_nodes, cores, pus, allowed_cpus, caches, memory_bytes, gpus,
+                  gpu_links, gpu_status, driver_version, cuda_driver, cuda_runtime, hwloc_version,
+                  warnings) ==
+         std::tie(o.hostname, o.packages, o.numa_nodes, o.cores, o.pus, o.allowed_cpus, o.caches,
+                  o.memory_bytes, o.gpus, o.gpu_links, o.gpu_status, o.driver_version, o.cuda_driver,
+                  o.cuda_runtime, o.hwloc_version, o.warnings);
+}
+int HostTopology::core_count() const {
+  if (!cores.empty()) return static_cast<int>(cores.size());
+  int n = 0;
+  for (const auto& p : packages) n += p.cores;
+  return n;
+}
+bool RankPlacement::operator==(const RankPlacement& o) const {
+  return std::tie(rank, host, local_rank, cpus, device) ==
+         std::tie(o.rank, o.host, o.local_rank, o.cpus, o.device);
+}
+bool Topology::operator==(const Topology& o) const {
+  return hosts == o.hosts && ranks == o.ranks;
+}
+
+const HostTopology* Topology::host(const std::string& hostname) const {
+  for (const auto& h : hosts)
+    if (h.hostname == hostname) return &h;
+  return nullptr;
+}
+
+const HostTopology& Topology::host_of(int rank) const {
+  for (const auto& r : ranks)
+    if (r.rank == rank) {
+      if (const HostTopology* h = host(r.host)) return *h;
+      throw std::out_of_range("topology: rank " + std::to_string(rank) + " is on host \"" + r.host +
+                              "\", which the topology does not describe");
+    }
+  throw std::out_of_range("topology: no rank " + std::to_string(rank) + " (it has " +
+                          std::to_string(ranks.size()) + ")");
+}
+
+std::vector<int> Topology::ranks_on(const std::string& hostname) const {
+  std::vector<int> out;
+  for (const auto& r : ranks)
+    if (r.host == hostname) out.push_back(r.rank);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int Topology::max_ranks_per_host() const {
+  std::map<std::string, int> n;
+  int best = 0;
+  for (const auto& r : ranks) best = std::max(best, ++n[r.host]);
+  return best;
+}
+
+int Topology::total_cores() const {
+  int n = 0;
+  for (const auto& h : hosts) n += h.core_count();
+  return n;
+}
+
+int Topology::total_gpus() const {
+  int n = 0;
+  for (const auto& h : hosts) n += static_cast<int>(h.gpus.size());
+  return n;
+}
+
+// ---- small helpers --------------------------------------------------------------------
+
+std::string format_cpu_list(const std::vector<int>& cpus_in) {
+  std::vector<int> cpus = cpus_in;
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
+  std::string out;
+  for (size_t i = 0; i < cpus.size();) {
+    size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(cpus[i]);
+    if (j > i) out += '-' + std::to_string(cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::vector<int> parse_cpu_list(const std::string& list) {
+  std::vector<int> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item.erase(std::remove_if(item.begin(), item.end(), [](unsigned char c) { return std::isspace(c); }),
+               item.end());
+    if (item.empty()) continue;
+    auto bad = [&] { return std::invalid_argument("CPU list \"" + list + "\": \"" + item + "\" is not N or N-M"); };
+    size_t dash = item.find('-');
+    try {
+      size_t used = 0;
+      int a = std::stoi(item.substr(0, dash), &used);
+      if (used != (dash == std::string::npos ? item.size() : dash) || a < 0) throw bad();
+      int b = a;
+      if (dash != std::string::npos) {
+        std::string rest = item.substr(dash + 1);
+        b = std::stoi(rest, &used);
+        if (used != rest.size() || b < a) throw bad();
+      }
+      for (int c = a; c <= b; ++c) out.push_back(c);
+    } catch (const std::invalid_argument&) {
+      throw bad();
+    } catch (const std::out_of_range&) {
+      throw bad();
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::string format_bytes(int64_t bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0 || v == static_cast<double>(static_cast<int64_t>(v)))
+    std::snprintf(buf, sizeof(buf), "%lld %s", static_cast<long long>(v), units[u]);
+  else
+    std::snprintf(buf, sizeof(buf), "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string affinity_cpus() {
+  const int max_cpus = 8192;
+  cpu_set_t* set = CPU_ALLOC(max_cpus);
+  if (!set) return "";
+  size_t size = CPU_ALLOC_SIZE(max_cpus);
+  CPU_ZERO_S(size, set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, size, set) == 0)
+    for (int c = 0; c < max_cpus; ++c)
+      if (CPU_ISSET_S(c, size, set)) cpus.push_back(c);
+  CPU_FREE(set);
+  return format_cpu_list(cpus);
+}
+
+std::string default_device(const HostTopology& host, int local_rank) {
+  if (host.gpus.empty()) return "cpu";
+  int n = static_cast<int>(host.gpus.size());
+  return "cuda:" + std::to_string(((local_rank % n) + n) % n);
+}
+
+namespace {
+
+std::string read_first_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  if (!f || !std::getline(f, line)) return "";
+  while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
+  return line;
+}
+
+// CUDA's version integers: 12040 -> "12.4".
+std::string cuda_version_string(int v) {
+  if (v <= 0) return "";
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
+// ---- hwloc ----------------------------------------------------------------------------
+
+std::string bitmap_list(hwloc_const_bitmap_t set) {
+  if (!set) return "";
+  char* s = nullptr;
+  if (hwloc_bitmap_list_asprintf(&s, set) < 0 || !s) return "";
+  std::string out = s;
+  std::free(s);
+  return out;
+}
+
+// Fills the CPU part of `host` from hwloc; returns "" or why it could not.
+std::string discover_cpus_hwloc(HostTopology& host) {
+  hwloc_topology_t topo = nullptr;
+  if (hwloc_topology_init(&topo) != 0) return "hwloc_topology_init failed";
+  // The whole host, not only this process's cgroup; the allowed part is recorded apart.
+  hwloc_topology_set_flags(topo, HWLOC_TOPOLOGY_FLAG_INCLUDE_DISALLOWED);
+  hwloc_topology_set_icache_types_filter(topo, HWLOC_TYPE_FILTER_KEEP_ALL);  // L1i too
+  if (hwloc_topology_load(topo) != 0) {
+    hwloc_topology_destroy(topo);
+    return "hwloc_topology_load failed";
+  }
+  struct Guard {
+    hwloc_topology_t t;
+    ~Guard() { hwloc_topology_destroy(t); }
+  } guard{topo};
+
+  hwloc_obj_t root = hwloc_get_root_obj(topo);
+  // The library's release ("2.9.0"), which hwloc records on the root; the API version
+  // (hwloc_get_api_version) stays the same across releases of a series.
+  if (const char* v = hwloc_obj_get_info_by_name(root, "hwlocVersion")) {
+    host.hwloc_version = v;
+  } else {
+    unsigned api = hwloc_get_api_version();
+    host.hwloc_version = "API " + std::to_string(api >> 16) + "." + std::to_string((api >> 8) & 0xff);
+  }
+  host.pus = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU);
+  if (host.pus <= 0) return "hwloc found no PUs";
+  host.allowed_cpus = bitmap_list(hwloc_topology_get_allowed_cpuset(topo));
+  // The OS's total (MemTotal). The NUMA nodes' own figures may sum to less: a virtual
+  // machine's hot-plugged or ballooned memory is not always counted in a node.
+  host.memory_bytes = total_memory_bytes();
+  if (host.memory_bytes <= 0) host.memory_bytes = static_cast<int64_t>(root->total_memory);
+
+  auto count_in = [&](hwloc_const_cpuset_t set, hwloc_obj_type_t type) {
+    return hwloc_get_nbobjs_inside_cpuset_by_type(topo, set, type);
+  };
+
+  std::vector<hwloc_obj_t> pkg_objs;
+  for (int i = 0, n = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE); i < n; ++i)
+    pkg_objs.push_back(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, static_cast<unsigned>(i)));
+  if (pkg_objs.empty()) {
+    host.warnings.push_back("hwloc reports no package; the machine is shown as one");
+    pkg_objs.push_back(root);
+  }
+  for (size_t i = 0; i < pkg_objs.size(); ++i) {
+    hwloc_obj_t o = pkg_objs[i];
+    Package p;
+    p.index = static_cast<int>(i);
+    const char* model = hwloc_obj_get_info_by_name(o, "CPUModel");
+    if (!model && o != root) model = hwloc_obj_get_info_by_name(root, "CPUModel");
+    p.model = model ? model : "";
+    p.cpus = bitmap_list(o->cpuset);
+    p.cores = count_in(o->cpuset, HWLOC_OBJ_CORE);
+    p.pus = count_in(o->cpuset, HWLOC_OBJ_PU);
+    host.packages.push_back(std::move(p));
+  }
+  auto package_of = [&](hwloc_const_cpuset_t set) {
+    if (!set || hwloc_bitmap_iszero(set)) return -1;
+    for (size_t i = 0; i < pkg_objs.size(); ++i)
+      if (hwloc_bitmap_isincluded(set, pkg_objs[i]->cpuset)) return static_cast<int>(i);
+    return -1;
+  };
+
+  std::vector<hwloc_obj_t> numa_objs;
+  for (int i = 0, n = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE); i < n; ++i)
+    numa_objs.push_back(hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, static_cast<unsigned>(i)));
+  for (size_t i = 0; i < numa_objs.size(); ++i) {
+    hwloc_obj_t o = numa_objs[i];
+    NumaNode node;
+    node.index = static_cast<int>(i);
+    node.os_index = static_cast<int>(o->os_index);
+    node.memory_bytes = static_cast<int64_t>(o->attr->numanode.local_memory);
+    node.cpus = bitmap_list(o->cpuset);
+    node.package = package_of(o->cpuset);
+    host.numa_nodes.push_back(std::move(node));
+  }
+  if (host.numa_nodes.empty()) {
+    NumaNode node;
+    node.memory_bytes = host.memory_bytes;
+    node.cpus = bitmap_list(root->cpuset);
+    node.package = host.packages.size() == 1 ? 0 : -1;
+    host.numa_nodes.push_back(node);
+    host.warnings.push_back("hwloc reports no NUMA node; the machine is shown as one");
+  }
+  auto numa_of = [&](hwloc_const_cpuset_t set) {
+    for (size_t i = 0; i < numa_objs.size(); ++i)
+      if (!hwloc_bitmap_iszero(numa_objs[i]->cpuset) && hwloc_bitmap_isincluded(set, numa_objs[i]->cpuset))
+        return static_cast<int>(i);
+    return numa_objs.empty() ? 0 : -1;
+  };
+
+  int ncores = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
+  hwloc_obj_type_t core_type = HWLOC_OBJ_CORE;
+  if (ncores <= 0) {  // some virtual machines expose PUs only
+    host.warnings.push_back("hwloc reports no cores; each PU is counted as a core");
+    core_type = HWLOC_OBJ_PU;
+    ncores = host.pus;
+  }
+  for (int i = 0; i < ncores; ++i) {
+    hwloc_obj_t o = hwloc_get_obj_by_type(topo, core_type, static_cast<unsigned>(i));
+    Core c;
+    c.index = i;
+    c.package = package_of(o->cpuset);
+    if (c.package < 0 && pkg_objs.size() == 1) c.package = 0;
+    c.numa = numa_of(o->cpuset);
+    c.pus = bitmap_list(o->cpuset);
+    host.cores.push_back(std::move(c));
+  }
+
+  if (core_type == HWLOC_OBJ_PU)  // the packages' core counts follow the PU-as-core fallback
+    for (auto& p : host.packages)
+      p.cores = static_cast<int>(std::count_if(host.cores.begin(), host.cores.end(),
+                                               [&](const Core& c) { return c.package == p.index; }));
+  if (host.numa_nodes.size() == 1 && host.numa_nodes[0].memory_bytes <= 0)
+    host.numa_nodes[0].memory_bytes = host.memory_bytes;  // a backend that does not read node memory
+
+  // Caches: one entry per (name, size, line, sharing), by level then L1d before L1i.
+  struct Key {
+    int level;
+    int kind;  // 0 data, 1 instruction, 2 unified
+    int64_t size;
+    int line;
+    int share;
+    bool operator<(const Key& o) const {
+      return std::tie(level, kind, size, line, share) < std::tie(o.level, o.kind, o.size, o.line, o.share);
+    }
+  };
+  std::map<Key, int> caches;
+  const hwloc_obj_type_t cache_types[] = {HWLOC_OBJ_L1CACHE,  HWLOC_OBJ_L1ICACHE, HWLOC_OBJ_L2CACHE,
+                                          HWLOC_OBJ_L2ICACHE, HWLOC_OBJ_L3CACHE,  HWLOC_OBJ_L3ICACHE,
+                                          HWLOC_OBJ_L4CACHE,  HWLOC_OBJ_L5CACHE};
+  for (hwloc_obj_type_t t : cache_types) {
+    for (int i = 0, n = hwloc_get_nbobjs_by_type(topo, t); i < n; ++i) {
+      hwloc_obj_t o = hwloc_get_obj_by_type(topo, t, static_cast<unsigned>(i));
+      const auto& a = o->attr->cache;
+      int kind = a.type == HWLOC_OBJ_CACHE_DATA ? 0 : a.type == HWLOC_OBJ_CACHE_INSTRUCTION ? 1 : 2;
+      Key k{static_cast<int>(a.depth), kind, static_cast<int64_t>(a.size), static_cast<int>(a.linesize),
+            hwloc_bitmap_weight(o->cpuset)};
+      ++caches[k];
+    }
+  }
+  for (const auto& [k, n] : caches) {
+    Cache c;
+    c.level = k.level;
+    c.name = "L" + std::to_string(k.level) + (k.kind == 0 ? "d" : k.kind == 1 ? "i" : "");
+    c.size_bytes = k.size;
+    c.line_bytes = k.line;
+    c.instances = n;
+    c.pus_per_instance = k.share;
+    host.caches.push_back(std::move(c));
+  }
+  return "";
+}
+
+}  // namespace
+
+// What host.h knows, when hwloc does not.
+static void degraded_cpus(HostTopology& host) {
+  int n = host_cores();
+  std::vector<int> all(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) all[static_cast<size_t>(i)] = i;
+  std::string cpus = format_cpu_list(all);
+  host.packages = {Package{0, "", cpus, n, n}};
+  host.memory_bytes = total_memory_bytes();
+  host.numa_nodes = {NumaNode{0, 0, 0, host.memory_bytes, cpus}};
+  host.cores.clear();
+  for (int i = 0; i < n; ++i) host.cores.push_back(Core{i, 0, 0, std::to_string(i)});
+  host.pus = n;
+  host.allowed_cpus = cpus;
+  host.caches.clear();
+  host.warnings.push_back("each logical CPU is counted as a core, one package, one NUMA node");
+}
+
+HostTopology degraded_host(const std::string& why) {
+  HostTopology host;
+  host.hostname = hostname();
+  host.warnings.push_back("hwloc: " + why + "; showing what the OS reports");
+  degraded_cpus(host);
+  return host;
+}
+
+namespace {
+
+// ---- NVML, libcudart, libcuda (dlopen; see Note [Topology sources]) ------------------
+
+using nvmlReturn_t = int;
+struct nvmlDevice_st;
+using nvmlDevice_t = nvmlDevice_st*;
+constexpr nvmlReturn_t kNvmlSuccess = 0;
+constexpr nvmlReturn_t kNvmlDriverNotLoaded = 9;
+struct NvmlPciInfo {  // nvmlPciInfo_t
+  char busIdLegacy[16];
+  unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+  char busId[32];
+};
+struct NvmlMemory {  // nvmlMemory_t
+  unsigned long long total, free, used;
+};
+// nvmlGpuTopologyLevel_t
+const std::map<int, std::string> kTopologyLevel = {
+    {0, "PIX"}, {10, "PIX"}, {20, "PXB"}, {30, "PHB"}, {40, "NODE"}, {50, "SYS"}};
+constexpr int kNvlinkDeviceSwitch = 2;  // nvmlIntNvLinkDeviceType_t
+constexpr unsigned kNvlinkMaxLinks = 18;
+
+struct Nvml {
+  void* lib = nullptr;
+  nvmlReturn_t (*init)() = nullptr;
+  nvmlReturn_t (*shutdown)() = nullptr;
+  const char* (*error_string)(nvmlReturn_t) = nullptr;
+  nvmlReturn_t (*driver_version)(char*, unsigned) = nullptr;
+  nvmlReturn_t (*cuda_driver_version)(int*) = nullptr;
+  nvmlReturn_t (*count)(unsigned*) = nullptr;
+  nvmlReturn_t (*handle)(unsigned, nvmlDevice_t*) = nullptr;
+  nvmlReturn_t (*name)(nvmlDevice_t, char*, unsigned) = nullptr;
+  nvmlReturn_t (*uuid)(nvmlDevice_t, char*, unsigned) = nullptr;
+  nvmlReturn_t (*pci)(nvmlDevice_t, NvmlPciInfo*) = nullptr;
+  nvmlReturn_t (*memory)(nvmlDevice_t, NvmlMemory*) = nullptr;
+  nvmlReturn_t (*capability)(nvmlDevice_t, int*, int*) = nullptr;
+  nvmlReturn_t (*common_ancestor)(nvmlDevice_t, nvmlDevice_t, int*) = nullptr;
+  nvmlReturn_t (*p2p)(nvmlDevice_t, nvmlDevice_t, int, int*) = nullptr;
+  nvmlReturn_t (*nvlink_state)(nvmlDevice_t, unsigned, int*) = nullptr;
+  nvmlReturn_t (*nvlink_remote_pci)(nvmlDevice_t, unsigned, NvmlPciInfo*) = nullptr;
+  nvmlReturn_t (*nvlink_remote_type)(nvmlDevice_t, unsigned, int*) = nullptr;
+
+  template <typename F>
+  void sym(F& f, const char* name, const char* fallback = nullptr) {
+    void* p = dlsym(lib, name);
+    if (!p && fallback) p = dlsym(lib, fallback);
+    f = reinterpret_cast<F>(p);
+  }
+  std::string err(nvmlReturn_t r) const {
+    const char* s = error_string ? error_string(r) : nullptr;
+    return s ? s : "error " + std::to_string(r);
+  }
+};
+
+// "00000000:3B:00.0" / "0000:3b:00.0" -> "0000:3b:00.0" (sysfs's spelling), "" if unparsable.
+std::string sysfs_bus_id(const std::string& id) {
+  unsigned dom = 0, bus = 0, dev = 0, fn = 0;
+  if (std::sscanf(id.c_str(), "%x:%x:%x.%x", &dom, &bus, &dev, &fn) != 4) return "";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%04x:%02x:%02x.%x", dom & 0xffff, bus, dev, fn);
+  return buf;
+}
+
+void discover_gpus(HostTopology& host) {
+  Nvml n;
+  n.lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!n.lib) {
+    host.gpu_status = "no driver";
+    return;
+  }
+  n.sym(n.init, "nvmlInit_v2", "nvmlInit");
+  n.sym(n.shutdown, "nvmlShutdown");
+  n.sym(n.error_string, "nvmlErrorString");
+  n.sym(n.driver_version, "nvmlSystemGetDriverVersion");
+  n.sym(n.cuda_driver_version, "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion");
+  n.sym(n.count, "nvmlDeviceGetCount_v2", "nvmlDeviceGetCount");
+  n.sym(n.handle, "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex");
+  n.sym(n.name, "nvmlDeviceGetName");
+  n.sym(n.uuid, "nvmlDeviceGetUUID");
+  n.sym(n.pci, "nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2");
+  n.sym(n.memory, "nvmlDeviceGetMemoryInfo");
+  n.sym(n.capability, "nvmlDeviceGetCudaComputeCapability");
+  n.sym(n.common_ancestor, "nvmlDeviceGetTopologyCommonAncestor");
+  n.sym(n.p2p, "nvmlDeviceGetP2PStatus");
+  n.sym(n.nvlink_state, "nvmlDeviceGetNvLinkState");
+  n.sym(n.nvlink_remote_pci, "nvmlDeviceGetNvLinkRemotePciInfo_v2", "nvmlDeviceGetNvLinkRemotePciInfo");
+  n.sym(n.nvlink_remote_type, "nvmlDeviceGetNvLinkRemoteDeviceType");
+  if (!n.init || !n.shutdown || !n.count || !n.handle) {
+    host.gpu_status = "NVML: libnvidia-ml.so.1 lacks nvmlInit/nvmlDeviceGetCount";
+    dlclose(n.lib);
+    return;
+  }
+  if (nvmlReturn_t r = n.init(); r != kNvmlSuccess) {
+    host.gpu_status = (r == kNvmlDriverNotLoaded ? "no driver (NVML: " : "NVML: nvmlInit: ") + n.err(r) +
+                      (r == kNvmlDriverNotLoaded ? ")" : "");
+    dlclose(n.lib);
+    return;
+  }
+  char buf[128];
+  if (n.driver_version && n.driver_version(buf, sizeof(buf)) == kNvmlSuccess) host.driver_version = buf;
+  int cv = 0;
+  if (n.cuda_driver_version && n.cuda_driver_version(&cv) == kNvmlSuccess)
+    host.cuda_driver = cuda_version_string(cv);
+
+  unsigned count = 0;
+  if (nvmlReturn_t r = n.count(&count); r != kNvmlSuccess) {
+    host.gpu_status = "NVML: nvmlDeviceGetCount: " + n.err(r);
+    n.shutdown();
+    dlclose(n.lib);
+    return;
+  }
+  std::vector<nvmlDevice_t> devs;
+  for (unsigned i = 0; i < count; ++i) {
+    nvmlDevice_t d = nullptr;
+    if (nvmlReturn_t r = n.handle(i, &d); r != kNvmlSuccess) {
+      host.warnings.push_back("NVML: GPU " + std::to_string(i) + ": " + n.err(r));
+      continue;
+    }
+    Gpu g;
+    g.index = static_cast<int>(i);
+    if (n.name && n.name(d, buf, sizeof(buf)) == kNvmlSuccess) g.name = buf;
+    if (n.uuid && n.uuid(d, buf, sizeof(buf)) == kNvmlSuccess) g.uuid = buf;
+    NvmlPciInfo pci{};
+    if (n.pci && n.pci(d, &pci) == kNvmlSuccess) g.pci_bus_id = pci.busId;
+    NvmlMemory mem{};
+    if (n.memory && n.memory(d, &mem) == kNvmlSuccess) g.memory_bytes = static_cast<int64_t>(mem.total);
+    if (n.capability) n.capability(d, &g.compute_major, &g.compute_minor);
+    if (std::string id = sysfs_bus_id(g.pci_bus_id); !id.empty()) {
+      std::string dir = "/sys/bus/pci/devices/" + id + "/";
+      std::string numa = read_first_line(dir + "numa_node");
+      if (!numa.empty()) g.numa_node = std::atoi(numa.c_str());
+      if (g.numa_node < 0) g.numa_node = -1;
+      g.cpu_affinity = read_first_line(dir + "local_cpulist");
+    }
+    host.gpus.push_back(std::move(g));
+    devs.push_back(d);
+  }
+
+  // NVLinks: direct GPU-GPU links, and links into NVSwitches (every GPU on the switch
+  // fabric reaches every other one through them).
+  size_t g = devs.size();
+  std::vector<std::vector<int>> direct(g, std::vector<int>(g, 0));
+  std::vector<int> to_switch(g, 0);
+  if (n.nvlink_state) {
+    for (size_t i = 0; i < g; ++i) {
+      for (unsigned l = 0; l < kNvlinkMaxLinks; ++l) {
+        int active = 0;
+        if (n.nvlink_state(devs[i], l, &active) != kNvmlSuccess || !active) continue;
+        int type = -1;
+        if (n.nvlink_remote_type && n.nvlink_remote_type(devs[i], l, &type) == kNvmlSuccess &&
+            type == kNvlinkDeviceSwitch) {
+          ++to_switch[i];
+          continue;
+        }
+        NvmlPciInfo remote{};
+        if (!n.nvlink_remote_pci || n.nvlink_remote_pci(devs[i], l, &remote) != kNvmlSuccess) continue;
+        std::string rid = sysfs_bus_id(remote.busId);
+        bool found = false;
+        for (size_t j = 0; j < g; ++j)
+          if (j != i && !rid.empty() && sysfs_bus_id(host.gpus[j].pci_bus_id) == rid) {
+            ++direct[i][j];
+            found = true;
+          }
+        if (!found && type != 0) ++to_switch[i];  // not a GPU we know: a switch (older NVML)
+      }
+    }
+  }
+  host.gpu_links.assign(g, std::vector<GpuLink>(g));
+  for (size_t i = 0; i < g; ++i) {
+    for (size_t j = 0; j < g; ++j) {
+      GpuLink& link = host.gpu_links[i][j];
+      if (i == j) {
+        link.pcie = "X";
+        continue;
+      }
+      int level = -1;
+      if (n.common_ancestor && n.common_ancestor(devs[i], devs[j], &level) == kNvmlSuccess) {
+        auto it = kTopologyLevel.find(level);
+        link.pcie = it == kTopologyLevel.end() ? "" : it->second;
+      }
+      link.nvlinks = direct[i][j];
+      if (to_switch[i] > 0 && to_switch[j] > 0) link.nvlinks += std::min(to_switch[i], to_switch[j]);
+      int status = -1;
+      link.p2p = n.p2p && n.p2p(devs[i], devs[j], /*NVML_P2P_CAPS_INDEX_READ*/ 0, &status) == kNvmlSuccess &&
+                 status == 0;
+    }
+  }
+  host.gpu_status = host.gpus.empty() ? "no GPU" : "ok";
+  n.shutdown();
+  dlclose(n.lib);
+}
+
+// Versions from the CUDA runtime and driver libraries, when this machine has them. The
+// libraries stay loaded (unloading libcudart is not safe once anything initialised it).
+void discover_cuda_versions(HostTopology& host) {
+  std::vector<std::string> runtimes = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"};
+  for (const char* env : {"CUDA_HOME", "CUDA_PATH"})
+    if (const char* dir = std::getenv(env); dir && *dir) runtimes.push_back(std::string(dir) + "/lib64/libcudart.so");
+  runtimes.push_back("/usr/local/cuda/lib64/libcudart.so");
+  for (const auto& name : runtimes) {
+    void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!lib) continue;
+    using Fn = int (*)(int*);
+    auto fn = reinterpret_cast<Fn>(dlsym(lib, "cudaRuntimeGetVersion"));
+    int v = 0;
+    if (fn && fn(&v) == 0 && v > 0) {
+      host.cuda_runtime = cuda_version_string(v);
+      break;
+    }
+  }
+  // libcuda.so.1 only: the unversioned name may be the toolkit's stub, which has no driver.
+  if (void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)) {
+    using Fn = int (*)(int*);
+    auto fn = reinterpret_cast<Fn>(dlsym(lib, "cuDriverGetVersion"));
+    int v = 0;
+    if (fn && fn(&v) == 0 && v > 0 && host.cuda_driver.empty()) host.cuda_driver = cuda_version_string(v);
+  }
+}
+
+// ---- JSON -----------------------------------------------------------------------------
+
+using nlohmann::json;
+
+json j_host(const HostTopology& h) {
+  json j;
+  j["hostname"] = h.hostname;
+  j["packages"] = json::array();
+  for (const auto& p : h.packages)
+    j["packages"].push_back({{"index", p.index}, {"model", p.model}, {"cpus", p.cpus}, {"cores", p.cores}, {"pus", p.pus}});
+  j["numa_nodes"] = json::array();
+  for (const auto& n : h.numa_nodes)
+    j["numa_nodes"].push_back({{"index", n.index}, {"os_index", n.os_index}, {"package", n.package},
+                               {"memory_bytes", n.memory_bytes}, {"cpus", n.cpus}});
+  j["cores"] = json::array();
+  for (const auto& c : h.cores)
+    j["cores"].push_back({{"index", c.index}, {"package", c.package}, {"numa", c.numa}, {"pus", c.pus}});
+  j["pus"] = h.pus;
+  j["allowed_cpus"] = h.allowed_cpus;
+  j["caches"] = json::array();
+  for (const auto& c : h.caches)
+    j["caches"].push_back({{"name", c.name}, {"level", c.level}, {"size_bytes", c.size_bytes},
+                           {"line_bytes", c.line_bytes}, {"instances", c.instances},
+                           {"pus_per_instance", c.pus_per_instance}});
+  j["memory_bytes"] = h.memory_bytes;
+  j["gpus"] = json::array();
+  for (const auto& g : h.gpus)
+    j["gpus"].push_back({{"index", g.index}, {"name", g.name}, {"uuid", g.uuid}, {"pci_bus_id", g.pci_bus_id},
+                         {"memory_bytes", g.memory_bytes}, {"compute_major", g.compute_major},
+                         {"compute_minor", g.compute_minor}, {"numa_node", g.numa_node},
+                         {"cpu_affinity", g.cpu_affinity}});
+  j["gpu_links"] = json::array();
+  for (const auto& row : h.gpu_links) {
+    json r = json::array();
+    for (const auto& l : row) r.push_back({{"pcie", l.pcie}, {"nvlinks", l.nvlinks}, {"p2p", l.p2p}});
+    j["gpu_links"].push_back(std::move(r));
+  }
+  j["gpu_status"] = h.gpu_status;
+  j["driver_version"] = h.driver_version;
+  j["cuda_driver"] = h.cuda_driver;
+  j["cuda_runtime"] = h.cuda_runtime;
+  j["hwloc_version"] = h.hwloc_version;
+  j["warnings"] = h.warnings;
+  return j;
+}
+
+json j_topology(const Topology& t) {
+  json j;
+  j["format"] = "tetra.topology/1";
+  j["hosts"] = json::array();
+  for (const auto& h : t.hosts) j["hosts"].push_back(j_host(h));
+  j["ranks"] = json::array();
+  for (const auto& r : t.ranks)
+    j["ranks"].push_back({{"rank", r.rank}, {"host", r.host}, {"local_rank", r.local_rank}, {"cpus", r.cpus},
+                          {"device", r.device}});
+  return j;
+}
+
+// Reading: a missing key keeps the default (hand-written documents may leave fields
+// out); a present key of the wrong type is an error naming its path.
+struct Reader {
+  const json& j;
+  std::string path;
+
+  bool has(const char* key) const { return j.is_object() && j.contains(key); }
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::invalid_argument("topology JSON: " + path + ": " + what);
+  }
+  template <typename T>
+  void get(const char* key, T& out) const {
+    if (!has(key)) return;
+    const json& v = j.at(key);
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!v.is_boolean()) Reader{v, path + "." + key}.fail("expected true or false");
+    } else if constexpr (std::is_integral_v<T>) {
+      if (!v.is_number_integer()) Reader{v, path + "." + key}.fail("expected an integer");
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (!v.is_string()) Reader{v, path + "." + key}.fail("expected a string");
+    }
+    out = v.get<T>();
+  }
+  template <typename F>
+  void each(const char* key, F fn) const {
+    if (!has(key)) return;
+    const json& v = j.at(key);
+    std::string p = path + "." + key;
+    if (!v.is_array()) Reader{v, p}.fail("expected an array");
+    for (size_t i = 0; i < v.size(); ++i) {
+      Reader item{v[i], p + "[" + std::to_string(i) + "]"};
+      fn(item);
+    }
+  }
+  void object() const {
+    if (!j.is_object()) fail("expected an object");
+  }
+};
+
+HostTopology read_host(const Reader& r) {
+  r.object();
+  HostTopology h;
+  r.get("hostname", h.hostname);
+  if (h.hostname.empty()) r.fail("\"hostname\" is missing or empty");
+  r.each("packages", [&](const Reader& x) {
+    x.object();
+    Package p;
+    x.get("index", p.index);
+    x.get("model", p.model);
+    x.get("cpus", p.cpus);
+    x.get("cores", p.cores);
+    x.get("pus", p.pus);
+    h.packages.push_back(std::move(p));
+  });
+  r.each("numa_nodes", [&](const Reader& x) {
+    x.object();
+    NumaNode n;
+    x.get("index", n.index);
+    x.get("os_index", n.os_index);
+    x.get("package", n.package);
+    x.get("memory_bytes", n.memory_bytes);
+    x.get("cpus", n.cpus);
+    h.numa_nodes.push_back(std::move(n));
+  });
+  r.each("cores", [&](const Reader& x) {
+    x.object();
+    Core c;
+    x.get("index", c.index);
+    x.get("package", c.package);
+    x.get("numa", c.numa);
+    x.get("pus", c.pus);
+    h.cores.push_back(std::move(c));
+  });
+  r.get("pus", h.pus);
+  r.get("allowed_cpus", h.allowed_cpus);
+  r.each("caches", [&](const Reader& x) {
+    x.object();
+    Cache c;
+    x.get("name", c.name);
+    x.get("level", c.level);
+    x.get("size_bytes", c.size_bytes);
+    x.get("line_bytes", c.line_bytes);
+    x.get("instances", c.instances);
+    x.get("pus_per_instance", c.pus_per_instance);
+    h.caches.push_back(std::move(c));
+  });
+  r.get("memory_bytes", h.memory_bytes);
+  r.each("gpus", [&](const Reader& x) {
+    x.object();
+    Gpu g;
+    x.get("index", g.index);
+    x.get("name", g.name);
+    x.get("uuid", g.uuid);
+    x.get("pci_bus_id", g.pci_bus_id);
+    x.get("memory_bytes", g.memory_bytes);
+    x.get("compute_major", g.compute_major);
+    x.get("compute_minor", g.compute_minor);
+    x.get("numa_node", g.numa_node);
+    x.get("cpu_affinity", g.cpu_affinity);
+    h.gpus.push_back(std::move(g));
+  });
+  r.each("gpu_links", [&](const Reader& row) {
+    std::vector<GpuLink> links;
+    if (!row.j.is_array()) row.fail("expected an array (a row of the link matrix)");
+    for (size_t i = 0; i < row.j.size(); ++i) {
+      Reader x{row.j[i], row.path + "[" + std::to_string(i) + "]"};
+      x.object();
+      GpuLink l;
+      x.get("pcie", l.pcie);
+      x.get("nvlinks", l.nvlinks);
+      x.get("p2p", l.p2p);
+      links.push_back(std::move(l));
+    }
+    h.gpu_links.push_back(std::move(links));
+  });
+  if (!h.gpu_links.empty() || !h.gpus.empty()) {
+    bool square = h.gpu_links.size() == h.gpus.size();
+    for (const auto& row : h.gpu_links) square = square && row.size() == h.gpus.size();
+    if (!square)
+      r.fail("gpu_links must be " + std::to_string(h.gpus.size()) + " x " + std::to_string(h.gpus.size()) +
+             " (one row and column per GPU)");
+  }
+  r.get("gpu_status", h.gpu_status);
+  r.get("driver_version", h.driver_version);
+  r.get("cuda_driver", h.cuda_driver);
+  r.get("cuda_runtime", h.cuda_runtime);
+  r.get("hwloc_version", h.hwloc_version);
+  r.each("warnings", [&](const Reader& x) {
+    if (!x.j.is_string()) x.fail("expected a string");
+    h.warnings.push_back(x.j.get<std::string>());
+  });
+  return h;
+}
+
+Topology read_topology(const json& j) {
+  Reader r{j, "$"};
+  r.object();
+  if (r.has("format")) {
+    std::string format;
+    r.get("format", format);
+    if (format != "tetra.topology/1") r.fail("format \"" + format + "\" is not tetra.topology/1");
+  }
+  if (!r.has("hosts")) r.fail("\"hosts\" is missing");
+  Topology t;
+  r.each("hosts", [&](const Reader& x) { t.hosts.push_back(read_host(x)); });
+  r.each("ranks", [&](const Reader& x) {
+    x.object();
+    RankPlacement p;
+    if (!x.has("rank")) x.fail("\"rank\" is missing");
+    x.get("rank", p.rank);
+    x.get("host", p.host);
+    x.get("local_rank", p.local_rank);
+    x.get("cpus", p.cpus);
+    x.get("device", p.device);
+    t.ranks.push_back(std::move(p));
+  });
+  return t;
+}
+
+}  // namespace
+
+// ---- discovery ------------------------------------------------------------------------
+
+HostTopology discover_host() {
+  HostTopology host;
+  host.hostname = hostname();
+  std::string why;
+  try {
+    why = discover_cpus_hwloc(host);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  if (!why.empty()) host = degraded_host(why);
+  if (host.memory_bytes <= 0) host.memory_bytes = total_memory_bytes();
+  discover_gpus(host);
+  discover_cuda_versions(host);
+  return host;
+}
+
+Topology local_topology(const HostTopology& host, int rank, int local_rank, const std::string& device) {
+  Topology t;
+  t.hosts.push_back(host);
+  RankPlacement p;
+  p.rank = rank;
+  p.host = host.hostname;
+  p.local_rank = local_rank;
+  p.cpus = affinity_cpus();
+  p.device = device.empty() ? (local_rank >= 0 ? default_device(host, local_rank) : "") : device;
+  t.ranks.push_back(std::move(p));
+  return t;
+}
+
+Topology local_topology(int rank, int local_rank, const std::string& device) {
+  return local_topology(discover_host(), rank, local_rank, device);
+}
+
+// ---- JSON entry points ----------------------------------------------------------------
+
+std::string to_json(const Topology& topology, int indent) { return j_topology(topology).dump(indent); }
+std::string to_json(const HostTopology& host, int indent) { return j_host(host).dump(indent); }
+
+Topology topology_from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw std::invalid_argument(std::string("topology JSON does not parse: ") + e.what());
+  }
+  try {
+    return read_topology(j);
+  } catch (const json::exception& e) {  // a type nlohmann rejects below our checks
+    throw std::invalid_argument(std::string("topology JSON: ") + e.what());
+  }
+}
+
+void assign_local_ranks(Topology& t) {
+  std::map<std::string, int> next;
+  for (auto& r : t.ranks) {  // sorted by rank
+    int ordinal = next[r.host]++;
+    if (r.local_rank < 0) r.local_rank = ordinal;
+    if (r.device.empty()) {
+      const HostTopology* h = t.host(r.host);
+      r.device = h ? default_device(*h, r.local_rank) : "cpu";
+    }
+  }
+}
+
+Topology merge(const std::vector<Topology>& parts) {
+  Topology out;
+  std::map<int, std::pair<RankPlacement, size_t>> ranks;  // rank -> placement, part
+  std::map<std::string, HostTopology> hosts;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (const auto& h : parts[i].hosts)
+      hosts.emplace(h.hostname, h);  // the first description of a host wins
+    for (const auto& r : parts[i].ranks) {
+      if (auto it = ranks.find(r.rank); it != ranks.end())
+        throw std::invalid_argument("topology merge: rank " + std::to_string(r.rank) + " appears in part " +
+                                    std::to_string(it->second.second) + " and in part " + std::to_string(i));
+      if (!parts[i].host(r.host))
+        throw std::invalid_argument("topology merge: part " + std::to_string(i) + " places rank " +
+                                    std::to_string(r.rank) + " on host \"" + r.host +
+                                    "\" but does not describe that host");
+      ranks.emplace(r.rank, std::make_pair(r, i));
+    }
+  }
+  std::set<std::string> placed;
+  for (const auto& [rank, rp] : ranks) {
+    out.ranks.push_back(rp.first);
+    if (placed.insert(rp.first.host).second) out.hosts.push_back(hosts.at(rp.first.host));
+  }
+  for (const auto& part : parts)  // hosts that no rank runs on keep their order, last
+    for (const auto& h : part.hosts)
+      if (placed.insert(h.hostname).second) out.hosts.push_back(h);
+  assign_local_ranks(out);
+  return out;
+}
+
+Topology merge(const std::vector<std::string>& per_rank_json) {
+  std::vector<Topology> parts;
+  parts.reserve(per_rank_json.size());
+  for (size_t i = 0; i < per_rank_json.size(); ++i) {
+    try {
+      parts.push_back(topology_from_json(per_rank_json[i]));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("topology merge: part " + std::to_string(i) + ": " + e.what());
+    }
+  }
+  return merge(parts);
+}
+
+// ---- the readable report --------------------------------------------------------------
+
+namespace {
+
+std::string plural(int n, const char* one, const char* many) {
+  return std::to_string(n) + " " + (n == 1 ? one : many);
+}
+
+std::string sharing(const HostTopology& h, const Cache& c) {
+  int per_core = h.cores.empty() ? 1 : std::max(1, h.pus / h.core_count());
+  if (c.pus_per_instance <= 0) return "";
+  if (c.pus_per_instance == h.pus && h.pus > 1) return "shared by all " + std::to_string(h.pus) + " PUs";
+  if (c.pus_per_instance == per_core) return "per core";
+  for (const auto& p : h.packages)
+    if (h.packages.size() > 1 && p.pus == c.pus_per_instance) return "per package";
+  return "shared by " + std::to_string(c.pus_per_instance) + " PUs";
+}
+
+void put_cores(std::ostringstream& os, const HostTopology& h, const std::vector<const Core*>& cores,
+               const std::string& indent) {
+  if (cores.empty()) return;
+  if (cores.size() <= 8) {
+    for (const Core* c : cores) {
+      auto pus = parse_cpu_list(c->pus);
+      os << indent << "core " << c->index << ": " << (pus.size() == 1 ? "PU " : "PUs ") << c->pus << "\n";
+    }
+    return;
+  }
+  std::vector<int> idx, pus;
+  for (const Core* c : cores) {
+    idx.push_back(c->index);
+    for (int p : parse_cpu_list(c->pus)) pus.push_back(p);
+  }
+  os << indent << "cores " << format_cpu_list(idx) << " (" << cores.size() << "), PUs " << format_cpu_list(pus);
+  if (pus.size() % cores.size() == 0 && pus.size() > cores.size())
+    os << " (" << pus.size() / cores.size() << " per core)";
+  os << "\n";
+}
+
+// One cell of nvidia-smi's matrix: left-aligned in a tab stop of 8.
+std::string cell(const std::string& s, size_t width = 8) {
+  return s.size() >= width ? s + " " : s + std::string(width - s.size(), ' ');
+}
+
+}  // namespace
+
+std::string format_gpu_matrix(const HostTopology& h) {
+  if (h.gpus.empty()) return "";
+  std::ostringstream os;
+  size_t n = h.gpus.size();
+  os << cell("");
+  for (size_t j = 0; j < n; ++j) os << cell("GPU" + std::to_string(j));
+  os << cell("CPU Affinity", 16) << "NUMA Affinity\n";
+  for (size_t i = 0; i < n; ++i) {
+    os << cell("GPU" + std::to_string(i));
+    for (size_t j = 0; j < n; ++j) {
+      std::string label = i < h.gpu_links.size() && j < h.gpu_links[i].size() ? h.gpu_links[i][j].label() : "?";
+      os << cell(" " + label);
+    }
+    const Gpu& g = h.gpus[i];
+    os << cell(g.cpu_affinity.empty() ? "N/A" : g.cpu_affinity, 16)
+       << (g.numa_node < 0 ? std::string("N/A") : std::to_string(g.numa_node)) << "\n";
+  }
+  os << "\nLegend:\n\n"
+     << "  X    = Self\n"
+     << "  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)\n"
+     << "  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node\n"
+     << "  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)\n"
+     << "  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)\n"
+     << "  PIX  = Connection traversing at most a single PCIe bridge\n"
+     << "  NV#  = Connection traversing a bonded set of # NVLinks\n";
+  std::vector<std::string> p2p_yes, p2p_no;
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = i + 1; j < n; ++j) {
+      bool yes = i < h.gpu_links.size() && j < h.gpu_links[i].size() && h.gpu_links[i][j].p2p;
+      (yes ? p2p_yes : p2p_no).push_back("GPU" + std::to_string(i) + "-GPU" + std::to_string(j));
+    }
+  if (n > 1) {
+    os << "\nPeer access:";
+    if (p2p_no.empty())
+      os << " all pairs\n";
+    else if (p2p_yes.empty())
+      os << " none\n";
+    else {
+      os << " yes";
+      for (const auto& s : p2p_yes) os << " " << s;
+      os << "; no";
+      for (const auto& s : p2p_no) os << " " << s;
+      os << "\n";
+    }
+  }
+  return os.str();
+}
+
+std::string format_host(const HostTopology& h) {
+  std::ostringstream os;
+  os << "host " << h.hostname << ": " << plural(static_cast<int>(h.packages.size()), "package", "packages") << ", "
+     << plural(static_cast<int>(h.numa_nodes.size()), "NUMA node", "NUMA nodes") << ", "
+     << plural(h.core_count(), "core", "cores") << ", " << plural(h.pus, "PU", "PUs") << ", "
+     << format_bytes(h.memory_bytes);
+  if (!h.hwloc_version.empty()) os << " (hwloc " << h.hwloc_version << ")";
+  os << "\n";
+  if (!h.allowed_cpus.empty() && h.pus > 0 && static_cast<int>(parse_cpu_list(h.allowed_cpus).size()) != h.pus)
+    os << "  allowed PUs (cgroup): " << h.allowed_cpus << "\n";
+
+  auto numa_line = [&](const NumaNode& n, const std::string& indent) {
+    os << indent << "NUMA " << n.os_index << ": " << format_bytes(n.memory_bytes);
+    if (n.cpus.empty())
+      os << ", no CPUs (memory only)";
+    else
+      os << ", PUs " << n.cpus;
+    os << "\n";
+    std::vector<const Core*> cores;
+    for (const auto& c : h.cores)
+      if (c.numa == n.index) cores.push_back(&c);
+    put_cores(os, h, cores, indent + "  ");
+  };
+  for (const auto& p : h.packages) {
+    os << "  package " << p.index << ": " << (p.model.empty() ? "" : p.model + ", ")
+       << plural(p.cores, "core", "cores") << ", " << plural(p.pus, "PU", "PUs") << " (" << p.cpus << ")\n";
+    for (const auto& n : h.numa_nodes)
+      if (n.package == p.index) numa_line(n, "    ");
+    std::vector<const Core*> loose;  // cores of this package in no NUMA node shown above
+    for (const auto& c : h.cores) {
+      if (c.package != p.index) continue;
+      bool shown = false;
+      for (const auto& n : h.numa_nodes) shown = shown || (n.index == c.numa && n.package == p.index);
+      if (!shown) loose.push_back(&c);
+    }
+    put_cores(os, h, loose, "    ");
+  }
+  for (const auto& n : h.numa_nodes)  // nodes spanning packages, or with no CPUs
+    if (n.package < 0 || n.package >= static_cast<int>(h.packages.size())) {
+      os << "  NUMA " << n.os_index << " (" << (n.cpus.empty() ? "memory only" : "spans packages")
+         << "): " << format_bytes(n.memory_bytes) << (n.cpus.empty() ? "" : ", PUs " + n.cpus) << "\n";
+    }
+  if (!h.caches.empty()) {
+    os << "  caches:";
+    bool first = true;
+    for (const auto& c : h.caches) {
+      os << (first ? " " : ", ") << c.name << " " << format_bytes(c.size_bytes) << " x" << c.instances;
+      std::string s = sharing(h, c);
+      if (!s.empty()) os << " (" << s << ")";
+      first = false;
+    }
+    os << "\n";
+  }
+  os << "  CUDA: runtime " << (h.cuda_runtime.empty() ? "none" : h.cuda_runtime) << ", driver "
+     << (h.cuda_driver.empty() ? "none" : h.cuda_driver);
+  if (!h.driver_version.empty()) os << " (NVIDIA " << h.driver_version << ")";
+  os << "\n";
+  if (h.gpus.empty()) {
+    os << "  GPUs: none (" << (h.gpu_status.empty() ? "not probed" : h.gpu_status) << ")\n";
+  } else {
+    os << "  GPUs:\n";
+    for (const auto& g : h.gpus) {
+      os << "    GPU" << g.index << ": " << (g.name.empty() ? "unknown" : g.name) << ", "
+         << format_bytes(g.memory_bytes);
+      if (g.compute_major > 0) os << ", sm_" << g.compute_major << g.compute_minor;
+      if (!g.pci_bus_id.empty()) os << ", PCI " << g.pci_bus_id;
+      os << ", NUMA " << (g.numa_node < 0 ? std::string("N/A") : std::to_string(g.numa_node)) << "\n";
+    }
+    std::istringstream matrix(format_gpu_matrix(h));
+    std::string line;
+    os << "\n";
+    while (std::getline(matrix, line)) os << (line.empty() ? "" : "  " + line) << "\n";
+  }
+  for (const auto& w : h.warnings) os << "  warning: " << w << "\n";
+  return os.str();
+}
+
+std::string format_ranks(const Topology& t) {
+  std::ostringstream os;
+  if (t.ranks.empty()) return "";
+  os << "ranks: " << t.ranks_count() << " on " << plural(t.hosts_count(), "host", "hosts");
+  if (t.hosts_count() > 0) {
+    std::vector<std::string> per;
+    for (const auto& h : t.hosts) per.push_back(std::to_string(t.ranks_on(h.hostname).size()) + " on " + h.hostname);
+    os << " (";
+    for (size_t i = 0; i < per.size(); ++i) os << (i ? ", " : "") << per[i];
+    os << ")";
+  }
+  os << "\n";
+  std::vector<std::vector<std::string>> rows = {{"rank", "host", "local", "cpus", "device"}};
+  for (const auto& r : t.ranks)
+    rows.push_back({std::to_string(r.rank), r.host, std::to_string(r.local_rank), r.cpus, r.device});
+  std::vector<size_t> w(5, 0);
+  for (const auto& row : rows)
+    for (size_t c = 0; c < 5; ++c) w[c] = std::max(w[c], row[c].size());
+  for (const auto& row : rows) {
+    std::string line = " ";
+    for (size_t c = 0; c < 5; ++c) line += " " + row[c] + (c + 1 < 5 ? std::string(w[c] - row[c].size() + 1, ' ') : "");
+    os << line << "\n";
+  }
+  return os.str();
+}
+
+std::string format_table(const Topology& t) {
+  std::ostringstream os;
+  for (size_t i = 0; i < t.hosts.size(); ++i) os << (i ? "\n" : "") << format_host(t.hosts[i]);
+  if (!t.ranks.empty()) os << "\n" << format_ranks(t);
+  return os.str();
+}
+
+}  // namespace tetra::hardware
