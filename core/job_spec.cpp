@@ -10,14 +10,15 @@
 #include <limits>
 #include <set>
 
-#include "core/error.h"
+#include "collectives/error.h"
 
 namespace tetra::core {
 
 namespace {
 
-const std::vector<std::string> kCoreSections = {"name",     "model", "data",       "optimizer",
-                                                "schedule", "train", "checkpoint", "log"};
+const std::vector<std::string> kCoreSections = {
+    "name", "model", "data", "optimizer", "schedule", "train", "checkpoint", "log", "mesh",
+    "collectives"};
 
 std::string join(const std::vector<std::string>& items, const std::string& sep = ", ") {
   std::string out;
@@ -278,6 +279,26 @@ LogSpec parse_log(Section& l, const std::string& name) {
   return spec;
 }
 
+// mesh: {axis: size, ...}; axis names from kAxisOrder, in any order.
+MeshSpec parse_mesh(Section& m) {
+  std::vector<MeshAxis> axes;
+  for (const std::string& name : kAxisOrder) {
+    const bool given = m.has(name);  // every axis is read, so a misspelt one gets a suggestion
+    const int size = static_cast<int>(m.integer(name, 1, 1, 1 << 20));
+    if (given) axes.push_back({name, size});
+  }
+  m.finish();
+  return make_mesh_spec(axes);
+}
+
+CollectivesSpec parse_collectives(Section& c) {
+  CollectivesSpec spec;
+  spec.backend = c.choice("backend", spec.backend, {"mpi", "gloo", "nccl"});
+  spec.timeout_s = c.number("timeout_s", spec.timeout_s, 0.001);
+  c.finish();
+  return spec;
+}
+
 // The rules that tie sections together. Each error points at the key to change.
 void check_cross_fields(const JobSpec& spec, Section& model, Section& data, Section& train) {
   const ModelSpec& m = spec.model;
@@ -357,6 +378,10 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   spec.checkpoint = parse_checkpoint(checkpoint, spec.name);
   Section log = root.section("log");
   spec.log = parse_log(log, spec.name);
+  Section mesh = root.section("mesh");
+  spec.mesh = parse_mesh(mesh);
+  Section collectives = root.section("collectives");
+  spec.collectives = parse_collectives(collectives);
   check_cross_fields(spec, model, data, train);
 
   // d_ff: 0 means 4 * d_model; print what will be built.

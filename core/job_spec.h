@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/mesh.h"
 
 namespace tetra::core {
 
@@ -96,6 +97,11 @@ struct LogSpec {
   std::string progress = "auto";  // auto (live line on a terminal) | line | plain | off
 };
 
+struct CollectivesSpec {
+  std::string backend = "mpi";  // mpi | gloo | nccl (a build without one rejects it)
+  double timeout_s = 300;       // set-up and default op timeout: a lost peer is an error, not a hang
+};
+
 // What a plugin's section parses into. Plugins subclass it with their typed options.
 struct PluginConfig {
   virtual ~PluginConfig() = default;
@@ -131,6 +137,8 @@ struct JobSpec {
   TrainSpec train;
   CheckpointSpec checkpoint;
   LogSpec log;
+  MeshSpec mesh;            // `mesh: {pipeline: P, data: D}`; absent axes have size 1
+  CollectivesSpec collectives;
   // Plugin sections present in the job, by name.
   std::map<std::string, std::shared_ptr<const PluginConfig>> plugins;
 

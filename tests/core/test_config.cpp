@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/config.h"
-#include "core/error.h"
+#include "collectives/error.h"
 #include "core/job_spec.h"
 
 namespace tetra::core {
@@ -161,7 +161,7 @@ TEST(ConfigKeys, UnknownSectionListsCoreAndPluginSections) {
   });
   EXPECT_EQ(errors_of("colourful: 1\n", {}, plugins),
             "job.yaml:1:1: error: colourful: unknown section (known sections: name, model, data, "
-            "optimizer, schedule, train, checkpoint, log, zero)");
+            "optimizer, schedule, train, checkpoint, log, mesh, collectives, zero)");
 }
 
 TEST(ConfigKeys, KeyOfAnotherModelTypeSaysWhichType) {

@@ -1,0 +1,135 @@
+#include "core/mesh.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "collectives/error.h"
+
+namespace tetra::core {
+
+int MeshSpec::world_size() const {
+  int n = 1;
+  for (const auto& a : axes) n *= a.size;
+  return n;
+}
+
+int MeshSpec::size(const std::string& axis) const {
+  for (const auto& a : axes)
+    if (a.name == axis) return a.size;
+  return 1;
+}
+
+std::string MeshSpec::str() const {
+  if (axes.empty()) return "(one rank)";
+  std::string s;
+  for (const auto& a : axes) s += (s.empty() ? "" : " x ") + a.name + "=" + std::to_string(a.size);
+  return s;
+}
+
+MeshSpec make_mesh_spec(const std::vector<MeshAxis>& axes) {
+  MeshSpec spec;
+  for (const auto& name : kAxisOrder)
+    for (const auto& a : axes)
+      if (a.name == name) spec.axes.push_back(a);
+  for (const auto& a : axes) {
+    if (std::find(kAxisOrder.begin(), kAxisOrder.end(), a.name) == kAxisOrder.end()) {
+      std::string known;
+      for (const auto& n : kAxisOrder) known += (known.empty() ? "" : ", ") + n;
+      throw ConfigError("mesh axis \"" + a.name + "\" is not known (axes: " + known + ")");
+    }
+    if (a.size < 1) throw ConfigError("mesh." + a.name + ": must be >= 1, got " + std::to_string(a.size));
+  }
+  return spec;
+}
+
+void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& world_origin) {
+  if (spec.world_size() == world_size) return;
+  std::ostringstream os;
+  os << "mesh " << spec.str() << " = " << spec.world_size() << " rank" << (spec.world_size() == 1 ? "" : "s")
+     << ", but the world has " << world_size;
+  if (!world_origin.empty()) os << " (" << world_origin << ")";
+  os << "; make the product of the mesh axes equal the number of processes";
+  throw ConfigError(os.str());
+}
+
+MeshLayout::MeshLayout(MeshSpec spec) : spec_(std::move(spec)), strides_(spec_.axes.size(), 1) {
+  for (int i = static_cast<int>(spec_.axes.size()) - 2; i >= 0; --i)
+    strides_[i] = strides_[i + 1] * spec_.axes[i + 1].size;
+}
+
+int MeshLayout::axis_index(const std::string& axis) const {
+  for (size_t i = 0; i < spec_.axes.size(); ++i)
+    if (spec_.axes[i].name == axis) return static_cast<int>(i);
+  return -1;
+}
+
+std::vector<int> MeshLayout::coords(int rank) const {
+  std::vector<int> c(spec_.axes.size());
+  for (size_t i = 0; i < c.size(); ++i) c[i] = (rank / strides_[i]) % spec_.axes[i].size;
+  return c;
+}
+
+int MeshLayout::coord(int rank, const std::string& axis) const {
+  int i = axis_index(axis);
+  return i < 0 ? 0 : coords(rank)[i];
+}
+
+int MeshLayout::rank_of(const std::vector<int>& c) const {
+  int r = 0;
+  for (size_t i = 0; i < c.size(); ++i) r += c[i] * strides_[i];
+  return r;
+}
+
+std::vector<int> MeshLayout::group(int rank, const std::string& axis) const {
+  int i = axis_index(axis);
+  if (i < 0) return {rank};
+  std::vector<int> c = coords(rank), out;
+  for (int k = 0; k < spec_.axes[i].size; ++k) {
+    c[i] = k;
+    out.push_back(rank_of(c));
+  }
+  return out;
+}
+
+std::string MeshLayout::table() const {
+  std::ostringstream os;
+  for (int r = 0; r < spec_.world_size(); ++r) {
+    os << "rank " << r << ":";
+    auto c = coords(r);
+    for (size_t i = 0; i < c.size(); ++i) os << (i ? ", " : " ") << spec_.axes[i].name << " " << c[i];
+    os << "\n";
+  }
+  return os.str();
+}
+
+Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec)
+    : world_(std::move(world)), layout_(std::move(spec)) {
+  check_mesh_fits(layout_.spec(), world_->size(), world_->backend() + " world");
+  const int rank = world_->rank();
+  // Every rank makes the same splits in the same order (they are collective): one per
+  // axis of the mesh, and a group of one for each known axis the job leaves out.
+  for (const auto& name : kAxisOrder) {
+    if (layout_.spec().size(name) == 1 &&
+        std::none_of(layout_.spec().axes.begin(), layout_.spec().axes.end(),
+                     [&](const MeshAxis& a) { return a.name == name; })) {
+      groups_.emplace_back(name, world_->split(rank, 0, name + " (absent axis)"));
+    }
+  }
+  for (const auto& a : layout_.spec().axes) {
+    // color: this rank's coordinates on every other axis; key: its place on this one.
+    std::vector<int> c = layout_.coords(rank);
+    const int key = layout_.coord(rank, a.name);
+    for (size_t i = 0; i < c.size(); ++i)
+      if (layout_.spec().axes[i].name == a.name) c[i] = 0;
+    const int color = layout_.rank_of(c);
+    groups_.emplace_back(a.name, world_->split(color, key, a.name + " (of mesh " + layout_.spec().str() + ")"));
+  }
+}
+
+collectives::CommunicatorPtr Mesh::axis(const std::string& name) const {
+  for (const auto& [n, g] : groups_)
+    if (n == name) return g;
+  throw Error("mesh has no axis \"" + name + "\"");
+}
+
+}  // namespace tetra::core

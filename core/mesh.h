@@ -1,0 +1,81 @@
+// The device mesh: the job's processes laid out as named axes.
+//
+// `mesh: {pipeline: 2, data: 2}` on 4 ranks. The axes are ordered outermost to
+// innermost by how much they talk, the most talkative innermost so that its groups are
+// consecutive ranks — which launchers place on one host — as Megatron orders its
+// groups. The order is fixed in one place (kAxisOrder): pipeline (one activation per
+// micro-batch) outside, data (every gradient, every step) inside. The mesh is the only
+// source of sub-communicators: each axis's group is the ranks that differ only in that
+// axis's coordinate.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace tetra::core {
+
+// Axis names outermost first. An axis missing from a job has size 1.
+inline const std::vector<std::string> kAxisOrder = {"pipeline", "data"};
+
+struct MeshAxis {
+  std::string name;
+  int size = 1;
+};
+
+struct MeshSpec {
+  std::vector<MeshAxis> axes;  // in kAxisOrder; sizes >= 1
+  int world_size() const;
+  int size(const std::string& axis) const;  // 1 when absent
+  // "pipeline=2 x data=2"
+  std::string str() const;
+};
+
+// Builds a MeshSpec from axis sizes in any order; unknown names are a ConfigError.
+MeshSpec make_mesh_spec(const std::vector<MeshAxis>& axes);
+
+// Throws tetra::ConfigError with the whole equation when the mesh does not fit:
+// "mesh pipeline=2 x data=2 = 4 ranks, but the world has 3 (mpirun -np 3)".
+void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& world_origin = "");
+
+// Rank <-> coordinates, without any communication.
+class MeshLayout {
+ public:
+  explicit MeshLayout(MeshSpec spec);
+  const MeshSpec& spec() const { return spec_; }
+  // Coordinates of `rank`, one per axis of spec().axes.
+  std::vector<int> coords(int rank) const;
+  int coord(int rank, const std::string& axis) const;
+  int rank_of(const std::vector<int>& coords) const;
+  // The ranks of `rank`'s group along `axis`, in coordinate order.
+  std::vector<int> group(int rank, const std::string& axis) const;
+  // "rank 3: pipeline 1, data 1" lines.
+  std::string table() const;
+
+ private:
+  int axis_index(const std::string& axis) const;
+  MeshSpec spec_;
+  std::vector<int> strides_;
+};
+
+class Mesh {
+ public:
+  // Collective over `world`: checks the fit, then splits one sub-communicator per axis.
+  Mesh(collectives::CommunicatorPtr world, MeshSpec spec);
+  const MeshLayout& layout() const { return layout_; }
+  int rank() const { return world_->rank(); }
+  int coord(const std::string& axis) const { return layout_.coord(world_->rank(), axis); }
+  int size(const std::string& axis) const { return layout_.spec().size(axis); }
+  // The group along `axis` (a group of one when the job leaves a known axis out).
+  collectives::CommunicatorPtr axis(const std::string& name) const;
+  const collectives::CommunicatorPtr& world() const { return world_; }
+
+ private:
+  collectives::CommunicatorPtr world_;
+  MeshLayout layout_;
+  std::vector<std::pair<std::string, collectives::CommunicatorPtr>> groups_;
+};
+
+}  // namespace tetra::core
