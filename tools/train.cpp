@@ -6,12 +6,16 @@
 // problem is printed, compiler-style); 1 the run failed (the message says why).
 #include <CLI/CLI.hpp>
 
+#include "collectives/backends.h"
+#include "collectives/error.h"
+#include "collectives/launch.h"
+
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
-#include "core/error.h"
+#include "collectives/error.h"
 #include "core/job_spec.h"
 #include "core/models.h"
 #include "core/report.h"
@@ -106,14 +110,33 @@ int main(int argc, char** argv) {
       std::printf("%s", resolved_yaml(parsed.resolved).c_str());
       return 0;
     }
+    // The mesh must fit the launch before any rank communicates.
+    const collectives::LaunchInfo launch = collectives::detect_launch();
+    if (launch.world_size != 0)
+      check_mesh_fits(spec.mesh, launch.world_size,
+                      launch.launcher == "single" ? "a single process, no launcher" : launch.launcher + ": " + launch.evidence);
+    for (const auto& axis : spec.mesh.axes)
+      if (axis.size > 1)
+        throw ConfigError("mesh." + axis.name + ": " + std::to_string(axis.size) + " ranks on the " + axis.name +
+                          " axis need its strategy plugin, which this build does not have yet (mesh " +
+                          spec.mesh.str() + ")");
+    collectives::CommunicatorPtr world;
+    if (launch.multi_process()) {
+      collectives::BackendRegistry backends;
+      collectives::register_builtin_backends(backends);
+      collectives::WorldOptions wo;
+      wo.timeout = collectives::Duration(static_cast<int64_t>(spec.collectives.timeout_s * 1000));
+      world = backends.create_world(spec.collectives.backend, launch, wo);
+    }
     const int threads = set_threads(spec.train.threads);
     Trainer trainer(spec);
     if (dry_run) {
       print_plan(spec, trainer, threads);
       return 0;
     }
-    std::printf("tetra %s | job %s | 1 process on %s | %d thread%s | %s | %s\n", "0.1.0",
-                spec.name.c_str(), hardware::hostname().c_str(), threads, threads == 1 ? "" : "s",
+    std::printf("tetra %s | job %s | %s on %s | backend %s | device cpu | %d thread%s | %s | %s\n", "0.1.0",
+                spec.name.c_str(), collectives::describe(launch).c_str(), hardware::hostname().c_str(),
+                world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
                 spec.train.precision.c_str(), blas_description().c_str());
     std::printf("%s; model %s, %lld parameters; %lld steps\n",
                 trainer.dataset().info().description.c_str(), spec.model.type.c_str(),

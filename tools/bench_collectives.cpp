@@ -1,0 +1,325 @@
+// bench-collectives — collective bandwidth, in the manner of nccl-tests.
+//
+//   mpirun -np 2 bench-collectives --op allreduce --min-bytes 1M --max-bytes 64M [--in-place] [-c]
+//   bench-collectives --backend local --ranks 2 ...
+//
+// Prints per size: bytes, element count, time (us), algbw and busbw (GB/s). busbw uses
+// nccl-tests' factors: allreduce 2(n-1)/n, reduce_scatter and allgather (n-1)/n,
+// broadcast and sendrecv 1. Sizes follow nccl-tests: the allreduce/broadcast buffer, the
+// gathered (allgather) or scattered-from (reduce_scatter) buffer.
+//   --bare        (mpi, allreduce) also times a bare MPI_Allreduce on the same buffers in
+//                 the same mode and prints tetra/bare.
+//   --bound       (local, allreduce) also measures add and copy bandwidth and prints the
+//                 shared-memory bound 1 / (0.5/add + 0.5/copy) and busbw/bound.
+//   --fused N     also time N tensors of --min-bytes: N separate calls vs one fused call.
+//   -c            checks every result.   --json  one JSON object per size.
+#include <CLI/CLI.hpp>
+#define OMPI_SKIP_MPICXX 1  // the C API only: the C++ bindings need libmpi_cxx
+#include <mpi.h>
+#include <nlohmann/json.hpp>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <thread>
+
+#include "collectives/backends.h"
+#include "collectives/error.h"
+#include "collectives/fusion.h"
+#include "collectives/launch.h"
+#include "collectives/local.h"
+#include "collectives/mpi.h"
+#include "core/runtime.h"
+
+using namespace tetra::collectives;
+
+namespace {
+
+struct Args {
+  std::string op = "allreduce", backend = "mpi", dtype = "float";
+  std::string min_bytes = "1M", max_bytes = "64M";
+  double factor = 2;
+  int iters = 20, warmup = 5, ranks = 2, fused = 0;
+  bool in_place = false, check = false, json = false, bare = false, bound = false;
+};
+
+int64_t parse_bytes(const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  std::string unit = end ? end : "";
+  double mul = 1;
+  if (unit == "K" || unit == "KiB" || unit == "k") mul = 1024;
+  else if (unit == "M" || unit == "MiB") mul = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB") mul = 1024.0 * 1024 * 1024;
+  else if (!unit.empty() && unit != "B") throw tetra::ConfigError("bad byte size \"" + s + "\" (use e.g. 4096, 64K, 16M)");
+  return static_cast<int64_t>(v * mul);
+}
+
+at::ScalarType parse_dtype(const std::string& s) {
+  if (s == "float" || s == "f32") return at::kFloat;
+  if (s == "double" || s == "f64") return at::kDouble;
+  if (s == "bf16") return at::kBFloat16;
+  if (s == "half" || s == "f16") return at::kHalf;
+  if (s == "int" || s == "i32") return at::kInt;
+  if (s == "int64" || s == "i64") return at::kLong;
+  if (s == "uint8" || s == "u8") return at::kByte;
+  throw tetra::ConfigError("unknown dtype \"" + s + "\" (f32 f64 bf16 f16 i32 i64 u8)");
+}
+
+double bus_factor(const std::string& op, int n) {
+  if (op == "allreduce") return n > 1 ? 2.0 * (n - 1) / n : 0;
+  if (op == "reduce_scatter" || op == "allgather") return n > 1 ? double(n - 1) / n : 0;
+  return 1;
+}
+
+using Clock = std::chrono::steady_clock;
+
+// The buffers of one rank for one size, and the op that runs on them.
+struct Case {
+  at::Tensor in, out;
+  std::function<void()> run;       // one tetra op, waited
+  std::function<bool()> verify;    // after one run on fresh data
+};
+
+Case make_case(const Args& a, Communicator& comm, int64_t bytes, at::ScalarType dt) {
+  const int n = comm.size(), r = comm.rank();
+  const int64_t esz = c10::elementSize(dt);
+  int64_t count = std::max<int64_t>(1, bytes / esz);
+  Case c;
+  auto opts = at::TensorOptions().dtype(dt);
+  if (a.op == "allreduce") {
+    c.in = at::full({count}, r + 1, opts);
+    c.out = a.in_place ? c.in : at::empty({count}, opts);
+    c.run = [&comm, in = c.in, out = c.out, ip = a.in_place] {
+      (ip ? comm.allreduce(in) : comm.allreduce(in, out))->wait();
+    };
+    c.verify = [&comm, in = c.in, out = c.out, n, r, ip = a.in_place] {
+      in.fill_(r + 1);
+      (ip ? comm.allreduce(in) : comm.allreduce(in, out))->wait();
+      return (out == n * (n + 1) / 2).all().item<bool>();
+    };
+  } else if (a.op == "reduce_scatter") {
+    count = std::max<int64_t>(n, count / n * n);
+    c.in = at::full({count}, r + 1, opts);
+    c.out = at::empty({count / n}, opts);
+    c.run = [&comm, in = c.in, out = c.out] { comm.reduce_scatter(in, out)->wait(); };
+    c.verify = [&comm, in = c.in, out = c.out, n] {
+      comm.reduce_scatter(in, out)->wait();
+      return (out == n * (n + 1) / 2).all().item<bool>();
+    };
+  } else if (a.op == "allgather") {
+    count = std::max<int64_t>(n, count / n * n);
+    c.in = at::full({count / n}, r, opts);
+    c.out = at::empty({count}, opts);
+    c.run = [&comm, in = c.in, out = c.out] { comm.allgather(in, out)->wait(); };
+    c.verify = [&comm, in = c.in, out = c.out, n] {
+      comm.allgather(in, out)->wait();
+      at::Tensor expect = at::arange(n, out.options()).repeat_interleave(out.numel() / n);
+      return out.equal(expect);
+    };
+  } else if (a.op == "broadcast") {
+    c.in = at::full({count}, r == 0 ? 7 : 0, opts);
+    c.run = [&comm, in = c.in] { comm.broadcast(in)->wait(); };
+    c.verify = [&comm, in = c.in, r] {
+      in.fill_(r == 0 ? 7 : 0);
+      comm.broadcast(in)->wait();
+      return (in == 7).all().item<bool>();
+    };
+  } else if (a.op == "sendrecv") {
+    c.in = at::full({count}, r, opts);
+    c.out = at::empty({count}, opts);
+    c.run = [&comm, in = c.in, out = c.out, n, r] {
+      if (n == 1) return;
+      auto s = comm.send(in, (r + 1) % n);
+      comm.recv(out, (r + n - 1) % n)->wait();
+      s->wait();
+    };
+    c.verify = [run = c.run, out = c.out, n, r] {
+      run();
+      return n == 1 || (out == (r + n - 1) % n).all().item<bool>();
+    };
+  } else {
+    throw tetra::ConfigError("unknown --op \"" + a.op + "\" (allreduce reduce_scatter allgather broadcast sendrecv)");
+  }
+  return c;
+}
+
+double time_loop(const std::function<void()>& fn, int warmup, int iters, const std::function<void()>& sync) {
+  for (int i = 0; i < warmup; ++i) fn();
+  sync();
+  auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  sync();
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / iters;
+}
+
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kInt: return MPI_INT32_T;
+    case at::kLong: return MPI_INT64_T;
+    case at::kByte: return MPI_UINT8_T;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+// Shared-memory bound per size: measured add (a+b->c) and copy bandwidth, in bytes of
+// the buffer per second.
+std::pair<double, double> add_copy_bandwidth(int64_t count, at::ScalarType dt, int iters) {
+  auto o = at::TensorOptions().dtype(dt);
+  at::Tensor a = at::ones({count}, o), b = at::ones({count}, o), c = at::empty({count}, o);
+  const double bytes = static_cast<double>(count * c10::elementSize(dt));
+  auto add_us = time_loop([&] { at::add_out(c, a, b); }, 2, iters, [] {});
+  auto copy_us = time_loop([&] { c.copy_(a); }, 2, iters, [] {});
+  return {bytes / add_us * 1e-3, bytes / copy_us * 1e-3};  // GB/s
+}
+
+int run_rank(const Args& a, Communicator& comm, bool print) {
+  const at::ScalarType dt = parse_dtype(a.dtype);
+  const int64_t lo = parse_bytes(a.min_bytes), hi = parse_bytes(a.max_bytes);
+  const int n = comm.size();
+  auto sync = [&] { comm.barrier()->wait(); };
+  int failures = 0;
+  if (print && !a.json) {
+    std::printf("# bench-collectives: %s, backend %s, %d ranks, dtype %s, %s, iters %d, warmup %d\n",
+                a.op.c_str(), comm.backend().c_str(), n, c10::toString(dt), a.in_place ? "in place" : "out of place",
+                a.iters, a.warmup);
+    std::printf("%12s %12s %10s %8s %8s %6s%s\n", "size (B)", "count", "time (us)", "algbw", "busbw", "check",
+                a.bare ? "   bare us  bare busbw  ratio" : (a.bound ? "  add GB/s copy GB/s  bound  ratio" : ""));
+  }
+  for (int64_t bytes = std::max<int64_t>(lo, 1); bytes <= hi;
+       bytes = std::max<int64_t>(bytes + 1, static_cast<int64_t>(bytes * a.factor))) {
+    Case c = make_case(a, comm, bytes, dt);
+    const int64_t size_bytes = (a.op == "allgather" ? c.out.numel() : c.in.numel()) * c10::elementSize(dt);
+    std::string check = "-";
+    if (a.check) {
+      bool ok = c.verify();
+      check = ok ? "ok" : "FAIL";
+      failures += !ok;
+    }
+    double us = time_loop(c.run, a.warmup, a.iters, sync);
+    double algbw = size_bytes / us * 1e-3;  // GB/s
+    double busbw = algbw * bus_factor(a.op, n);
+    nlohmann::json rec = {{"op", a.op}, {"backend", comm.backend()}, {"ranks", n}, {"dtype", c10::toString(dt)},
+                          {"in_place", a.in_place}, {"bytes", size_bytes}, {"count", c.in.numel()},
+                          {"time_us", us}, {"algbw_gbs", algbw}, {"busbw_gbs", busbw}};
+    if (a.check) rec["check"] = check;
+    std::string extra;
+    if (a.bare && a.op == "allreduce" && comm.backend() == "mpi" && mpi_type(dt) != MPI_DATATYPE_NULL) {
+      at::Tensor in = c.in, out = c.out;
+      double bare_us = time_loop(
+          [&] {
+            MPI_Allreduce(a.in_place ? MPI_IN_PLACE : in.data_ptr(), out.data_ptr(), static_cast<int>(in.numel()),
+                          mpi_type(dt), MPI_SUM, MPI_COMM_WORLD);
+          },
+          a.warmup, a.iters, [] { MPI_Barrier(MPI_COMM_WORLD); });
+      double bare_bus = size_bytes / bare_us * 1e-3 * bus_factor(a.op, n);
+      rec["bare_time_us"] = bare_us;
+      rec["bare_busbw_gbs"] = bare_bus;
+      rec["ratio"] = busbw / bare_bus;
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " %9.1f %11.2f %6.3f", bare_us, bare_bus, busbw / bare_bus);
+      extra = buf;
+    }
+    if (a.bound && a.op == "allreduce" && comm.rank() == 0) {
+      auto [add, copy] = add_copy_bandwidth(c.in.numel(), dt, std::max(3, a.iters / 2));
+      // Each rank reduces half the buffer (add) and copies the other half in.
+      double bound = 1.0 / (0.5 / add + 0.5 / copy);
+      rec["add_gbs"] = add;
+      rec["copy_gbs"] = copy;
+      rec["bound_gbs"] = bound;
+      rec["ratio"] = busbw / bound;
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " %9.2f %9.2f %6.2f %6.3f", add, copy, bound, busbw / bound);
+      extra = buf;
+    }
+    if (print) {
+      if (a.json) std::printf("%s\n", rec.dump().c_str());
+      else
+        std::printf("%12lld %12lld %10.1f %8.2f %8.2f %6s%s\n", static_cast<long long>(size_bytes),
+                    static_cast<long long>(c.in.numel()), us, algbw, busbw, check.c_str(), extra.c_str());
+      std::fflush(stdout);
+    }
+    sync();
+  }
+  if (a.fused > 0) {
+    const int64_t count = std::max<int64_t>(1, lo / c10::elementSize(dt));
+    std::vector<at::Tensor> ts;
+    for (int i = 0; i < a.fused; ++i) ts.push_back(at::full({count}, comm.rank() + 1, at::TensorOptions().dtype(dt)));
+    FusedAllreduce fused;
+    double sep = time_loop([&] { for (auto& t : ts) comm.allreduce(t)->wait(); }, a.warmup, a.iters, sync);
+    double one = time_loop([&] { fused.run(comm, ts); }, a.warmup, a.iters, sync);
+    // Issued all at once and waited together: what the bucketer does.
+    double async = time_loop([&] {
+      std::vector<WorkPtr> ws;
+      for (auto& t : ts) ws.push_back(comm.allreduce(t));
+      for (auto& w : ws) w->wait();
+    }, a.warmup, a.iters, sync);
+    if (print) {
+      if (a.json)
+        std::printf("%s\n", nlohmann::json({{"fused_tensors", a.fused}, {"tensor_bytes", count * c10::elementSize(dt)},
+                                            {"separate_us", sep}, {"separate_async_us", async}, {"fused_us", one},
+                                            {"speedup", sep / one}}).dump().c_str());
+      else
+        std::printf("# %d tensors of %lld B: %d separate calls %.1f us (issued together %.1f us), one fused call %.1f us: %.2fx\n",
+                    a.fused, static_cast<long long>(count * c10::elementSize(dt)), a.fused, sep, async, one, sep / one);
+    }
+  }
+  return failures;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tetra::core::prepare_process(argc, argv);
+  CLI::App app{"bench-collectives: collective bandwidth (nccl-tests style)", "bench-collectives"};
+  Args a;
+  app.add_option("--op", a.op, "allreduce | reduce_scatter | allgather | broadcast | sendrecv");
+  app.add_option("--backend", a.backend, "mpi | local | gloo | nccl");
+  app.add_option("--dtype", a.dtype, "f32 f64 bf16 f16 i32 i64 u8");
+  app.add_option("-b,--min-bytes", a.min_bytes, "smallest size (e.g. 1M)");
+  app.add_option("-e,--max-bytes", a.max_bytes, "largest size (e.g. 64M)");
+  app.add_option("-f,--factor", a.factor, "size multiplier")->check(CLI::Range(1.01, 1e6));
+  app.add_option("-n,--iters", a.iters, "timed iterations")->check(CLI::PositiveNumber);
+  app.add_option("-w,--warmup", a.warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
+  app.add_option("--ranks", a.ranks, "thread-ranks for --backend local")->check(CLI::Range(1, 64));
+  app.add_option("--fused", a.fused, "also time this many --min-bytes tensors: separate vs fused");
+  app.add_flag("--in-place", a.in_place, "allreduce in place");
+  app.add_flag("-c,--check", a.check, "check every result");
+  app.add_flag("--json", a.json, "one JSON object per size");
+  app.add_flag("--bare", a.bare, "mpi allreduce: also time bare MPI_Allreduce");
+  app.add_flag("--bound", a.bound, "local allreduce: also measure the shared-memory bound");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    tetra::core::set_threads(1);
+    int failures = 0;
+    if (a.backend == "local") {
+      std::vector<int> fails(a.ranks, 0);
+      run_local_ranks(a.ranks, [&](int rank, Communicator& comm) { fails[rank] = run_rank(a, comm, rank == 0); });
+      for (int f : fails) failures += f;
+    } else {
+      BackendRegistry registry;
+      register_builtin_backends(registry);
+      LaunchInfo launch = detect_launch();
+      CommunicatorPtr world = registry.create_world(a.backend, launch);
+      failures = run_rank(a, *world, world->rank() == 0);
+      at::Tensor f = at::full({1}, failures, at::kInt);
+      world->allreduce(f)->wait();
+      failures = f.item<int>();
+    }
+    if (failures) {
+      std::fprintf(stderr, "bench-collectives: %d wrong results\n", failures);
+      return 1;
+    }
+    return 0;
+  } catch (const tetra::ConfigError& e) {
+    std::fprintf(stderr, "bench-collectives: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench-collectives: error: %s\n", e.what());
+    return 1;
+  }
+}
