@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 #include "collectives/error.h"
 
 namespace tetra::collectives {
@@ -19,15 +21,26 @@ void FusedAllreduce::run(Communicator& comm, const std::vector<at::Tensor>& tens
   if (!buffer_.defined() || buffer_.numel() != total || buffer_.scalar_type() != tensors[0].scalar_type() ||
       buffer_.device() != tensors[0].device())
     buffer_ = at::empty({total}, tensors[0].options());
+  // On the CPU, pack and unpack with memcpy: an ATen copy costs about a microsecond of
+  // dispatch, which for 200 small tensors is most of the time saved by fusing.
+  const bool cpu = buffer_.is_cpu();
+  const size_t esz = buffer_.element_size();
+  auto* base = static_cast<char*>(buffer_.data_ptr());
   int64_t off = 0;
   for (const auto& t : tensors) {
-    buffer_.narrow(0, off, t.numel()).copy_(t.reshape({-1}));
+    if (cpu && t.is_contiguous())
+      std::memcpy(base + off * esz, t.data_ptr(), t.numel() * esz);
+    else
+      buffer_.narrow(0, off, t.numel()).copy_(t.reshape({-1}));
     off += t.numel();
   }
   comm.allreduce(buffer_, opts)->wait();
   off = 0;
   for (const auto& t : tensors) {
-    t.view({-1}).copy_(buffer_.narrow(0, off, t.numel()));
+    if (cpu && t.is_contiguous())
+      std::memcpy(t.data_ptr(), base + off * esz, t.numel() * esz);
+    else
+      t.view({-1}).copy_(buffer_.narrow(0, off, t.numel()));
     off += t.numel();
   }
 }

@@ -45,10 +45,14 @@ MeshSpec make_mesh_spec(const std::vector<MeshAxis>& axes) {
 void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& world_origin) {
   if (spec.world_size() == world_size) return;
   std::ostringstream os;
-  os << "mesh " << spec.str() << " = " << spec.world_size() << " rank" << (spec.world_size() == 1 ? "" : "s")
-     << ", but the world has " << world_size;
+  if (spec.axes.empty())
+    os << "the job has no mesh (one rank)";
+  else
+    os << "mesh " << spec.str() << " = " << spec.world_size() << " rank" << (spec.world_size() == 1 ? "" : "s");
+  os << ", but the world has " << world_size;
   if (!world_origin.empty()) os << " (" << world_origin << ")";
-  os << "; make the product of the mesh axes equal the number of processes";
+  os << "; make the product of the mesh axes equal the number of processes"
+     << (spec.axes.empty() ? " (e.g. mesh: {data: " + std::to_string(world_size) + "})" : std::string());
   throw ConfigError(os.str());
 }
 

@@ -98,10 +98,19 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : 2;
   }
 
+  // Every rank reads the same job: its mistakes are printed once, by rank 0.
+  bool speak = true;
   try {
+    const collectives::LaunchInfo launch = collectives::detect_launch();
+    speak = launch.rank == 0;
     SectionRegistry plugins;  // strategy plugins register their sections here
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
+    for (const auto& axis : spec.mesh.axes)
+      if (axis.size > 1)
+        throw ConfigError(job + ": error: mesh." + axis.name + ": " + std::to_string(axis.size) + " ranks on the " +
+                          axis.name + " axis need its strategy plugin, which this build does not have yet (mesh " +
+                          spec.mesh.str() + ")");
     if (check) {
       std::printf("%s: ok\n", job.c_str());
       return 0;
@@ -111,15 +120,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     // The mesh must fit the launch before any rank communicates.
-    const collectives::LaunchInfo launch = collectives::detect_launch();
     if (launch.world_size != 0)
       check_mesh_fits(spec.mesh, launch.world_size,
                       launch.launcher == "single" ? "a single process, no launcher" : launch.launcher + ": " + launch.evidence);
-    for (const auto& axis : spec.mesh.axes)
-      if (axis.size > 1)
-        throw ConfigError("mesh." + axis.name + ": " + std::to_string(axis.size) + " ranks on the " + axis.name +
-                          " axis need its strategy plugin, which this build does not have yet (mesh " +
-                          spec.mesh.str() + ")");
     collectives::CommunicatorPtr world;
     if (launch.multi_process()) {
       collectives::BackendRegistry backends;
@@ -150,11 +153,11 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::string msg = e.what();
     if (!msg.empty() && msg.back() == '\n') msg.pop_back();
-    std::fprintf(stderr, "%s\n", msg.c_str());
+    if (speak) std::fprintf(stderr, "%s\n", msg.c_str());
     return 2;
   } catch (const tetra::DataError& e) {
     std::fflush(stdout);
-    std::fprintf(stderr, "train: error: %s\n", e.what());
+    if (speak) std::fprintf(stderr, "train: error: %s\n", e.what());
     return 2;
   } catch (const std::exception& e) {
     std::fflush(stdout);
