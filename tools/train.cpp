@@ -6,16 +6,16 @@
 // problem is printed, compiler-style); 1 the run failed (the message says why).
 #include <CLI/CLI.hpp>
 
-#include "collectives/backends.h"
-#include "collectives/error.h"
-#include "collectives/launch.h"
-
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "collectives/backends.h"
 #include "collectives/error.h"
+#include "collectives/launch.h"
 #include "core/job_spec.h"
 #include "core/models.h"
 #include "core/report.h"
@@ -27,6 +27,16 @@ namespace {
 
 using namespace tetra;
 using namespace tetra::core;
+
+// Distinct hosts among the world's ranks (an allgather of a hash of each hostname).
+int count_hosts(collectives::Communicator& world) {
+  at::Tensor mine = at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(hardware::hostname()) >> 1), at::kLong);
+  at::Tensor all = at::empty({world.size()}, at::kLong);
+  world.allgather(mine, all)->wait();
+  std::vector<int64_t> v(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+  std::sort(v.begin(), v.end());
+  return static_cast<int>(std::unique(v.begin(), v.end()) - v.begin());
+}
 
 void print_summary(const JobSpec& spec, const TrainResult& r) {
   std::printf("\n== %s: done ==\n", spec.name.c_str());
@@ -131,14 +141,17 @@ int main(int argc, char** argv) {
       wo.timeout = collectives::Duration(static_cast<int64_t>(spec.collectives.timeout_s * 1000));
       world = backends.create_world(spec.collectives.backend, launch, wo);
     }
+    const int hosts = world ? count_hosts(*world) : 1;
     const int threads = set_threads(spec.train.threads);
     Trainer trainer(spec);
     if (dry_run) {
       print_plan(spec, trainer, threads);
       return 0;
     }
-    std::printf("tetra %s | job %s | %s on %s | backend %s | device cpu | %d thread%s | %s | %s\n", "0.1.0",
-                spec.name.c_str(), collectives::describe(launch).c_str(), hardware::hostname().c_str(),
+    if (speak)
+      std::printf("tetra %s | job %s | %s, %d host%s (rank 0 on %s) | backend %s | device cpu | %d thread%s | %s | %s\n",
+                "0.1.0", spec.name.c_str(), collectives::describe(launch).c_str(), hosts, hosts == 1 ? "" : "s",
+                hardware::hostname().c_str(),
                 world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
                 spec.train.precision.c_str(), blas_description().c_str());
     std::printf("%s; model %s, %lld parameters; %lld steps\n",
