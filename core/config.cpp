@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "collectives/error.h"
+#include "core/text.h"
 
 namespace tetra::core {
 
@@ -44,14 +45,6 @@ std::vector<std::string> split_path(const std::string& path) {
   return parts;
 }
 
-std::string join(const std::vector<std::string>& items, const std::string& sep = ", ") {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (i) out += sep;
-    out += items[i];
-  }
-  return out;
-}
 
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/text.h"
 
 namespace tetra::core {
 
@@ -32,13 +33,6 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-std::string shape_str(const std::vector<int64_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
-}
 
 const char* split_name(Split split) { return split == Split::kTrain ? "train" : "test"; }
 

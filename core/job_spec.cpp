@@ -11,6 +11,7 @@
 #include <set>
 
 #include "collectives/error.h"
+#include "core/text.h"
 
 namespace tetra::core {
 
@@ -20,14 +21,6 @@ const std::vector<std::string> kCoreSections = {
     "name", "model", "data", "optimizer", "schedule", "train", "checkpoint", "log", "mesh",
     "collectives"};
 
-std::string join(const std::vector<std::string>& items, const std::string& sep = ", ") {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (i) out += sep;
-    out += items[i];
-  }
-  return out;
-}
 
 std::string fmt(double x) {
   char buf[40];
@@ -38,11 +31,6 @@ std::string fmt(double x) {
   return buf;
 }
 
-std::string list_str(const std::vector<int64_t>& v) {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-  return out + "]";
-}
 
 // The keys each variant of a typed section reads (besides the common ones). Used only to
 // word the error for a key that belongs to another variant: `model.channels: unknown key
@@ -323,7 +311,7 @@ void check_cross_fields(const JobSpec& spec, Section& model, Section& data, Sect
   if (m.type == "cnn" && d.type != "text") {
     std::vector<int64_t> shape = d.type == "synthetic" ? d.shape : std::vector<int64_t>{1, 28, 28};
     if (shape.size() != 3) {
-      data.error("shape", "model type cnn needs an image shape [C, H, W], got " + list_str(shape));
+      data.error("shape", "model type cnn needs an image shape [C, H, W], got " + shape_str(shape));
     } else {
       // Each conv block ends in a 2x2 max-pool, halving height and width.
       int64_t h = shape[1], w = shape[2];

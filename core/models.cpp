@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/text.h"
 
 namespace tetra::core {
 
@@ -122,13 +123,6 @@ TORCH_MODULE(GptHead);
 
 // ---- builders ---------------------------------------------------------------------------
 
-std::string shape_str(const std::vector<int64_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
-}
 
 void push_activation(torch::nn::Sequential& seq, const std::string& activation) {
   if (activation == "relu")

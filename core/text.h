@@ -1,0 +1,27 @@
+// Small text helpers shared by the job spec, data and model code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tetra::core {
+
+// "a, b, c"
+inline std::string join(const std::vector<std::string>& items, const std::string& sep = ", ") {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i) out += sep;
+    out += items[i];
+  }
+  return out;
+}
+
+// "[1, 28, 28]"
+inline std::string shape_str(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+}  // namespace tetra::core
