@@ -389,6 +389,11 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
       section.error("", e.what());
     }
   }
+  // A mesh axis wider than one rank needs the strategy that owns it.
+  for (const MeshAxis& a : spec.mesh.axes)
+    if (a.size > 1 && plugins.owner_of_axis(a.name).empty())
+      mesh.error(a.name, std::to_string(a.size) + " ranks on the " + a.name +
+                             " axis need its strategy plugin, which this build does not have");
   root.finish();
   diag.throw_if_errors();
   out.resolved = doc.resolved();
@@ -414,13 +419,23 @@ ParsedJob guarded(const std::string& where, F&& body) {
 
 // ---- the registry ---------------------------------------------------------------------
 
-void SectionRegistry::add(const std::string& name, SectionParser parser) {
+std::string SectionRegistry::owner_of_axis(const std::string& axis) const {
+  auto it = axis_owner_.find(axis);
+  return it == axis_owner_.end() ? "" : it->second;
+}
+
+void SectionRegistry::add(const std::string& name, SectionParser parser, const std::string& axis) {
   TETRA_CHECK(!name.empty(), "a plugin section needs a name");
   TETRA_CHECK(std::find(kCoreSections.begin(), kCoreSections.end(), name) == kCoreSections.end(),
               "section name \"", name, "\" is a core section and cannot be registered");
   TETRA_CHECK(parser, "plugin section \"", name, "\" was registered without a parser");
   TETRA_CHECK(!parsers_.count(name), "plugin section \"", name, "\" is registered twice");
   parsers_.emplace(name, std::move(parser));
+  if (!axis.empty()) {
+    TETRA_CHECK(!axis_owner_.count(axis), "mesh axis \"", axis, "\" is owned by both ", axis_owner_[axis],
+                " and ", name);
+    axis_owner_[axis] = name;
+  }
 }
 
 bool SectionRegistry::contains(const std::string& name) const { return parsers_.count(name) > 0; }

@@ -118,13 +118,17 @@ using SectionParser =
 // Section names -> parsers. Duplicate names are rejected; a missing name lists the known.
 class SectionRegistry {
  public:
-  void add(const std::string& name, SectionParser parser);
+  // `axis`: the mesh axis the plugin's strategy owns ("" for none).
+  void add(const std::string& name, SectionParser parser, const std::string& axis = "");
   bool contains(const std::string& name) const;
   const SectionParser& at(const std::string& name) const;
   std::vector<std::string> names() const;
+  // The section whose strategy owns `axis`, or "" when no plugin does.
+  std::string owner_of_axis(const std::string& axis) const;
 
  private:
   std::map<std::string, SectionParser> parsers_;
+  std::map<std::string, std::string> axis_owner_;
 };
 
 struct JobSpec {

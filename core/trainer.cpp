@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <chrono>
+#include <mutex>
 #include <cmath>
 #include <filesystem>
 #include <sstream>
@@ -44,11 +45,37 @@ std::string fmt(const char* f, double v) {
 
 }  // namespace
 
+// LibTorch's default generator is one per process: thread-ranks (tests, replicas) take
+// turns seeding it and drawing their initial parameters, so every rank draws exactly what
+// a single process draws.
+std::mutex& global_rng_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
     : spec_(std::move(spec)), options_(std::move(options)) {
+  if (options_.world) {
+    mesh_ = std::make_unique<Mesh>(options_.world, spec_.mesh);
+    data_group_ = mesh_->axis("data");
+    data_rank_ = data_group_->rank();
+    data_size_ = data_group_->size();
+  }
+  const int64_t split = data_size_ * spec_.train.accumulation_steps;
+  if (spec_.data.batch_size % split != 0)
+    throw ConfigError("data.batch_size " + std::to_string(spec_.data.batch_size) + " does not split into " +
+                      std::to_string(data_size_) + " data-parallel rank" + (data_size_ == 1 ? "" : "s") + " x " +
+                      std::to_string(spec_.train.accumulation_steps) + " micro-batch" +
+                      (spec_.train.accumulation_steps == 1 ? "" : "es") + " (" +
+                      std::to_string(spec_.data.batch_size) + " / " + std::to_string(split) + " = " +
+                      fmt("%.2f", static_cast<double>(spec_.data.batch_size) / static_cast<double>(split)) +
+                      "); make the global batch a multiple of " + std::to_string(split));
   data_ = make_dataset(spec_.data, spec_.train.seed);
-  torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
-  model_ = build_model(spec_.model, data_->info());
+  {
+    std::lock_guard<std::mutex> lock(global_rng_mutex());
+    torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
+    model_ = build_model(spec_.model, data_->info());
+  }
   for (const auto& p : model_->named_parameters()) params_.push_back({p.key(), p.value()});
   optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
   plan_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
@@ -56,12 +83,30 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
                                        : spec_.train.epochs * plan_->steps_per_epoch();
   schedule_ = std::make_unique<LrSchedule>(spec_.schedule, spec_.optimizer.lr, total_steps_);
+  // Strategies in the fixed order of the mesh's axes, outermost first.
+  for (const auto& [name, cfg] : spec_.plugins)
+    if (auto sc = std::dynamic_pointer_cast<const StrategyConfig>(cfg))
+      if (auto s = sc->build()) strategies_.push_back(std::move(s));
+  state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_});
+  for (auto& s : strategies_) s->attach(*state_);
+}
+
+double Trainer::data_average(double v) {
+  if (!data_group_ || data_size_ == 1) return v;
+  at::Tensor t = at::full({1}, v, at::kDouble);
+  collectives::AllreduceOptions o;
+  o.op = collectives::ReduceOp::kAvg;
+  data_group_->allreduce(t, o)->wait();
+  return t.item<double>();
 }
 
 Trainer::~Trainer() = default;
 
-double Trainer::train_step(const torch::Tensor& indices) {
+double Trainer::train_step(const torch::Tensor& global_indices) {
   const int64_t micro = spec_.train.accumulation_steps;
+  // This data-parallel rank's slice of the global batch.
+  const torch::Tensor indices =
+      data_size_ == 1 ? global_indices : BatchPlan::slice(global_indices, data_rank_, data_size_);
   const int64_t n = indices.size(0);
   const bool bf16 = spec_.train.precision == "bf16";
   optimizer_->zero_grad();
@@ -81,12 +126,16 @@ double Trainer::train_step(const torch::Tensor& indices) {
       compat::CpuAutocast autocast(bf16);
       loss = model_loss(model_->forward(batch.inputs), batch.targets);
     }
+    for (auto& s : strategies_) s->before_backward(m == micro - 1);
     {
       Trace::Scope s(trace_, "compute", "backward");
       (weight == 1.0 ? loss : loss * weight).backward();
     }
     loss_sum += loss.item<double>() * weight;
   }
+  for (auto& s : strategies_) s->finish_gradients();
+  // The step's loss over the whole global batch (equal shards: the mean of the means).
+  loss_sum = data_average(loss_sum);
   {
     Trace::Scope s(trace_, "compute", "optimizer");
     if (spec_.optimizer.clip_grad_norm > 0) clip_grad_norm(params_, spec_.optimizer.clip_grad_norm);
@@ -102,12 +151,14 @@ EvalResult Trainer::evaluate() {
   const int64_t total = spec_.data.eval_samples > 0
                             ? std::min(spec_.data.eval_samples, data_->size(Split::kTest))
                             : data_->size(Split::kTest);
+  // Each data-parallel rank evaluates its own part; the sums are added up.
+  const int64_t begin = total * data_rank_ / data_size_, end = total * (data_rank_ + 1) / data_size_;
   const bool lm = data_->info().language_model;
   const bool bf16 = spec_.train.precision == "bf16";
   double loss_sum = 0;
   int64_t correct = 0, predictions = 0;
-  for (int64_t b = 0; b < total; b += spec_.data.eval_batch_size) {
-    Batch batch = data_->range(Split::kTest, b, std::min(total, b + spec_.data.eval_batch_size));
+  for (int64_t b = begin; b < end; b += spec_.data.eval_batch_size) {
+    Batch batch = data_->range(Split::kTest, b, std::min(end, b + spec_.data.eval_batch_size));
     torch::Tensor out;
     {
       compat::CpuAutocast autocast(bf16);
@@ -119,6 +170,13 @@ EvalResult Trainer::evaluate() {
     predictions += batch.targets.numel();
   }
   model_->train();
+  if (data_group_ && data_size_ > 1) {
+    at::Tensor sums = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(predictions)}, at::kDouble);
+    data_group_->allreduce(sums)->wait();
+    loss_sum = sums[0].item<double>();
+    correct = static_cast<int64_t>(sums[1].item<double>());
+    predictions = static_cast<int64_t>(sums[2].item<double>());
+  }
   EvalResult r;
   r.samples = total;
   r.test_loss = total ? loss_sum / static_cast<double>(total) : 0;
@@ -141,7 +199,7 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
   ckpt.meta["batch_size"] = spec_.data.batch_size;
   ckpt.meta["steps_per_epoch"] = plan_->steps_per_epoch();
   ckpt.meta["optimizer"] = spec_.optimizer.type;
-  ckpt.meta["world_size"] = 1;
+  ckpt.meta["data_parallel_ranks"] = data_size_;  // informative: the state is the same on any number
   if (best_accuracy_) ckpt.meta["best_accuracy"] = *best_accuracy_;
   CheckpointStore store(spec_.checkpoint.dir, spec_.checkpoint.keep);
   return store.save(ckpt);
@@ -189,7 +247,16 @@ TrainResult Trainer::run() {
   const auto t_start = Clock::now();
   const auto& ck = spec_.checkpoint;
   const bool checkpoints = !ck.dir.empty();
-  if (!spec_.log.trace.empty()) trace_.enable(0, spec_.name + " rank 0");
+  const bool write = writer();  // rank 0 writes the replicated state and the logs
+  const int world_rank = options_.world ? options_.world->rank() : 0;
+  const int world_size = options_.world ? options_.world->size() : 1;
+  // One trace per rank: trace.json -> trace.rank1.json beside it when there are several.
+  std::string trace_path = spec_.log.trace;
+  if (!trace_path.empty() && world_size > 1) {
+    fs::path p(trace_path);
+    trace_path = (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(world_rank) + p.extension().string())).string();
+  }
+  if (!trace_path.empty()) trace_.enable(world_rank, spec_.name + " rank " + std::to_string(world_rank));
 
   // Resume: auto takes the newest checkpoint in checkpoint.dir when there is one.
   if (ck.resume != "never") {
@@ -207,8 +274,8 @@ TrainResult Trainer::run() {
   }
 
   MetricsWriter metrics;
-  if (!spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
-  Progress progress(spec_.log.progress, spec_.log.every, options_.out);
+  if (write && !spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
+  Progress progress(write ? spec_.log.progress : "off", spec_.log.every, options_.out);
   if (!resumed_from_.empty())
     progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
 
@@ -295,21 +362,21 @@ TrainResult Trainer::run() {
       last_eval_step = step_;
     }
     if (checkpoints && ck.every_steps > 0 && step_ % ck.every_steps == 0 && step_ < total_steps_) {
-      last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
+      if (write) last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
       last_saved = step_;
     }
   }
   progress.finish();
   if (last_eval_step != step_) last_eval = run_eval(step_);
-  if (checkpoints && last_saved != step_) last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
-  if (!ck.safetensors.empty()) {
+  if (write && checkpoints && last_saved != step_) last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
+  if (write && !ck.safetensors.empty()) {
     TensorMap weights;
     for (const auto& p : model_->named_parameters()) weights[p.key()] = p.value();
     save_safetensors(ck.safetensors, weights,
                      {{"format", "pt"}, {"framework", "tetra"}, {"model", spec_.model.type},
                       {"step", std::to_string(step_)}});
   }
-  if (!spec_.log.trace.empty()) trace_.write(spec_.log.trace);
+  if (!trace_path.empty()) trace_.write(trace_path);
 
   result.steps = static_cast<int64_t>(result.losses.size());
   result.final_step = step_;

@@ -15,6 +15,8 @@
 #include "core/job_spec.h"
 #include "core/optim.h"
 #include "core/report.h"
+#include "core/strategy.h"
+#include "collectives/communicator.h"
 
 namespace tetra::core {
 
@@ -40,7 +42,10 @@ struct TrainResult {
 };
 
 struct TrainerOptions {
-  std::FILE* out = stdout;  // progress and summary
+  std::FILE* out = stdout;  // progress and summary (rank 0's)
+  // The world of this job (nullptr: one process). The trainer lays it out as the job's
+  // mesh and hands the strategies their groups.
+  collectives::CommunicatorPtr world;
   // Called after each optimizer step with (step, loss); tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
 };
@@ -57,6 +62,11 @@ class Trainer {
   const Dataset& dataset() const { return *data_; }
   const JobSpec& spec() const { return spec_; }
   int64_t total_steps() const { return total_steps_; }
+  int data_rank() const { return data_rank_; }
+  int data_size() const { return data_size_; }
+  // Rank 0 of the world prints, logs and writes checkpoints.
+  bool writer() const { return !options_.world || options_.world->rank() == 0; }
+  const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
 
  private:
   void restore(const std::string& path);
@@ -76,6 +86,13 @@ class Trainer {
   std::optional<double> best_accuracy_;
   std::string resumed_from_;
   Trace trace_;
+  std::unique_ptr<Mesh> mesh_;
+  collectives::CommunicatorPtr data_group_;  // the data axis (nullptr: one process)
+  int data_rank_ = 0, data_size_ = 1;
+  std::vector<std::unique_ptr<Strategy>> strategies_;
+  std::unique_ptr<TrainState> state_;
+  // Averages a scalar over the data-parallel ranks (identity on one).
+  double data_average(double v);
 };
 
 }  // namespace tetra::core

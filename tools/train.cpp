@@ -7,6 +7,8 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -21,6 +23,7 @@
 #include "core/report.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
+#include "data_parallel/data_parallel.h"
 #include "hardware/host.h"
 
 namespace {
@@ -36,6 +39,14 @@ int count_hosts(collectives::Communicator& world) {
   std::vector<int64_t> v(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
   std::sort(v.begin(), v.end());
   return static_cast<int>(std::unique(v.begin(), v.end()) - v.begin());
+}
+
+// Every rank finds the same mistake in the job; rank 0 says it. The others wait a
+// moment before exiting, since a launcher tears the whole job down at the first
+// non-zero exit, which could otherwise cut rank 0 off before its message is out.
+int quiet_exit(bool speak, int code) {
+  if (!speak) std::this_thread::sleep_for(std::chrono::seconds(2));
+  return code;
 }
 
 void print_summary(const JobSpec& spec, const TrainResult& r) {
@@ -113,14 +124,10 @@ int main(int argc, char** argv) {
   try {
     const collectives::LaunchInfo launch = collectives::detect_launch();
     speak = launch.rank == 0;
-    SectionRegistry plugins;  // strategy plugins register their sections here
+    SectionRegistry plugins;  // the built-in strategy plugins, registered explicitly
+    data_parallel::register_data_parallel(plugins);
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
-    for (const auto& axis : spec.mesh.axes)
-      if (axis.size > 1)
-        throw ConfigError(job + ": error: mesh." + axis.name + ": " + std::to_string(axis.size) + " ranks on the " +
-                          axis.name + " axis need its strategy plugin, which this build does not have yet (mesh " +
-                          spec.mesh.str() + ")");
     if (check) {
       std::printf("%s: ok\n", job.c_str());
       return 0;
@@ -143,7 +150,9 @@ int main(int argc, char** argv) {
     }
     const int hosts = world ? count_hosts(*world) : 1;
     const int threads = set_threads(spec.train.threads);
-    Trainer trainer(spec);
+    TrainerOptions topts;
+    topts.world = world;
+    Trainer trainer(spec, topts);
     if (dry_run) {
       print_plan(spec, trainer, threads);
       return 0;
@@ -154,24 +163,25 @@ int main(int argc, char** argv) {
                 hardware::hostname().c_str(),
                 world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
                 spec.train.precision.c_str(), blas_description().c_str());
-    std::printf("%s; model %s, %lld parameters; %lld steps\n",
+    if (speak)
+      std::printf("%s; model %s, %lld parameters; %lld steps\n",
                 trainer.dataset().info().description.c_str(), spec.model.type.c_str(),
                 static_cast<long long>(parameter_count(*trainer.model())),
                 static_cast<long long>(trainer.total_steps()));
     std::fflush(stdout);
     TrainResult r = trainer.run();
-    print_summary(spec, r);
+    if (speak) print_summary(spec, r);
     return 0;
   } catch (const tetra::ConfigError& e) {
     std::fflush(stdout);
     std::string msg = e.what();
     if (!msg.empty() && msg.back() == '\n') msg.pop_back();
     if (speak) std::fprintf(stderr, "%s\n", msg.c_str());
-    return 2;
+    return quiet_exit(speak, 2);
   } catch (const tetra::DataError& e) {
     std::fflush(stdout);
     if (speak) std::fprintf(stderr, "train: error: %s\n", e.what());
-    return 2;
+    return quiet_exit(speak, 2);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\ntrain: error: %s\n", e.what());

@@ -44,8 +44,11 @@ TEST(Mesh, DataIsInnermostOnConsecutiveRanks) {
 }
 
 TEST(Mesh, ParsedFromTheJobSpec) {
+  SectionRegistry owners;  // stand-ins for the plugins that own the axes
+  owners.add("data_parallel", [](Section&, const JobSpec&) { return nullptr; }, "data");
+  owners.add("pipeline", [](Section&, const JobSpec&) { return nullptr; }, "pipeline");
   auto job = parse_job_string("mesh: {data: 2, pipeline: 2}\ncollectives: {backend: mpi, timeout_s: 30}\n",
-                              "j", {}, {});
+                              "j", {}, owners);
   EXPECT_EQ(job.spec.mesh.str(), "pipeline=2 x data=2");
   EXPECT_EQ(job.spec.collectives.timeout_s, 30);
   try {
@@ -57,6 +60,14 @@ TEST(Mesh, ParsedFromTheJobSpec) {
         << e.what();
   }
   EXPECT_THROW(parse_job_string("mesh: {data: 0}\n", "j", {}, {}), tetra::ConfigError);
+  try {  // an axis no plugin of this build owns
+    parse_job_string("mesh: {data: 2}\n", "j.yaml", {}, {});
+    FAIL();
+  } catch (const tetra::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("j.yaml:1:15: error: mesh.data: 2 ranks on the data axis need its strategy plugin"),
+              std::string::npos)
+        << e.what();
+  }
   EXPECT_THROW(parse_job_string("collectives: {backend: carrier-pigeon}\n", "j", {}, {}), tetra::ConfigError);
 }
 

@@ -15,6 +15,8 @@
 #include <map>
 #include <thread>
 
+#include "collectives/build_config.h"
+
 extern char** environ;
 namespace fs = std::filesystem;
 
@@ -178,4 +180,71 @@ log: {every: 1, progress: plain}
   ASSERT_EQ(a.size(), 400u);
   ASSERT_EQ(b.size(), 400u);
   for (const auto& [step, loss] : a) EXPECT_EQ(b[step], loss) << "step " << step;
+}
+
+// The real multi-process path: `mpirun -np N train` with mesh {data: N} follows the
+// single-process run of the same job at every step (relative 1e-5, fp32).
+namespace {
+
+Outcome run_mpi(int np, const std::vector<std::string>& args) {
+  std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), kTrain};
+  all.insert(all.end(), args.begin(), args.end());
+  fs::path log = fs::path(testing::TempDir()) / ("tetra_mpi_" + std::to_string(::getpid()) + ".log");
+  std::vector<char*> argv;
+  const std::string mpirun = TETRA_MPIEXEC;
+  argv.push_back(const_cast<char*>(mpirun.c_str()));
+  for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  EXPECT_EQ(posix_spawn(&pid, mpirun.c_str(), &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  Outcome r;
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.out = slurp(log);
+  return r;
+}
+
+void expect_mpi_follows_single(int np, const std::string& batch) {
+  fs::path d = fresh_dir("mpi" + std::to_string(np));
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [128, 64]}
+data: {type: fashion-mnist, eval_samples: 900}
+optimizer: {type: adamw, lr: 2.0e-3}
+train: {max_steps: 30, seed: 2, threads: 1}
+data_parallel: {bucket_mb: 0.1}
+checkpoint: {dir: ""}
+log: {every: 1, progress: plain}
+)").string();
+  Outcome one = run({job, "--set", "data.batch_size=" + batch, "--set", "log.metrics=" + (d / "one.jsonl").string()});
+  ASSERT_EQ(one.status, 0) << one.out;
+  Outcome many = run_mpi(np, {job, "--set", "data.batch_size=" + batch, "--set", "mesh.data=" + std::to_string(np),
+                              "--set", "log.metrics=" + (d / "many.jsonl").string()});
+  ASSERT_EQ(many.status, 0) << many.out;
+  EXPECT_NE(many.out.find("mpirun, world " + std::to_string(np)), std::string::npos) << many.out;
+  auto a = losses(d / "one.jsonl"), b = losses(d / "many.jsonl");
+  ASSERT_EQ(a.size(), 30u);
+  ASSERT_EQ(b.size(), 30u);
+  for (const auto& [step, loss] : a) EXPECT_NEAR(b[step], loss, 1e-5 * loss) << "step " << step;
+}
+
+}  // namespace
+
+TEST(TrainMpi, TwoProcessesFollowOneProcess) { expect_mpi_follows_single(2, "128"); }
+TEST(TrainMpi, ThreeProcessesFollowOneProcess) { expect_mpi_follows_single(3, "192"); }
+
+TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
+  fs::path d = fresh_dir("mpifit");
+  const std::string job = write_job(d, "job.yaml", "mesh: {data: 3}\ntrain: {max_steps: 1}\n").string();
+  Outcome r = run_mpi(2, {job});
+  EXPECT_NE(r.out.find("mesh data=3 = 3 ranks, but the world has 2"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;  // no crash
+  EXPECT_NE(r.status, 0);
 }

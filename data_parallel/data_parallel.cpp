@@ -1,0 +1,315 @@
+#include "data_parallel/data_parallel.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+
+#include "collectives/error.h"
+#include "hardware/host.h"
+
+namespace tetra::data_parallel {
+
+namespace {
+
+using collectives::AllreduceOptions;
+using collectives::Communicator;
+using collectives::CommunicatorPtr;
+using collectives::ReduceOp;
+using collectives::WorkPtr;
+using Clock = std::chrono::steady_clock;
+
+int64_t mix(int64_t h, int64_t v) {
+  uint64_t x = static_cast<uint64_t>(h) ^ (static_cast<uint64_t>(v) + 0x9E3779B97F4A7C15ULL + (static_cast<uint64_t>(h) << 6));
+  return static_cast<int64_t>(x >> 1);
+}
+int64_t mix(int64_t h, const std::string& s) { return mix(h, static_cast<int64_t>(std::hash<std::string>{}(s) >> 1)); }
+
+class DataParallel final : public core::Strategy {
+ public:
+  explicit DataParallel(Options o) : opt_(std::move(o)) {}
+  std::string name() const override { return "data_parallel"; }
+
+  void attach(core::TrainState& state) override {
+    if (!state.mesh || state.mesh->size("data") == 1) return;  // one rank: nothing to do
+    comm_ = state.mesh->axis("data");
+    trace_ = &state.trace;
+    check_consistency(state);
+    broadcast_state(state);
+    make_buckets(state);
+    setup_hierarchy();
+    if (opt_.overlap) {
+      for (size_t i = 0; i < slots_.size(); ++i)
+        slots_[i].param.register_hook([this, i](at::Tensor grad) { on_grad(i, grad); });
+    }
+  }
+
+  void before_backward(bool last) override { sync_ = last; }
+
+  void finish_gradients() override {
+    if (!comm_) return;
+    sync_ = false;
+    at::NoGradGuard no_grad;
+    for (auto& b : buckets_) {
+      if (b.launched) continue;
+      // No overlap, or parameters that got no gradient this step: pack what .grad holds.
+      for (int s : b.slots) {
+        if (b.filled[s - b.slots.front()]) continue;
+        fill_slot(s, at::Tensor());
+      }
+      launch(b);
+    }
+    const auto t0 = Clock::now();
+    complete_hierarchy();
+    for (auto& b : buckets_) {
+      for (auto& w : b.works) w->wait();
+      if (trace_->enabled())
+        trace_->span("comm data", "allreduce bucket", b.issued_us, trace_->now_us(),
+                     {{"bytes", b.buffer.numel() * b.buffer.element_size()}});
+    }
+    wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    for (auto& b : buckets_) {
+      at::Tensor result = b.wire.defined() ? b.wire.to(b.buffer.scalar_type()) : b.buffer;
+      if (hier_) result.div_(comm_->size());
+      for (int s : b.slots) {
+        const Slot& sl = slots_[s];
+        at::Tensor avg = result.narrow(0, sl.offset, sl.numel).view(sl.param.sizes());
+        auto& g = sl.param.mutable_grad();
+        if (g.defined()) g.copy_(avg);
+        else g = avg.clone();
+      }
+      b.launched = false;
+      b.pending = static_cast<int>(b.slots.size());
+      std::fill(b.filled.begin(), b.filled.end(), false);
+      b.works.clear();
+    }
+  }
+
+  double wait_seconds() const override { return wait_s_; }
+
+ private:
+  struct Slot {
+    at::Tensor param;
+    int bucket = 0;
+    int64_t offset = 0, numel = 0;
+  };
+  struct Bucket {
+    std::vector<int> slots;  // consecutive slot indices
+    std::vector<bool> filled;
+    at::Tensor buffer, wire, chunk;
+    int pending = 0;
+    bool launched = false;
+    double issued_us = 0;
+    std::vector<WorkPtr> works;
+  };
+
+  // Every rank must train the same model on the same job: a cheap fingerprint of the
+  // parameter shapes and of the settings that change the arithmetic, compared across ranks.
+  void check_consistency(core::TrainState& state) {
+    int64_t shapes = 17, job = 31;
+    for (const auto& p : state.params) {
+      shapes = mix(shapes, p.name);
+      for (int64_t d : p.tensor.sizes()) shapes = mix(shapes, d);
+    }
+    const auto& s = state.spec;
+    job = mix(job, s.model.type);
+    job = mix(job, s.data.batch_size);
+    job = mix(job, s.train.seed);
+    job = mix(job, s.train.accumulation_steps);
+    job = mix(job, s.optimizer.type);
+    job = mix(job, static_cast<int64_t>(s.optimizer.lr * 1e12));
+    at::Tensor mine = at::tensor({shapes, job}, at::kLong), all = at::empty({2 * comm_->size()}, at::kLong);
+    comm_->allgather(mine, all)->wait();
+    auto a = all.accessor<int64_t, 1>();
+    for (int r = 1; r < comm_->size(); ++r) {
+      if (a[2 * r] != a[0])
+        throw ConfigError("data_parallel: data rank " + std::to_string(r) + " built a model of other shapes than data rank 0 "
+                          "(every rank must run the same job file)");
+      if (a[2 * r + 1] != a[1])
+        throw ConfigError("data_parallel: data rank " + std::to_string(r) + " runs other settings (model, batch, seed, "
+                          "accumulation or optimizer) than data rank 0 (every rank must run the same job and --set)");
+    }
+  }
+
+  // Parameters and buffers start as data rank 0's.
+  void broadcast_state(core::TrainState& state) {
+    at::NoGradGuard no_grad;
+    std::vector<WorkPtr> works;
+    for (auto& p : state.params) works.push_back(comm_->broadcast(p.tensor.detach()));
+    for (auto b : state.model->buffers()) works.push_back(comm_->broadcast(b));
+    for (auto& w : works) w->wait();
+  }
+
+  // Buckets of ~bucket_mb in reverse order of the parameters (backward's order).
+  void make_buckets(core::TrainState& state) {
+    const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opt_.bucket_mb * 1024 * 1024));
+    int64_t used = cap;  // start a new bucket at once
+    for (auto it = state.params.rbegin(); it != state.params.rend(); ++it) {
+      if (!it->tensor.requires_grad()) continue;
+      const int64_t bytes = it->tensor.numel() * it->tensor.element_size();
+      const bool same_dtype = !buckets_.empty() && !buckets_.back().slots.empty() &&
+                              slots_[buckets_.back().slots.front()].param.scalar_type() == it->tensor.scalar_type();
+      if (used + bytes > cap || !same_dtype) {
+        buckets_.emplace_back();
+        used = 0;
+      }
+      Slot s;
+      s.param = it->tensor;
+      s.bucket = static_cast<int>(buckets_.size()) - 1;
+      s.offset = used / it->tensor.element_size();
+      s.numel = it->tensor.numel();
+      buckets_.back().slots.push_back(static_cast<int>(slots_.size()));
+      slots_.push_back(s);
+      used += bytes;
+    }
+    for (auto& b : buckets_) {
+      int64_t numel = 0;
+      for (int s : b.slots) numel += slots_[s].numel;
+      b.buffer = at::zeros({numel}, slots_[b.slots.front()].param.options().requires_grad(false));
+      b.filled.assign(b.slots.size(), false);
+      b.pending = static_cast<int>(b.slots.size());
+    }
+  }
+
+  void setup_hierarchy() {
+    const int n = comm_->size();
+    int per_host = opt_.ranks_per_host;
+    int64_t color = 0;
+    if (per_host > 0) {
+      color = comm_->rank() / per_host;
+    } else {
+      at::Tensor mine = at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(hardware::hostname()) >> 1), at::kLong);
+      at::Tensor all = at::empty({n}, at::kLong);
+      comm_->allgather(mine, all)->wait();
+      std::vector<int64_t> hosts(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + n);
+      std::vector<int64_t> distinct = hosts;
+      std::sort(distinct.begin(), distinct.end());
+      distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+      color = std::find(distinct.begin(), distinct.end(), hosts[comm_->rank()]) - distinct.begin();
+      per_host = static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts[comm_->rank()]));
+      const int hosts_n = static_cast<int>(distinct.size());
+      for (int64_t h : distinct)
+        if (std::count(hosts.begin(), hosts.end(), h) != per_host) per_host = -1;  // uneven: flat only
+      if (opt_.hierarchical == "auto") hier_ = hosts_n > 1 && per_host > 1;
+    }
+    if (opt_.hierarchical == "on") {
+      if (per_host <= 1 || n % per_host != 0)
+        throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on every host");
+      hier_ = true;
+    }
+    if (opt_.hierarchical == "off") hier_ = false;
+    if (opt_.hierarchical == "auto" && opt_.ranks_per_host > 0) hier_ = n / per_host > 1 && per_host > 1;
+    // Every rank splits (collective), even when the mode stays flat.
+    intra_ = comm_->split(static_cast<int>(color), comm_->rank(), comm_->name() + " / host");
+    inter_ = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
+    if (hier_) {
+      // reduce_scatter needs equal chunks: pad each bucket to a multiple of the host size.
+      for (auto& b : buckets_) {
+        const int64_t k = intra_->size();
+        const int64_t padded = (b.buffer.numel() + k - 1) / k * k;
+        if (padded != b.buffer.numel()) {
+          at::Tensor nb = at::zeros({padded}, b.buffer.options());
+          b.buffer = nb;
+        }
+      }
+    }
+  }
+
+  void on_grad(size_t i, const at::Tensor& grad) {
+    if (!sync_) return;  // accumulate-only micro-batch: no communication
+    at::NoGradGuard no_grad;
+    fill_slot(static_cast<int>(i), grad);
+    Bucket& b = buckets_[slots_[i].bucket];
+    if (b.pending == 0) launch(b);
+  }
+
+  // The step's gradient of slot s: what .grad holds plus `grad` (the last micro-batch's,
+  // not yet accumulated when a hook sees it).
+  void fill_slot(int s, const at::Tensor& grad) {
+    const Slot& sl = slots_[s];
+    Bucket& b = buckets_[sl.bucket];
+    at::Tensor view = b.buffer.narrow(0, sl.offset, sl.numel);
+    const at::Tensor& acc = sl.param.grad();
+    if (grad.defined() && acc.defined()) at::add_out(view, acc.reshape({-1}), grad.reshape({-1}));
+    else if (grad.defined()) view.copy_(grad.reshape({-1}));
+    else if (acc.defined()) view.copy_(acc.reshape({-1}));
+    else view.zero_();
+    const size_t k = static_cast<size_t>(s - b.slots.front());
+    if (!b.filled[k]) {
+      b.filled[k] = true;
+      --b.pending;
+    }
+  }
+
+  void launch(Bucket& b) {
+    b.launched = true;
+    b.issued_us = trace_->enabled() ? trace_->now_us() : 0;
+    at::Tensor t = b.buffer;
+    if (opt_.compression != "none") {
+      b.wire = b.buffer.to(opt_.compression == "fp16" ? at::kHalf : at::kBFloat16);
+      t = b.wire;
+    }
+    if (!hier_) {
+      AllreduceOptions o;
+      o.op = ReduceOp::kAvg;
+      b.works.push_back(comm_->allreduce(t, o));
+      return;
+    }
+    // Phase 1 of the hierarchy now; the rest in complete_hierarchy().
+    // (Separate chunk buffer: MPI forbids overlapping input and output.)
+    const int64_t chunk = t.numel() / intra_->size();
+    if (!b.chunk.defined() || b.chunk.numel() != chunk || b.chunk.scalar_type() != t.scalar_type())
+      b.chunk = at::empty({chunk}, t.options());
+    b.works.push_back(intra_->reduce_scatter(t, b.chunk));
+  }
+
+  void complete_hierarchy() {
+    if (!hier_) return;
+    // Each phase is issued for every bucket before the next phase waits, so the phases
+    // of different buckets overlap.
+    for (auto& b : buckets_) {
+      for (auto& w : b.works) w->wait();
+      b.works.clear();
+      b.works.push_back(inter_->allreduce(b.chunk));
+    }
+    for (auto& b : buckets_) {
+      for (auto& w : b.works) w->wait();
+      b.works.clear();
+      b.works.push_back(intra_->allgather(b.chunk, b.wire.defined() ? b.wire : b.buffer));
+    }
+  }
+
+  Options opt_;
+  CommunicatorPtr comm_, intra_, inter_;
+  core::Trace* trace_ = nullptr;
+  bool hier_ = false;
+  bool sync_ = false;
+  std::vector<Slot> slots_;
+  std::vector<Bucket> buckets_;
+  double wait_s_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<DataParallel>(*this); }
+
+void register_data_parallel(core::SectionRegistry& registry) {
+  registry.add(
+      "data_parallel",
+      [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
+        auto o = std::make_shared<Options>();
+        const bool given = !s.keys().empty();
+        o->bucket_mb = s.positive_number("bucket_mb", o->bucket_mb);
+        o->overlap = s.boolean("overlap", o->overlap);
+        o->compression = s.choice("compression", o->compression, {"none", "fp16", "bf16"});
+        o->hierarchical = s.choice("hierarchical", o->hierarchical, {"auto", "on", "off"});
+        o->ranks_per_host = static_cast<int>(s.integer("ranks_per_host", 0, 0, 1 << 20));
+        s.finish();
+        if (!given && job.mesh.size("data") == 1) return nullptr;  // off: one data rank
+        return o;
+      },
+      "data");
+}
+
+}  // namespace tetra::data_parallel

@@ -1,0 +1,117 @@
+// The numerics contract for data parallelism: with the same seed and global batch, N
+// data-parallel thread-ranks (over the local backend) follow the single-process loss at
+// every step within float reduction-order error, whatever the buckets, overlap,
+// accumulation or hierarchy; compression follows within its documented tolerance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "collectives/error.h"
+#include "collectives/local.h"
+#include "core/runtime.h"
+#include "core/trainer.h"
+#include "data_parallel/data_parallel.h"
+
+using namespace tetra;
+using namespace tetra::core;
+
+namespace {
+
+const char* kJob = R"(
+model: {type: mlp, hidden: [64, 32]}
+data: {type: fashion-mnist, batch_size: 96, eval_samples: 600}
+optimizer: {type: adamw, lr: 2.0e-3, weight_decay: 0.01, clip_grad_norm: 1.0}
+schedule: {type: cosine, warmup_steps: 5}
+train: {max_steps: 25, seed: 5, threads: 1}
+checkpoint: {dir: ""}
+log: {metrics: "", progress: off}
+)";
+
+JobSpec job(std::vector<std::string> sets) {
+  SectionRegistry plugins;
+  data_parallel::register_data_parallel(plugins);
+  return parse_job_string(kJob, "dp", sets, plugins).spec;
+}
+
+TrainResult single(std::vector<std::string> sets = {}) {
+  set_threads(1);
+  return Trainer(job(sets)).run();
+}
+
+// Runs the job on n thread-ranks; returns rank 0's result (and checks all ranks agree).
+TrainResult parallel(int n, std::vector<std::string> sets) {
+  set_threads(1);
+  sets.push_back("mesh.data=" + std::to_string(n));
+  std::vector<TrainResult> results(n);
+  collectives::run_local_ranks(n, [&](int rank, collectives::Communicator& world) {
+    TrainerOptions o;
+    o.world = world.shared_from_this();
+    results[rank] = Trainer(job(sets), o).run();
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(results[r].losses, results[0].losses) << "rank " << r;
+  return results[0];
+}
+
+void expect_follows(const TrainResult& ref, const TrainResult& got, double rel) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], rel * std::abs(ref.losses[i])) << "step " << i + 1;
+  ASSERT_TRUE(ref.final_eval && got.final_eval);
+  EXPECT_NEAR(*got.final_eval->accuracy, *ref.final_eval->accuracy, 2.0 / 600 + 1e-9);
+}
+
+}  // namespace
+
+TEST(DataParallel, TwoRanksFollowOneProcess) {
+  TrainResult ref = single();
+  expect_follows(ref, parallel(2, {}), 1e-5);
+}
+
+TEST(DataParallel, OddWorldOfThree) {
+  TrainResult ref = single();
+  expect_follows(ref, parallel(3, {}), 1e-5);
+}
+
+TEST(DataParallel, OverlapOffAndManySmallBuckets) {
+  TrainResult ref = single();
+  expect_follows(ref, parallel(2, {"data_parallel.overlap=false"}), 1e-5);
+  expect_follows(ref, parallel(2, {"data_parallel.bucket_mb=0.01"}), 1e-5);  // a bucket per layer and then some
+}
+
+TEST(DataParallel, AccumulationCommunicatesOnceAndFollows) {
+  TrainResult ref = single({"train.accumulation_steps=4"});
+  expect_follows(ref, parallel(2, {"train.accumulation_steps=4"}), 1e-5);
+  expect_follows(single(), parallel(2, {"train.accumulation_steps=2", "data_parallel.bucket_mb=0.05"}), 1e-5);
+}
+
+TEST(DataParallel, HierarchicalOverTwoPretendHosts) {
+  TrainResult ref = single();
+  expect_follows(ref, parallel(4, {"data_parallel.hierarchical=on", "data_parallel.ranks_per_host=2",
+                                   "data_parallel.bucket_mb=0.05"}), 1e-5);
+}
+
+TEST(DataParallel, CompressionFollowsWithinItsTolerance) {
+  TrainResult ref = single();
+  TrainResult fp16 = parallel(2, {"data_parallel.compression=fp16"});
+  TrainResult bf16 = parallel(2, {"data_parallel.compression=bf16"});
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(fp16.losses[i], ref.losses[i], 1e-2 * ref.losses[i]) << "fp16 step " << i + 1;
+    EXPECT_NEAR(bf16.losses[i], ref.losses[i], 5e-2 * ref.losses[i]) << "bf16 step " << i + 1;
+  }
+}
+
+TEST(DataParallel, BatchThatDoesNotSplitNamesAllTheNumbers) {
+  set_threads(1);
+  collectives::run_local_ranks(5, [&](int, collectives::Communicator& world) {
+    TrainerOptions o;
+    o.world = world.shared_from_this();
+    try {
+      Trainer t(job({"mesh.data=5"}), o);
+      FAIL();
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("data.batch_size 96 does not split into 5 data-parallel ranks x 1 micro-batch"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
