@@ -90,6 +90,7 @@ void Trace::enable(int pid, const std::string& process_name) {
   pid_ = pid;
   process_name_ = process_name;
   start_ = std::chrono::steady_clock::now();
+  epoch_us_ = std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 double Trace::now_us() const {
@@ -118,6 +119,8 @@ void Trace::write(const std::string& path) const {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json events = nlohmann::json::array();
   events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", pid_}, {"args", {{"name", process_name_}}}});
+  // Wall-clock time of ts = 0, so trace-merge can line up the ranks exactly.
+  events.push_back({{"ph", "M"}, {"name", "clock_sync"}, {"pid", pid_}, {"args", {{"epoch_us", epoch_us_}}}});
   for (size_t i = 0; i < tracks_.size(); ++i)
     events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", pid_}, {"tid", i},
                       {"args", {{"name", tracks_[i]}}}});

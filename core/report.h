@@ -90,6 +90,7 @@ class Trace {
   int pid_ = 0;
   std::string process_name_;
   std::chrono::steady_clock::time_point start_{};
+  double epoch_us_ = 0;  // system clock at start_, in microseconds since the epoch
   mutable std::mutex mu_;
   std::vector<std::string> tracks_;
   std::vector<nlohmann::json> events_;

@@ -114,10 +114,17 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   for (int64_t m = 0; m < micro; ++m) {
     torch::Tensor idx = micro == 1 ? indices : BatchPlan::slice(indices, m, micro);
     Batch batch;
+    auto t = Clock::now();
+    auto lap = [&t](double& into) {
+      auto now = Clock::now();
+      into += std::chrono::duration<double>(now - t).count();
+      t = now;
+    };
     {
       Trace::Scope s(trace_, "data", "batch");
       batch = data_->get(Split::kTrain, idx);
     }
+    lap(phases_.data);
     // Each micro-batch's mean loss, weighted by its share, sums to the batch mean.
     const double weight = static_cast<double>(batch.size()) / static_cast<double>(n);
     torch::Tensor loss;
@@ -126,21 +133,27 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
       compat::CpuAutocast autocast(bf16);
       loss = model_loss(model_->forward(batch.inputs), batch.targets);
     }
+    lap(phases_.forward);
     for (auto& s : strategies_) s->before_backward(m == micro - 1);
     {
       Trace::Scope s(trace_, "compute", "backward");
       (weight == 1.0 ? loss : loss * weight).backward();
     }
     loss_sum += loss.item<double>() * weight;
+    lap(phases_.backward);
   }
+  auto t = Clock::now();
   for (auto& s : strategies_) s->finish_gradients();
   // The step's loss over the whole global batch (equal shards: the mean of the means).
   loss_sum = data_average(loss_sum);
+  phases_.gradients += seconds_since(t);
+  t = Clock::now();
   {
     Trace::Scope s(trace_, "compute", "optimizer");
     if (spec_.optimizer.clip_grad_norm > 0) clip_grad_norm(params_, spec_.optimizer.clip_grad_norm);
     optimizer_->step(schedule_->at(step_));
   }
+  phases_.optimizer += seconds_since(t);
   return loss_sum;
 }
 
@@ -388,6 +401,7 @@ TrainResult Trainer::run() {
   result.final_eval = last_eval;
   result.best_accuracy = best_accuracy_;
   result.checkpoint = last_checkpoint;
+  result.phases = phases_;
   return result;
 }
 

@@ -39,6 +39,12 @@ struct TrainResult {
   std::optional<double> best_accuracy;
   std::string checkpoint;       // the last checkpoint written ("" when none)
   std::string resumed_from;     // "" when the run started fresh
+  // Where the training time went, summed over the steps (seconds): reading batches,
+  // forward, backward, finishing gradients (waiting on what backward did not hide),
+  // and the optimizer (clipping included).
+  struct Phases {
+    double data = 0, forward = 0, backward = 0, gradients = 0, optimizer = 0;
+  } phases;
 };
 
 struct TrainerOptions {
@@ -91,6 +97,7 @@ class Trainer {
   int data_rank_ = 0, data_size_ = 1;
   std::vector<std::unique_ptr<Strategy>> strategies_;
   std::unique_ptr<TrainState> state_;
+  TrainResult::Phases phases_;
   // Averages a scalar over the data-parallel ranks (identity on one).
   double data_average(double v);
 };

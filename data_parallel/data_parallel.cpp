@@ -48,7 +48,7 @@ class DataParallel final : public core::Strategy {
   void before_backward(bool last) override { sync_ = last; }
 
   void finish_gradients() override {
-    if (!comm_) return;
+    if (!comm_ || opt_.skip_allreduce) return;
     sync_ = false;
     at::NoGradGuard no_grad;
     for (auto& b : buckets_) {
@@ -217,7 +217,7 @@ class DataParallel final : public core::Strategy {
   }
 
   void on_grad(size_t i, const at::Tensor& grad) {
-    if (!sync_) return;  // accumulate-only micro-batch: no communication
+    if (!sync_ || opt_.skip_allreduce) return;  // accumulate-only micro-batch: no communication
     at::NoGradGuard no_grad;
     fill_slot(static_cast<int>(i), grad);
     Bucket& b = buckets_[slots_[i].bucket];
@@ -305,6 +305,7 @@ void register_data_parallel(core::SectionRegistry& registry) {
         o->compression = s.choice("compression", o->compression, {"none", "fp16", "bf16"});
         o->hierarchical = s.choice("hierarchical", o->hierarchical, {"auto", "on", "off"});
         o->ranks_per_host = static_cast<int>(s.integer("ranks_per_host", 0, 0, 1 << 20));
+        o->skip_allreduce = s.boolean("skip_allreduce", false);
         s.finish();
         if (!given && job.mesh.size("data") == 1) return nullptr;  // off: one data rank
         return o;

@@ -39,6 +39,9 @@ struct Options : core::StrategyConfig {
   std::string hierarchical = "auto";  // auto | on | off
   // For tests: how many consecutive data ranks count as one host (0 = ask the launcher).
   int ranks_per_host = 0;
+  // For benchmarks only: skip the gradient allreduce (the compute-only ceiling of a run;
+  // the ranks' models then drift apart).
+  bool skip_allreduce = false;
   std::unique_ptr<core::Strategy> build() const override;
 };
 

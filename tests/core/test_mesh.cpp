@@ -64,7 +64,7 @@ TEST(Mesh, ParsedFromTheJobSpec) {
     parse_job_string("mesh: {data: 2}\n", "j.yaml", {}, {});
     FAIL();
   } catch (const tetra::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("j.yaml:1:15: error: mesh.data: 2 ranks on the data axis need its strategy plugin"),
+    EXPECT_NE(std::string(e.what()).find("j.yaml:1:8: error: mesh.data: 2 ranks on the data axis need its strategy plugin"),
               std::string::npos)
         << e.what();
   }

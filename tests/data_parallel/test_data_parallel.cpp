@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 
 #include "collectives/error.h"
 #include "collectives/local.h"
@@ -114,4 +115,31 @@ TEST(DataParallel, BatchThatDoesNotSplitNamesAllTheNumbers) {
           << e.what();
     }
   });
+}
+
+namespace {
+struct Interrupt {};
+}  // namespace
+
+TEST(DataParallel, RankZeroCheckpointsAndEveryRankResumesFromIt) {
+  set_threads(1);
+  const std::string dir = testing::TempDir() + "/tetra_dp_ckpt_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::vector<std::string> sets = {"checkpoint.dir=" + dir, "checkpoint.every_steps=10"};
+  TrainResult whole = parallel(2, {"checkpoint.dir=" + dir + "_whole", "checkpoint.every_steps=10"});
+  // Stop both ranks after step 15 (the step-10 checkpoint is on disk), then resume.
+  sets.push_back("mesh.data=2");
+  EXPECT_ANY_THROW(collectives::run_local_ranks(2, [&](int, collectives::Communicator& world) {
+    TrainerOptions o;
+    o.world = world.shared_from_this();
+    o.on_step = [](int64_t step, double) {
+      if (step == 15) throw Interrupt{};
+    };
+    Trainer(job(sets), o).run();
+  }));
+  sets.pop_back();
+  TrainResult rest = parallel(2, sets);
+  EXPECT_NE(rest.resumed_from.find("step-00000010"), std::string::npos) << rest.resumed_from;
+  ASSERT_EQ(rest.losses.size(), 15u);
+  for (size_t i = 0; i < 15; ++i) EXPECT_EQ(rest.losses[i], whole.losses[10 + i]) << "step " << 11 + i;
 }

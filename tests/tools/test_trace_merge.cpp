@@ -78,6 +78,18 @@ fs::path write_rank(const fs::path& dir, int rank, double shift) {
   if (rank == 0) t.span("checkpoint", "save", shift + 100, shift + 140);
   fs::path p = dir / ("trace.rank" + std::to_string(rank) + ".json");
   t.write(p.string());
+  // The trainer's file carries its clock (clock_sync); the tests set it themselves, or
+  // leave it out to exercise the align-by-earliest-event path.
+  json doc = json::parse(slurp(p));
+  json kept = json::array();
+  bool had_sync = false;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e.value("name", "") == "clock_sync") had_sync = true;
+    else kept.push_back(e);
+  }
+  EXPECT_TRUE(had_sync) << "Trace::write should record its clock";
+  doc["traceEvents"] = kept;
+  std::ofstream(p) << doc.dump();
   return p;
 }
 
