@@ -36,9 +36,10 @@ struct Outcome {
   std::string out;  // stdout and stderr together
 };
 
-pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
+// Starts `exe args...` with stdout and stderr both going to `log`.
+pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, const fs::path& log) {
   std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(kTrain.c_str()));
+  argv.push_back(const_cast<char*>(exe.c_str()));
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   posix_spawn_file_actions_t fa;
@@ -46,10 +47,12 @@ pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
   posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&fa, 1, 2);
   pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, kTrain.c_str(), &fa, nullptr, argv.data(), environ), 0);
+  EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ), 0);
   posix_spawn_file_actions_destroy(&fa);
   return pid;
 }
+
+pid_t spawn(const std::vector<std::string>& args, const fs::path& log) { return spawn_program(kTrain, args, log); }
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p);
@@ -190,20 +193,9 @@ Outcome run_mpi(int np, const std::vector<std::string>& args) {
   std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), kTrain};
   all.insert(all.end(), args.begin(), args.end());
   fs::path log = fs::path(testing::TempDir()) / ("tetra_mpi_" + std::to_string(::getpid()) + ".log");
-  std::vector<char*> argv;
-  const std::string mpirun = TETRA_MPIEXEC;
-  argv.push_back(const_cast<char*>(mpirun.c_str()));
-  for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);  // CI runs as root
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, mpirun.c_str(), &fa, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&fa);
+  pid_t pid = spawn_program(TETRA_MPIEXEC, all, log);
   int st = 0;
   waitpid(pid, &st, 0);
   Outcome r;
