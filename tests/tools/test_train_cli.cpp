@@ -59,9 +59,10 @@ std::string slurp(const fs::path& p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-Outcome run(const std::vector<std::string>& args) {
+// Runs `exe args...` to its end; its exit status and everything it printed.
+Outcome run_program(const std::string& exe, const std::vector<std::string>& args) {
   fs::path log = fs::path(testing::TempDir()) / ("tetra_cli_" + std::to_string(::getpid()) + ".log");
-  pid_t pid = spawn(args, log);
+  pid_t pid = spawn_program(exe, args, log);
   int st = 0;
   waitpid(pid, &st, 0);
   Outcome r;
@@ -69,6 +70,8 @@ Outcome run(const std::vector<std::string>& args) {
   r.out = slurp(log);
   return r;
 }
+
+Outcome run(const std::vector<std::string>& args) { return run_program(kTrain, args); }
 
 fs::path write_job(const fs::path& dir, const std::string& name, const std::string& text) {
   fs::path p = dir / name;
@@ -192,16 +195,9 @@ namespace {
 Outcome run_mpi(int np, const std::vector<std::string>& args) {
   std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), kTrain};
   all.insert(all.end(), args.begin(), args.end());
-  fs::path log = fs::path(testing::TempDir()) / ("tetra_mpi_" + std::to_string(::getpid()) + ".log");
   setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);  // CI runs as root
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  pid_t pid = spawn_program(TETRA_MPIEXEC, all, log);
-  int st = 0;
-  waitpid(pid, &st, 0);
-  Outcome r;
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.out = slurp(log);
-  return r;
+  return run_program(TETRA_MPIEXEC, all);
 }
 
 void expect_mpi_follows_single(int np, const std::string& batch) {
