@@ -1,8 +1,11 @@
 #include "data_parallel/data_parallel.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 
@@ -26,9 +29,27 @@ int64_t mix(int64_t h, int64_t v) {
 }
 int64_t mix(int64_t h, const std::string& s) { return mix(h, static_cast<int64_t>(std::hash<std::string>{}(s) >> 1)); }
 
+// Runs `fn` after autograd accumulated a parameter's gradient into .grad (a post hook on
+// the parameter's AccumulateGrad node, as PyTorch's DDP reducer does). `alive` turns it
+// off when the strategy is gone but a graph still holds the node.
+struct AfterAccumulate final : torch::autograd::FunctionPostHook {
+  AfterAccumulate(std::shared_ptr<std::atomic<bool>> alive, std::function<void()> fn)
+      : alive_(std::move(alive)), fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (alive_->load(std::memory_order_acquire)) fn_();
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> alive_;
+  std::function<void()> fn_;
+};
+
 class DataParallel final : public core::Strategy {
  public:
   explicit DataParallel(Options o) : opt_(std::move(o)) {}
+  ~DataParallel() override { alive_->store(false, std::memory_order_release); }
   std::string name() const override { return "data_parallel"; }
 
   void attach(core::TrainState& state) override {
@@ -39,9 +60,14 @@ class DataParallel final : public core::Strategy {
     broadcast_state(state);
     make_buckets(state);
     setup_hierarchy();
+    bind_gradients();
     if (opt_.overlap) {
-      for (size_t i = 0; i < slots_.size(); ++i)
-        slots_[i].param.register_hook([this, i](at::Tensor grad) { on_grad(i, grad); });
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        Slot& sl = slots_[i];
+        sl.accumulator = torch::autograd::impl::grad_accumulator(sl.param);
+        TETRA_CHECK(sl.accumulator, "data_parallel: parameter has no gradient accumulator");
+        sl.accumulator->add_post_hook(std::make_unique<AfterAccumulate>(alive_, [this, i] { on_ready(i); }));
+      }
     }
   }
 
@@ -53,11 +79,8 @@ class DataParallel final : public core::Strategy {
     at::NoGradGuard no_grad;
     for (auto& b : buckets_) {
       if (b.launched) continue;
-      // No overlap, or parameters that got no gradient this step: pack what .grad holds.
-      for (int s : b.slots) {
-        if (b.filled[s - b.slots.front()]) continue;
-        fill_slot(s, at::Tensor());
-      }
+      // No overlap, or parameters that got no gradient this step.
+      for (int s : b.slots) bind(s);
       launch(b);
     }
     const auto t0 = Clock::now();
@@ -69,16 +92,11 @@ class DataParallel final : public core::Strategy {
                      {{"bytes", b.buffer.numel() * b.buffer.element_size()}});
     }
     wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    // Each .grad is a view of its bucket: the average is in place already, unless it
+    // travelled compressed or the hierarchy summed it.
     for (auto& b : buckets_) {
-      at::Tensor result = b.wire.defined() ? b.wire.to(b.buffer.scalar_type()) : b.buffer;
-      if (hier_) result.div_(comm_->size());
-      for (int s : b.slots) {
-        const Slot& sl = slots_[s];
-        at::Tensor avg = result.narrow(0, sl.offset, sl.numel).view(sl.param.sizes());
-        auto& g = sl.param.mutable_grad();
-        if (g.defined()) g.copy_(avg);
-        else g = avg.clone();
-      }
+      if (b.wire.defined()) b.buffer.copy_(b.wire);
+      if (hier_) b.buffer.div_(comm_->size());
       b.launched = false;
       b.pending = static_cast<int>(b.slots.size());
       std::fill(b.filled.begin(), b.filled.end(), false);
@@ -91,6 +109,8 @@ class DataParallel final : public core::Strategy {
  private:
   struct Slot {
     at::Tensor param;
+    at::Tensor view;  // the parameter's slot of its bucket, shaped like it: its .grad
+    std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive: it carries the hook
     int bucket = 0;
     int64_t offset = 0, numel = 0;
   };
@@ -216,30 +236,37 @@ class DataParallel final : public core::Strategy {
     }
   }
 
-  void on_grad(size_t i, const at::Tensor& grad) {
-    if (!sync_ || opt_.skip_allreduce) return;  // accumulate-only micro-batch: no communication
+  // Gradient as bucket view: every .grad is its slot of a bucket, so autograd accumulates
+  // straight into the buffer the allreduce sends, and the average lands where the
+  // optimizer reads it. No copy in, no copy out.
+  void bind_gradients() {
     at::NoGradGuard no_grad;
-    fill_slot(static_cast<int>(i), grad);
-    Bucket& b = buckets_[slots_[i].bucket];
-    if (b.pending == 0) launch(b);
+    for (auto& sl : slots_) sl.view = buckets_[sl.bucket].buffer.narrow(0, sl.offset, sl.numel).view(sl.param.sizes());
+    for (size_t s = 0; s < slots_.size(); ++s) bind(static_cast<int>(s));
   }
 
-  // The step's gradient of slot s: what .grad holds plus `grad` (the last micro-batch's,
-  // not yet accumulated when a hook sees it).
-  void fill_slot(int s, const at::Tensor& grad) {
-    const Slot& sl = slots_[s];
+  // Makes slot s's .grad its bucket view again if something replaced it (or left it
+  // undefined: a parameter that got no gradient contributes zeros).
+  void bind(int s) {
+    Slot& sl = slots_[s];
+    at::Tensor& g = sl.param.mutable_grad();
+    if (g.defined() && g.data_ptr() == sl.view.data_ptr()) return;
+    if (g.defined()) sl.view.copy_(g);
+    else sl.view.zero_();
+    g = sl.view;
+  }
+
+  // After autograd accumulated slot i's gradient (hooked only with overlap).
+  void on_ready(size_t i) {
+    if (!sync_ || opt_.skip_allreduce) return;  // accumulate-only micro-batch: no communication
+    at::NoGradGuard no_grad;
+    const Slot& sl = slots_[i];
     Bucket& b = buckets_[sl.bucket];
-    at::Tensor view = b.buffer.narrow(0, sl.offset, sl.numel);
-    const at::Tensor& acc = sl.param.grad();
-    if (grad.defined() && acc.defined()) at::add_out(view, acc.reshape({-1}), grad.reshape({-1}));
-    else if (grad.defined()) view.copy_(grad.reshape({-1}));
-    else if (acc.defined()) view.copy_(acc.reshape({-1}));
-    else view.zero_();
-    const size_t k = static_cast<size_t>(s - b.slots.front());
-    if (!b.filled[k]) {
-      b.filled[k] = true;
-      --b.pending;
-    }
+    const size_t k = i - static_cast<size_t>(b.slots.front());
+    if (b.launched || b.filled[k]) return;
+    bind(static_cast<int>(i));
+    b.filled[k] = true;
+    if (--b.pending == 0) launch(b);
   }
 
   void launch(Bucket& b) {
@@ -288,6 +315,7 @@ class DataParallel final : public core::Strategy {
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
   double wait_s_ = 0;
+  std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
 };
 
 }  // namespace

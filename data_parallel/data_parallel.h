@@ -3,15 +3,19 @@
 //
 // Note [Buckets and overlap]
 // Parameters are grouped into buckets of about bucket_mb, in reverse order of
-// definition (the order backward produces their gradients). A hook on each parameter
-// sees its gradient as autograd computes it; on the last micro-batch of a step it copies
-// the step's whole gradient (what .grad already accumulated plus this one) into the
-// parameter's slot of its bucket, and the moment a bucket's last slot is filled its
-// allreduce is issued on the data axis's communicator. That communicator runs it on its
-// own progress thread while backward goes on computing the next layers. Before the
-// optimizer step, finish_gradients() waits for every bucket and copies the averages into
-// .grad. Micro-batches that only accumulate communicate nothing. With overlap off, one
-// pass after backward packs every gradient and allreduces bucket by bucket.
+// definition (the order backward produces their gradients). Each parameter's .grad is a
+// view of its slot in a flat bucket buffer (PyTorch DDP's gradient_as_bucket_view), so
+// autograd accumulates every micro-batch's gradient straight into the buffer that the
+// allreduce sends, and the averaged result lands where the optimizer reads it: no copy
+// into the bucket, none out of it. With overlap on, a post hook on each parameter's
+// AccumulateGrad node marks the slot ready on the last micro-batch of a step; the moment
+// a bucket's last slot is ready its allreduce is issued on the data axis's communicator,
+// which runs it on its own progress thread while backward goes on computing the next
+// layers. Before the optimizer step, finish_gradients() issues what is left (parameters
+// that got no gradient contribute zeros) and waits for every bucket. Micro-batches that
+// only accumulate communicate nothing. With overlap off, every bucket is issued after
+// backward. Something that replaces a .grad (rather than writing into it) is noticed
+// and the slot is re-bound, at the cost of one copy.
 //
 // Compression (fp16 | bf16) casts a bucket to 16 bits before the allreduce and back
 // after: half the bytes on the wire, at the cost of the 16-bit sum's rounding (about
