@@ -9,7 +9,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -192,13 +194,16 @@ log: {every: 1, progress: plain}
 // single-process run of the same job at every step (relative 1e-5, fp32).
 namespace {
 
-Outcome run_mpi(int np, const std::vector<std::string>& args) {
+// mpirun's arguments for `train args...` on np local ranks (as root too: CI runs as root).
+std::vector<std::string> mpi_args(int np, const std::vector<std::string>& args) {
   std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), kTrain};
   all.insert(all.end(), args.begin(), args.end());
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);  // CI runs as root
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  return run_program(TETRA_MPIEXEC, all);
+  return all;
 }
+
+Outcome run_mpi(int np, const std::vector<std::string>& args) { return run_program(TETRA_MPIEXEC, mpi_args(np, args)); }
 
 void expect_mpi_follows_single(int np, const std::string& batch) {
   fs::path d = fresh_dir("mpi" + std::to_string(np));
@@ -235,4 +240,97 @@ TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
   EXPECT_NE(r.out.find("mesh data=3 = 3 ranks, but the world has 2"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;  // no crash
   EXPECT_NE(r.status, 0);
+}
+
+// A data-parallel run under mpirun whose rank 1 is SIGKILLed after a checkpoint: mpirun
+// ends the job (no hang), the checkpoint on disk is whole, and the job resumes from it
+// both on the same two ranks (following the uninterrupted run exactly) and on one
+// process (the state is replicated, so any number of data ranks can take it up).
+namespace {
+
+// The pids of `parent`'s children running `exe` (mpirun forks the local ranks itself;
+// their comm reads "exe" after train's re-exec, so the binary is what identifies them).
+std::vector<pid_t> children_running(pid_t parent, const fs::path& exe) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  const fs::path want = fs::canonical(exe, ec);
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string pid = e.path().filename().string();
+    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = slurp(e.path() / "stat");
+    const size_t close = stat.rfind(')');
+    int ppid = -1;
+    if (close == std::string::npos || std::sscanf(stat.c_str() + close + 2, "%*c %d", &ppid) != 1) continue;
+    if (ppid == parent && fs::read_symlink(e.path() / "exe", ec) == want) out.push_back(std::stoi(pid));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+TEST(TrainMpi, KilledRankEndsTheJobAndTheCheckpointResumesOnTwoRanksAndOnOne) {
+  fs::path d = fresh_dir("mpikill");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [128, 64]}
+data: {type: fashion-mnist, batch_size: 128, eval_samples: 500}
+optimizer: {type: adamw, lr: 2.0e-3}
+schedule: {type: cosine, warmup_steps: 5}
+train: {max_steps: 160, seed: 4, threads: 1}
+checkpoint: {every_steps: 40, keep: 2}
+log: {every: 1, progress: plain}
+)").string();
+  auto args = [&](const std::string& sub) {
+    return std::vector<std::string>{job, "--set", "checkpoint.dir=" + (d / sub / "ckpt").string(),
+                                    "--set", "log.metrics=" + (d / sub / "m.jsonl").string()};
+  };
+  auto with_mesh = [](std::vector<std::string> a) {
+    a.insert(a.end(), {"--set", "mesh.data=2"});
+    return a;
+  };
+  Outcome whole = run_mpi(2, with_mesh(args("whole")));
+  ASSERT_EQ(whole.status, 0) << whole.out;
+
+  pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi_args(2, with_mesh(args("killed"))), d / "killed.log");
+  const fs::path ckpt = d / "killed" / "ckpt";
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
+  while (!fs::exists(ckpt / "step-00000040" / "meta.json") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  std::vector<pid_t> ranks = children_running(mpirun, kTrain);
+  ASSERT_EQ(ranks.size(), 2u) << slurp(d / "killed.log");
+  kill(ranks.back(), SIGKILL);
+  // mpirun must notice and end the job: wait at most a minute.
+  int st = 0;
+  pid_t got = 0;
+  deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  while ((got = waitpid(mpirun, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (got == 0) {
+    for (pid_t r : children_running(mpirun, kTrain)) kill(r, SIGKILL);
+    kill(mpirun, SIGKILL);
+    waitpid(mpirun, &st, 0);
+    FAIL() << "mpirun did not end the job within a minute of a rank's death: " << slurp(d / "killed.log");
+  }
+  const std::string killed_log = slurp(d / "killed.log");
+  ASSERT_FALSE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the run finished before it could be killed: " << killed_log;
+  EXPECT_EQ(killed_log.find("terminate called"), std::string::npos) << killed_log;
+  // What the killed run left, for the one-process resume below.
+  fs::create_directories(d / "one");
+  fs::copy(ckpt, d / "one" / "ckpt", fs::copy_options::recursive);
+
+  Outcome resumed = run_mpi(2, with_mesh(args("killed")));
+  ASSERT_EQ(resumed.status, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+  auto a = losses(d / "whole" / "m.jsonl"), b = losses(d / "killed" / "m.jsonl");
+  ASSERT_EQ(a.size(), 160u);
+  ASSERT_EQ(b.size(), 160u);
+  for (const auto& [step, loss] : a) EXPECT_EQ(b[step], loss) << "step " << step;
+
+  Outcome one = run(args("one"));
+  ASSERT_EQ(one.status, 0) << one.out;
+  EXPECT_NE(one.out.find("resumed from"), std::string::npos) << one.out;
+  auto c = losses(d / "one" / "m.jsonl");
+  ASSERT_GE(c.size(), 40u);  // the killed run checkpointed at 40 at least, so 41..160 ran here
+  ASSERT_LE(c.size(), 120u);
+  for (const auto& [step, loss] : c) EXPECT_NEAR(loss, a[step], 1e-5 * a[step]) << "step " << step;
 }
