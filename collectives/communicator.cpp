@@ -42,9 +42,26 @@ std::exception_ptr Work::exception() const {
   return error_;
 }
 
+Clock::time_point Work::started_at() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return started_;
+}
+
+Clock::time_point Work::finished_at() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_;
+}
+
+void Work::start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  started_ = Clock::now();
+}
+
 void Work::finish(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    finished_ = Clock::now();
+    if (started_ == Clock::time_point{}) started_ = finished_;
     done_ = true;
     error_ = error;
   }
@@ -167,6 +184,7 @@ void Communicator::progress_loop() {
       }
     } else {
       try {
+        item.work->start();
         item.fn(Clock::now() + item.timeout);
       } catch (const TimeoutError& e) {
         error = std::make_exception_ptr(TimeoutError(item.work->what() + ": " + e.what()));

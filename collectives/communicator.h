@@ -81,7 +81,13 @@ class Work {
   std::exception_ptr exception() const;
   const std::string& what() const { return what_; }
 
-  // For backends: complete the op (with an error, or nullptr for success).
+  // When the progress thread began running the op and when it finished (for timelines;
+  // a default time_point until then). Read them after wait().
+  Clock::time_point started_at() const;
+  Clock::time_point finished_at() const;
+
+  // For backends: the op begins running; complete it (with an error, or nullptr for success).
+  void start();
   void finish(std::exception_ptr error = nullptr);
 
  private:
@@ -90,6 +96,7 @@ class Work {
   std::condition_variable cv_;
   bool done_ = false;
   std::exception_ptr error_;
+  Clock::time_point started_{}, finished_{};
 };
 using WorkPtr = std::shared_ptr<Work>;
 

@@ -97,6 +97,10 @@ double Trace::now_us() const {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_).count();
 }
 
+double Trace::us_at(std::chrono::steady_clock::time_point t) const {
+  return std::chrono::duration<double, std::micro>(t - start_).count();
+}
+
 int Trace::track_id(const std::string& track) {
   for (size_t i = 0; i < tracks_.size(); ++i)
     if (tracks_[i] == track) return static_cast<int>(i);

@@ -62,6 +62,8 @@ class Trace {
   bool enabled() const { return enabled_; }
   // Microseconds since the recorder was enabled.
   double now_us() const;
+  // The same clock for a steady_clock time (a Work's start or end, say).
+  double us_at(std::chrono::steady_clock::time_point t) const;
   void span(const std::string& track, const std::string& name, double begin_us, double end_us,
             nlohmann::json args = nullptr);
   void write(const std::string& path) const;

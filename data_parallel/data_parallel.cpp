@@ -85,11 +85,10 @@ class DataParallel final : public core::Strategy {
     }
     const auto t0 = Clock::now();
     complete_hierarchy();
-    for (auto& b : buckets_) {
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      Bucket& b = buckets_[i];
       for (auto& w : b.works) w->wait();
-      if (trace_->enabled())
-        trace_->span("comm data", "allreduce bucket", b.issued_us, trace_->now_us(),
-                     {{"bytes", b.buffer.numel() * b.buffer.element_size()}});
+      trace_works(b, i, hier_ ? "allgather (host)" : "allreduce");
     }
     wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
     // Each .grad is a view of its bucket: the average is in place already, unless it
@@ -291,17 +290,34 @@ class DataParallel final : public core::Strategy {
     b.works.push_back(intra_->reduce_scatter(t, b.chunk));
   }
 
+  // The "comm data" track: each op of bucket i from the moment the communicator's
+  // progress thread began it to its end (after wait(), so both times are known); the
+  // time it queued behind earlier ops is an argument.
+  void trace_works(const Bucket& b, size_t i, const char* op) {
+    if (!trace_->enabled()) return;
+    for (const auto& w : b.works) {
+      const double begin = trace_->us_at(w->started_at()), end = trace_->us_at(w->finished_at());
+      trace_->span("comm data", std::string(op) + " bucket " + std::to_string(i), begin, end,
+                   {{"bytes", b.buffer.numel() * b.buffer.element_size()},
+                    {"queued_us", std::max(0.0, begin - b.issued_us)}});
+    }
+  }
+
   void complete_hierarchy() {
     if (!hier_) return;
     // Each phase is issued for every bucket before the next phase waits, so the phases
     // of different buckets overlap.
-    for (auto& b : buckets_) {
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      Bucket& b = buckets_[i];
       for (auto& w : b.works) w->wait();
+      trace_works(b, i, "reduce_scatter (host)");
       b.works.clear();
       b.works.push_back(inter_->allreduce(b.chunk));
     }
-    for (auto& b : buckets_) {
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      Bucket& b = buckets_[i];
       for (auto& w : b.works) w->wait();
+      trace_works(b, i, "allreduce (across hosts)");
       b.works.clear();
       b.works.push_back(intra_->allgather(b.chunk, b.wire.defined() ? b.wire : b.buffer));
     }
