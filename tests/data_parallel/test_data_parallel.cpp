@@ -143,3 +143,43 @@ TEST(DataParallel, RankZeroCheckpointsAndEveryRankResumesFromIt) {
   ASSERT_EQ(rest.losses.size(), 15u);
   for (size_t i = 0; i < 15; ++i) EXPECT_EQ(rest.losses[i], whole.losses[10 + i]) << "step " << 11 + i;
 }
+
+// Gradients are views of the buckets. Code that replaces a .grad (a fresh tensor, or
+// none at all so autograd installs its own) must still get the average, and the
+// parameter is bound to its bucket again afterwards.
+TEST(DataParallel, ReplacedGradientsAreStillAveragedAndRebound) {
+  set_threads(1);
+  for (bool overlap : {true, false}) {
+    JobSpec spec = job({"mesh.data=2", std::string("data_parallel.overlap=") + (overlap ? "true" : "false")});
+    auto cfg = std::dynamic_pointer_cast<const StrategyConfig>(spec.plugins.at("data_parallel"));
+    ASSERT_TRUE(cfg);
+    collectives::run_local_ranks(2, [&](int rank, collectives::Communicator& world) {
+      torch::nn::Sequential model(torch::nn::Linear(torch::nn::LinearOptions(4, 3).bias(false)),
+                                  torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)));
+      std::vector<NamedParam> params;
+      for (const auto& p : model->named_parameters()) params.push_back({p.key(), p.value()});
+      Mesh mesh(world.shared_from_this(), spec.mesh);
+      Trace trace;
+      TrainState state{spec, model, params, &mesh, trace};
+      auto dp = cfg->build();
+      dp->attach(state);
+      const at::Tensor bound = params[0].tensor.grad();
+      ASSERT_TRUE(bound.defined());  // a view of its bucket from the start
+      for (int step = 0; step < 3; ++step) {
+        for (auto& p : params) p.tensor.mutable_grad().zero_();
+        if (step == 1) params[0].tensor.mutable_grad() = torch::zeros_like(params[0].tensor);  // replaced
+        if (step == 2) params[0].tensor.mutable_grad() = at::Tensor();                        // set to none
+        // Rank r's input is (r + 1) * x: the average gradient is 1.5 times rank 0's alone.
+        torch::Tensor x = torch::linspace(-1, 1, 8).view({2, 4}) * (rank + 1);
+        dp->before_backward(true);
+        model->forward(x).sum().backward();
+        dp->finish_gradients();
+        torch::Tensor w1 = params[1].tensor.detach();
+        torch::Tensor expect0 = 1.5 * w1.sum(0).view({3, 1}) * torch::linspace(-1, 1, 8).view({2, 4}).sum(0).view({1, 4});
+        EXPECT_TRUE(torch::allclose(params[0].tensor.grad(), expect0, 1e-5, 1e-6))
+            << "overlap " << overlap << " step " << step << " rank " << rank << "\n" << params[0].tensor.grad();
+        EXPECT_EQ(params[0].tensor.grad().data_ptr(), bound.data_ptr()) << "step " << step;
+      }
+    });
+  }
+}
