@@ -242,7 +242,7 @@ TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
   EXPECT_NE(r.status, 0);
 }
 
-// A data-parallel run under mpirun whose rank 1 is SIGKILLed after a checkpoint: mpirun
+// A data-parallel run under mpirun with one rank SIGKILLed after a checkpoint: mpirun
 // ends the job (no hang), the checkpoint on disk is whole, and the job resumes from it
 // both on the same two ranks (following the uninterrupted run exactly) and on one
 // process (the state is replicated, so any number of data ranks can take it up).
@@ -298,7 +298,7 @@ log: {every: 1, progress: plain}
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   std::vector<pid_t> ranks = children_running(mpirun, kTrain);
   ASSERT_EQ(ranks.size(), 2u) << slurp(d / "killed.log");
-  kill(ranks.back(), SIGKILL);
+  kill(ranks.back(), SIGKILL);  // one of the two ranks (the later-started process)
   // mpirun must notice and end the job: wait at most a minute.
   int st = 0;
   pid_t got = 0;
