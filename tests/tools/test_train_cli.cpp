@@ -81,6 +81,19 @@ fs::path write_job(const fs::path& dir, const std::string& name, const std::stri
   return p;
 }
 
+// `job` with its checkpoints and metrics under `dir` (dir/ckpt, dir/m.jsonl).
+std::vector<std::string> run_args(const std::string& job, const fs::path& dir) {
+  return {job, "--set", "checkpoint.dir=" + (dir / "ckpt").string(), "--set",
+          "log.metrics=" + (dir / "m.jsonl").string()};
+}
+
+// Waits (up to three minutes) until `path` exists: a checkpoint a running job wrote.
+void wait_for(const fs::path& path) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
+  while (!fs::exists(path) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+}
+
 // step -> loss of the train records (a later record of a step replaces an earlier one).
 std::map<int64_t, double> losses(const fs::path& metrics) {
   std::map<int64_t, double> out;
@@ -162,19 +175,13 @@ train: {max_steps: 400, seed: 3, threads: 1}
 checkpoint: {every_steps: 50, keep: 2}
 log: {every: 1, progress: plain}
 )").string();
-  auto args = [&](const std::string& sub) {
-    return std::vector<std::string>{job, "--set", "checkpoint.dir=" + (d / sub / "ckpt").string(),
-                                    "--set", "log.metrics=" + (d / sub / "m.jsonl").string()};
-  };
+  auto args = [&](const std::string& sub) { return run_args(job, d / sub); };
   Outcome whole = run(args("whole"));
   ASSERT_EQ(whole.status, 0) << whole.out;
 
   // Start the same job and SIGKILL it once its second checkpoint is on disk.
   pid_t pid = spawn(args("killed"), d / "killed.log");
-  const fs::path second = d / "killed" / "ckpt" / "step-00000100";
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
-  while (!fs::exists(second / "meta.json") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  wait_for(d / "killed" / "ckpt" / "step-00000100" / "meta.json");
   kill(pid, SIGKILL);
   int st = 0;
   waitpid(pid, &st, 0);
@@ -280,10 +287,7 @@ train: {max_steps: 160, seed: 4, threads: 1}
 checkpoint: {every_steps: 40, keep: 2}
 log: {every: 1, progress: plain}
 )").string();
-  auto args = [&](const std::string& sub) {
-    return std::vector<std::string>{job, "--set", "checkpoint.dir=" + (d / sub / "ckpt").string(),
-                                    "--set", "log.metrics=" + (d / sub / "m.jsonl").string()};
-  };
+  auto args = [&](const std::string& sub) { return run_args(job, d / sub); };
   auto with_mesh = [](std::vector<std::string> a) {
     a.insert(a.end(), {"--set", "mesh.data=2"});
     return a;
@@ -293,16 +297,14 @@ log: {every: 1, progress: plain}
 
   pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi_args(2, with_mesh(args("killed"))), d / "killed.log");
   const fs::path ckpt = d / "killed" / "ckpt";
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
-  while (!fs::exists(ckpt / "step-00000040" / "meta.json") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  wait_for(ckpt / "step-00000040" / "meta.json");
   std::vector<pid_t> ranks = children_running(mpirun, kTrain);
   ASSERT_EQ(ranks.size(), 2u) << slurp(d / "killed.log");
   kill(ranks.back(), SIGKILL);  // one of the two ranks (the later-started process)
   // mpirun must notice and end the job: wait at most a minute.
   int st = 0;
   pid_t got = 0;
-  deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
   while ((got = waitpid(mpirun, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   if (got == 0) {
