@@ -566,6 +566,11 @@ bool Section::has(const std::string& key) const {
   return e.found && !is_null(e.value);
 }
 
+bool Section::is_list(const std::string& key) const {
+  Entry e = find_entry(node_, key);
+  return e.found && e.value.IsSequence();
+}
+
 std::vector<std::string> Section::keys() const {
   std::vector<std::string> out;
   if (!node_.IsDefined() || !node_.IsMap()) return out;

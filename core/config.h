@@ -101,6 +101,9 @@ class Section {
   static constexpr int64_t kNoMax = std::numeric_limits<int64_t>::max();
 
   bool has(const std::string& key) const;
+  // The key is present and holds a list (for keys that take a word or a list, such as
+  // pipeline.balance).
+  bool is_list(const std::string& key) const;
 
   // Numbers accept YAML ints and floats. [min, max] inclusive; NaN bounds mean "none".
   double number(const std::string& key, double def,

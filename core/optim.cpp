@@ -100,7 +100,8 @@ void Optimizer::load_state_dict(const std::map<std::string, torch::Tensor>& stat
   }
 }
 
-double grad_norm(const std::vector<NamedParam>& params) {
+namespace {
+double grad_norm_sq(const std::vector<NamedParam>& params) {
   torch::NoGradGuard no_grad;
   double total = 0;
   for (const auto& p : params) {
@@ -108,11 +109,19 @@ double grad_norm(const std::vector<NamedParam>& params) {
     double n = p.tensor.grad().norm().item<double>();
     total += n * n;
   }
-  return std::sqrt(total);
+  return total;
 }
+}  // namespace
+
+double grad_norm(const std::vector<NamedParam>& params) { return std::sqrt(grad_norm_sq(params)); }
 
 double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm) {
-  double norm = grad_norm(params);
+  return clip_grad_norm(params, max_norm, [](double sq) { return sq; });
+}
+
+double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
+                      const std::function<double(double)>& reduce_sq) {
+  double norm = std::sqrt(reduce_sq(grad_norm_sq(params)));
   if (max_norm > 0 && norm > max_norm) {
     torch::NoGradGuard no_grad;
     double scale = max_norm / (norm + 1e-6);  // torch.nn.utils.clip_grad_norm_'s epsilon

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -53,6 +54,10 @@ class Optimizer {
 // Scales every gradient so that their global L2 norm is at most max_norm (when
 // max_norm > 0) and returns the norm before scaling.
 double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm);
+// As above when `params` are one part of the model (a pipeline stage's): reduce_sq
+// turns this part's squared norm into the whole model's.
+double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
+                      const std::function<double(double)>& reduce_sq);
 // The global L2 norm of a set of gradients.
 double grad_norm(const std::vector<NamedParam>& params);
 

@@ -129,6 +129,11 @@ TensorMap load_safetensors(const std::string& path, std::map<std::string, std::s
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("cannot open " + path + ": " + errno_text());
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_safetensors(bytes, path, metadata);
+}
+
+TensorMap parse_safetensors(const std::string& bytes, const std::string& path,
+                            std::map<std::string, std::string>* metadata) {
   auto bad = [&](const std::string& why) { return Error(path + ": not a valid safetensors file: " + why); };
   if (bytes.size() < 8) throw bad("shorter than its 8-byte header length");
   uint64_t len = 0;

@@ -24,6 +24,10 @@ void save_safetensors(const std::string& path, const TensorMap& tensors,
 TensorMap load_safetensors(const std::string& path,
                            std::map<std::string, std::string>* metadata = nullptr);
 
+// Parses safetensors_bytes' output (a message from another rank, say); `where` names
+// its origin in errors.
+TensorMap parse_safetensors(const std::string& bytes, const std::string& where,
+                            std::map<std::string, std::string>* metadata = nullptr);
 // Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync folder).
 void write_file_atomic(const std::string& path, const std::string& bytes);
 // fsync of a directory (after a rename inside it).

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <cmath>
@@ -77,18 +78,45 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     model_ = build_model(spec_.model, data_->info());
   }
   for (const auto& p : model_->named_parameters()) params_.push_back({p.key(), p.value()});
-  optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
+  model_parameters_ = parameter_count(*model_);
   plan_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
                                        : spec_.train.epochs * plan_->steps_per_epoch();
   schedule_ = std::make_unique<LrSchedule>(spec_.schedule, spec_.optimizer.lr, total_steps_);
-  // Strategies in the fixed order of the mesh's axes, outermost first.
+  // Strategies in the fixed order of the mesh's axes, outermost first: the pipeline
+  // keeps its stage's layers before the data-parallel strategy buckets their gradients.
+  if (!options_.dry_run) {
+    for (const auto& [name, cfg] : spec_.plugins)
+      if (auto sc = std::dynamic_pointer_cast<const StrategyConfig>(cfg))
+        if (auto s = sc->build()) strategies_.push_back(std::move(s));
+    auto order = [](const Strategy& s) {
+      auto it = std::find(kAxisOrder.begin(), kAxisOrder.end(), s.axis());
+      return static_cast<int>(it - kAxisOrder.begin());
+    };
+    std::stable_sort(strategies_.begin(), strategies_.end(),
+                     [&](const auto& a, const auto& b) { return order(*a) < order(*b); });
+  }
+  state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get()});
+  for (auto& s : strategies_) {
+    s->attach(*state_);
+    if (s->owns_forward_backward()) {
+      if (stepper_)
+        throw ConfigError("strategies " + stepper_->name() + " and " + s->name() +
+                          " both run the forward and backward; a job can have one of them");
+      stepper_ = s.get();
+    }
+  }
+  // After attach: the optimizer steps (and keeps state for) the parameters this rank holds.
+  optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
+}
+
+std::string Trainer::plan() const {
+  std::string out;
+  PlanInput in{spec_, const_cast<torch::nn::Sequential&>(model_), *data_};
   for (const auto& [name, cfg] : spec_.plugins)
-    if (auto sc = std::dynamic_pointer_cast<const StrategyConfig>(cfg))
-      if (auto s = sc->build()) strategies_.push_back(std::move(s));
-  state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_});
-  for (auto& s : strategies_) s->attach(*state_);
+    if (auto sc = std::dynamic_pointer_cast<const StrategyConfig>(cfg)) out += sc->plan(in);
+  return out;
 }
 
 double Trainer::data_average(double v) {
@@ -111,7 +139,23 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   const bool bf16 = spec_.train.precision == "bf16";
   optimizer_->zero_grad();
   double loss_sum = 0;
-  for (int64_t m = 0; m < micro; ++m) {
+  if (stepper_) {
+    // The pipeline runs the micro-batches; the others' hooks still run before backward.
+    StepInput in;
+    in.indices = indices;
+    in.load = [this](const torch::Tensor& idx) { return data_->get(Split::kTrain, idx); };
+    in.before_backward = [this](bool last) {
+      for (auto& s : strategies_)
+        if (s.get() != stepper_) s->before_backward(last);
+    };
+    in.bf16 = bf16;
+    StepOutput out = stepper_->forward_backward(in);
+    loss_sum = out.loss;
+    phases_.data += out.data_s;
+    phases_.forward += out.forward_s;
+    phases_.backward += out.backward_s;
+  }
+  for (int64_t m = 0; m < (stepper_ ? 0 : micro); ++m) {
     torch::Tensor idx = micro == 1 ? indices : BatchPlan::slice(indices, m, micro);
     Batch batch;
     auto t = Clock::now();
@@ -150,7 +194,11 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   t = Clock::now();
   {
     Trace::Scope s(trace_, "compute", "optimizer");
-    if (spec_.optimizer.clip_grad_norm > 0) clip_grad_norm(params_, spec_.optimizer.clip_grad_norm);
+    if (spec_.optimizer.clip_grad_norm > 0)
+      clip_grad_norm(params_, spec_.optimizer.clip_grad_norm, [this](double sq) {
+        for (auto& s : strategies_) sq = s->reduce_grad_norm_sq(sq);
+        return sq;
+      });
     optimizer_->step(schedule_->at(step_));
   }
   phases_.optimizer += seconds_since(t);
@@ -172,6 +220,14 @@ EvalResult Trainer::evaluate() {
   int64_t correct = 0, predictions = 0;
   for (int64_t b = begin; b < end; b += spec_.data.eval_batch_size) {
     Batch batch = data_->range(Split::kTest, b, std::min(end, b + spec_.data.eval_batch_size));
+    if (stepper_) {
+      if (auto sums = stepper_->evaluate(batch, bf16)) {
+        loss_sum += sums->loss_sum;
+        correct += sums->correct;
+        predictions += sums->predictions;
+        continue;
+      }
+    }
     torch::Tensor out;
     {
       compat::CpuAutocast autocast(bf16);
@@ -207,6 +263,9 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
   for (const auto& p : model_->named_parameters()) ckpt.tensors["model/" + p.key()] = p.value();
   for (const auto& b : model_->named_buffers()) ckpt.tensors["model/" + b.key()] = b.value();
   for (const auto& [k, v] : optimizer_->state_dict()) ckpt.tensors["optim/" + k] = v;
+  // A pipeline's stages send their layers to the writer (collective: every rank is here).
+  for (auto& s : strategies_) s->gather_state(ckpt.tensors);
+  if (!writer()) return "";
   ckpt.tensors["rng/cpu"] = cpu_rng_state();
   ckpt.meta["job"] = spec_.name;
   ckpt.meta["batch_size"] = spec_.data.batch_size;
@@ -375,17 +434,23 @@ TrainResult Trainer::run() {
       last_eval_step = step_;
     }
     if (checkpoints && ck.every_steps > 0 && step_ % ck.every_steps == 0 && step_ < total_steps_) {
-      if (write) last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
+      std::string saved = save_checkpoint(step_, epoch_, step_in_epoch_);  // every rank: a collective
+      if (write) last_checkpoint = saved;
       last_saved = step_;
     }
   }
   progress.finish();
   if (last_eval_step != step_) last_eval = run_eval(step_);
-  if (write && checkpoints && last_saved != step_) last_checkpoint = save_checkpoint(step_, epoch_, step_in_epoch_);
-  if (write && !ck.safetensors.empty()) {
+  if (checkpoints && last_saved != step_) {
+    std::string saved = save_checkpoint(step_, epoch_, step_in_epoch_);
+    if (write) last_checkpoint = saved;
+  }
+  if (!ck.safetensors.empty()) {
     TensorMap weights;
     for (const auto& p : model_->named_parameters()) weights[p.key()] = p.value();
-    save_safetensors(ck.safetensors, weights,
+    for (auto& s : strategies_) s->gather_state(weights);
+    if (write)
+      save_safetensors(ck.safetensors, weights,
                      {{"format", "pt"}, {"framework", "tetra"}, {"model", spec_.model.type},
                       {"step", std::to_string(step_)}});
   }

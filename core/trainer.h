@@ -54,6 +54,9 @@ struct TrainerOptions {
   collectives::CommunicatorPtr world;
   // Called after each optimizer step with (step, loss); tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
+  // train --dry-run: build the data, the model and the plan, attach no strategy, never
+  // communicate (plan() prints what the strategies would do).
+  bool dry_run = false;
 };
 
 class Trainer {
@@ -64,7 +67,10 @@ class Trainer {
   TrainResult run();
   EvalResult evaluate();
 
+  // This rank's model: the whole model, or the layers of its pipeline stages.
   torch::nn::Sequential& model() { return model_; }
+  // The whole model's parameter count, whatever this rank keeps of it.
+  int64_t model_parameters() const { return model_parameters_; }
   const Dataset& dataset() const { return *data_; }
   const JobSpec& spec() const { return spec_; }
   int64_t total_steps() const { return total_steps_; }
@@ -73,6 +79,8 @@ class Trainer {
   // Rank 0 of the world prints, logs and writes checkpoints.
   bool writer() const { return !options_.world || options_.world->rank() == 0; }
   const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
+  // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
+  std::string plan() const;
 
  private:
   void restore(const std::string& path);
@@ -97,6 +105,8 @@ class Trainer {
   int data_rank_ = 0, data_size_ = 1;
   std::vector<std::unique_ptr<Strategy>> strategies_;
   std::unique_ptr<TrainState> state_;
+  Strategy* stepper_ = nullptr;
+  int64_t model_parameters_ = 0;  // the strategy that owns forward/backward, if any
   TrainResult::Phases phases_;
   // Averages a scalar over the data-parallel ranks (identity on one).
   double data_average(double v);
