@@ -24,6 +24,7 @@
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
+#include "pipeline/pipeline.h"
 #include "hardware/host.h"
 
 namespace {
@@ -79,13 +80,19 @@ void print_plan(const JobSpec& spec, const Trainer& trainer, int threads) {
   const int64_t params = parameter_count(*t.model());
   const int64_t state_per_param = spec.optimizer.type == "sgd" ? (spec.optimizer.momentum > 0 ? 1 : 0) : 2;
   std::printf("job        %s (%s)\n", spec.name.c_str(), spec.source.c_str());
-  std::printf("world      1 process, %d intra-op thread%s\n", threads, threads == 1 ? "" : "s");
+  const int world = spec.mesh.world_size(), dp = spec.mesh.size("data");
+  if (world == 1)
+    std::printf("world      1 process, %d intra-op thread%s\n", threads, threads == 1 ? "" : "s");
+  else
+    std::printf("world      mesh %s = %d ranks (launch with mpirun -np %d), %d intra-op thread%s each\n",
+                spec.mesh.str().c_str(), world, world, threads, threads == 1 ? "" : "s");
   std::printf("data       %s\n", info.description.c_str());
-  std::printf("batch      %lld global = 1 rank x %lld micro-batch%s x %lld\n",
-              static_cast<long long>(spec.data.batch_size),
-              static_cast<long long>(spec.train.accumulation_steps),
-              spec.train.accumulation_steps == 1 ? "" : "es",
-              static_cast<long long>(spec.data.batch_size / spec.train.accumulation_steps));
+  const auto pp = spec.plugin<pipeline::Options>("pipeline");
+  const int64_t micro = pp ? pp->micro_batches : spec.train.accumulation_steps;
+  std::printf("batch      %lld global = %d data rank%s x %lld micro-batch%s x %lld%s\n",
+              static_cast<long long>(spec.data.batch_size), dp, dp == 1 ? "" : "s",
+              static_cast<long long>(micro), micro == 1 ? "" : "es",
+              static_cast<long long>(spec.data.batch_size / dp / micro), pp ? " (pipeline.micro_batches)" : "");
   std::printf("steps      %lld (%s)\n", static_cast<long long>(trainer.total_steps()),
               spec.train.max_steps ? "train.max_steps" : "train.epochs x steps per epoch");
   std::printf("model      %s, %lld parameters\n%s", spec.model.type.c_str(),
@@ -95,6 +102,7 @@ void print_plan(const JobSpec& spec, const Trainer& trainer, int threads) {
               human_bytes(bytes).c_str(), human_bytes(bytes).c_str(),
               human_bytes(bytes * state_per_param).c_str(),
               human_bytes(bytes * (2 + state_per_param)).c_str());
+  std::printf("%s", t.plan().c_str());
 }
 
 }  // namespace
@@ -126,6 +134,7 @@ int main(int argc, char** argv) {
     speak = launch.rank == 0;
     SectionRegistry plugins;  // the built-in strategy plugins, registered explicitly
     data_parallel::register_data_parallel(plugins);
+    pipeline::register_pipeline(plugins);
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
     if (check) {
@@ -134,6 +143,14 @@ int main(int argc, char** argv) {
     }
     if (print_config) {
       std::printf("%s", resolved_yaml(parsed.resolved).c_str());
+      return 0;
+    }
+    if (dry_run) {  // the plan, on one process, whatever the mesh: nothing communicates
+      const int threads = set_threads(spec.train.threads);
+      TrainerOptions topts;
+      topts.dry_run = true;
+      Trainer trainer(spec, topts);
+      if (speak) print_plan(spec, trainer, threads);
       return 0;
     }
     // The mesh must fit the launch before any rank communicates.
@@ -153,10 +170,6 @@ int main(int argc, char** argv) {
     TrainerOptions topts;
     topts.world = world;
     Trainer trainer(spec, topts);
-    if (dry_run) {
-      print_plan(spec, trainer, threads);
-      return 0;
-    }
     if (speak)
       std::printf("tetra %s | job %s | %s, %d host%s (rank 0 on %s) | backend %s | device cpu | %d thread%s | %s | %s\n",
                 "0.1.0", spec.name.c_str(), collectives::describe(launch).c_str(), hosts, hosts == 1 ? "" : "s",
@@ -166,7 +179,7 @@ int main(int argc, char** argv) {
     if (speak)
       std::printf("%s; model %s, %lld parameters; %lld steps\n",
                 trainer.dataset().info().description.c_str(), spec.model.type.c_str(),
-                static_cast<long long>(parameter_count(*trainer.model())),
+                static_cast<long long>(trainer.model_parameters()),
                 static_cast<long long>(trainer.total_steps()));
     std::fflush(stdout);
     TrainResult r = trainer.run();

@@ -212,7 +212,8 @@ std::vector<std::string> mpi_args(int np, const std::vector<std::string>& args) 
 
 Outcome run_mpi(int np, const std::vector<std::string>& args) { return run_program(TETRA_MPIEXEC, mpi_args(np, args)); }
 
-void expect_mpi_follows_single(int np, const std::string& batch) {
+// `many` adds settings for the mpirun side only (the mesh and its strategies).
+void expect_mpi_follows_single(int np, const std::string& batch, std::vector<std::string> many_sets = {}) {
   fs::path d = fresh_dir("mpi" + std::to_string(np));
   const std::string job = write_job(d, "job.yaml", R"(
 model: {type: mlp, hidden: [128, 64]}
@@ -225,8 +226,14 @@ log: {every: 1, progress: plain}
 )").string();
   Outcome one = run({job, "--set", "data.batch_size=" + batch, "--set", "log.metrics=" + (d / "one.jsonl").string()});
   ASSERT_EQ(one.status, 0) << one.out;
-  Outcome many = run_mpi(np, {job, "--set", "data.batch_size=" + batch, "--set", "mesh.data=" + std::to_string(np),
-                              "--set", "log.metrics=" + (d / "many.jsonl").string()});
+  if (many_sets.empty()) many_sets = {"mesh.data=" + std::to_string(np)};
+  std::vector<std::string> args = {job, "--set", "data.batch_size=" + batch, "--set",
+                                   "log.metrics=" + (d / "many.jsonl").string()};
+  for (const auto& kv : many_sets) {
+    args.push_back("--set");
+    args.push_back(kv);
+  }
+  Outcome many = run_mpi(np, args);
   ASSERT_EQ(many.status, 0) << many.out;
   EXPECT_NE(many.out.find("mpirun, world " + std::to_string(np)), std::string::npos) << many.out;
   auto a = losses(d / "one.jsonl"), b = losses(d / "many.jsonl");
@@ -239,6 +246,38 @@ log: {every: 1, progress: plain}
 
 TEST(TrainMpi, TwoProcessesFollowOneProcess) { expect_mpi_follows_single(2, "128"); }
 TEST(TrainMpi, ThreeProcessesFollowOneProcess) { expect_mpi_follows_single(3, "192"); }
+
+// Pipelines as separate processes: activations and gradients over MPI point-to-point.
+TEST(TrainMpi, PipelineOfTwoStagesFollowsOneProcess) {
+  expect_mpi_follows_single(2, "128", {"mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.micro_batches=4"});
+}
+TEST(TrainMpi, InterleavedPipelineWithCheckpointingFollowsOneProcess) {
+  expect_mpi_follows_single(2, "128", {"mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+                                       "pipeline.micro_batches=4", "pipeline.checkpoint=always"});
+}
+TEST(TrainMpi, PipelineTimesDataOnFourProcessesFollowsOneProcess) {
+  expect_mpi_follows_single(4, "128", {"mesh.pipeline=2", "mesh.data=2", "pipeline.schedule=1f1b", "pipeline.micro_batches=4",
+                                       "pipeline.balance=by_time"});
+}
+
+TEST(TrainMpi, APipelineWithMoreStagesThanLayersIsOneClearErrorAndExit2) {
+  fs::path d = fresh_dir("mpipp");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: []}
+mesh: {pipeline: 2}
+pipeline: {schedule: interleaved_1f1b, virtual_stages: 2, micro_batches: 2}
+train: {max_steps: 1}
+checkpoint: {dir: ""}
+log: {metrics: ""}
+)").string();
+  Outcome r = run_mpi(2, {job});
+  EXPECT_EQ(r.status, 2) << r.out;
+  const std::string msg = "the model has 2 layers, fewer than the 4 stages (pipeline 2 x virtual_stages 2)";
+  const size_t at = r.out.find(msg);
+  EXPECT_NE(at, std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(msg, at + 1), std::string::npos) << "printed once, by rank 0:\n" << r.out;
+  EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;
+}
 
 TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
   fs::path d = fresh_dir("mpifit");

@@ -1,0 +1,745 @@
+#include "pipeline/pipeline.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <sstream>
+
+#include "collectives/error.h"
+#include "core/data.h"
+#include "core/models.h"
+#include "core/report.h"
+#include "core/safetensors.h"
+#include "core/torch_compat.h"
+
+namespace tetra::pipeline {
+
+namespace {
+
+using collectives::CommunicatorPtr;
+using collectives::WorkPtr;
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+
+// ---- the layers -----------------------------------------------------------------------
+
+torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(model->begin() + i); }
+
+// "Linear(784 -> 512)" from a module's pretty print "torch::nn::Linear(in_features=784, ...)".
+std::string layer_name(const torch::nn::Module& m) {
+  std::ostringstream os;
+  m.pretty_print(os);
+  const std::string s = os.str();
+  // The type without its namespaces ("tetra::core::(anonymous namespace)::GptBlockImpl").
+  std::string base = s.substr(0, s.find('('));
+  if (base.rfind("::") != std::string::npos) base = base.substr(base.rfind("::") + 2);
+  if (base.size() > 4 && base.compare(base.size() - 4, 4, "Impl") == 0) base.resize(base.size() - 4);
+  if (base == "Linear") {
+    auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(&m);
+    if (lin)
+      return "Linear(" + std::to_string(lin->options.in_features()) + " -> " +
+             std::to_string(lin->options.out_features()) + ")";
+  }
+  return base;
+}
+
+int64_t param_count(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+// What flows out of each layer for one example: shape without the batch dimension, dtype.
+struct Boundary {
+  std::vector<int64_t> tail;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape(int64_t n) const {
+    std::vector<int64_t> s{n};
+    s.insert(s.end(), tail.begin(), tail.end());
+    return s;
+  }
+  int64_t bytes(int64_t n) const {
+    int64_t b = n * static_cast<int64_t>(c10::elementSize(dtype));
+    for (int64_t d : tail) b *= d;
+    return b;
+  }
+};
+
+// Runs the whole model on one example (no grad, the run's precision) and records each
+// layer's output: every rank computes the same table, so the boundaries need no header.
+std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& data, bool bf16) {
+  torch::NoGradGuard no_grad;
+  core::Batch b = data.range(core::Split::kTrain, 0, 1);
+  std::vector<Boundary> out;
+  torch::Tensor x = b.inputs;
+  core::compat::CpuAutocast autocast(bf16);
+  for (int i = 0; i < static_cast<int>(model->size()); ++i) {
+    x = layer(model, i).forward(x);
+    Boundary bd;
+    bd.tail.assign(x.sizes().begin() + 1, x.sizes().end());
+    bd.dtype = x.scalar_type();
+    out.push_back(bd);
+  }
+  return out;
+}
+
+// ---- partitioning ---------------------------------------------------------------------
+
+// The partition for balance uniform | by_params | explicit, or by_time from `costs`.
+Partition partition_for(const Options& opt, torch::nn::Sequential& model, const std::vector<LayerCost>& costs) {
+  const int L = static_cast<int>(model->size());
+  const int K = opt.stages * opt.virtual_stages;
+  if (opt.balance == "explicit") return partition_explicit(opt.balance_counts, L);
+  if (opt.balance == "by_params") {
+    std::vector<double> w;
+    for (int i = 0; i < L; ++i) w.push_back(static_cast<double>(param_count(*layer(model, i).ptr())));
+    return partition_min_max(w, K);
+  }
+  if (opt.balance == "by_time") {
+    std::vector<double> w;
+    for (const auto& c : costs) w.push_back(c.forward_s + c.backward_s);
+    return partition_min_max(w, K);
+  }
+  return partition_uniform(L, K);
+}
+
+// ---- links between neighbouring ranks -------------------------------------------------
+
+// One direction of one kind between two ranks: a two-rank communicator whose rank 0
+// sends and rank 1 receives. Its own progress thread keeps its transfers in order.
+struct Link {
+  CommunicatorPtr comm;
+  int peer() const { return 1 - comm->rank(); }
+};
+
+// ---- the strategy ---------------------------------------------------------------------
+
+class Pipeline final : public PipelineStrategy {
+ public:
+  explicit Pipeline(Options o) : opt_(std::move(o)) {}
+  std::string name() const override { return "pipeline"; }
+  std::string axis() const override { return "pipeline"; }
+  bool owns_forward_backward() const override { return true; }
+  const PipelineStats& stats() const override { return stats_; }
+  const Partition& partition() const override { return partition_; }
+  const Schedule& schedule() const override { return sched_; }
+
+  void attach(core::TrainState& state) override {
+    spec_ = &state.spec;
+    trace_ = &state.trace;
+    data_ = state.data;
+    TETRA_CHECK(data_, "pipeline: attach needs the job's dataset in TrainState::data");
+    const int P = opt_.stages, v = opt_.virtual_stages;
+    if (!state.mesh && P > 1)
+      throw ConfigError("mesh.pipeline is " + std::to_string(P) + " but this trainer has no world of " +
+                        std::to_string(P) + " ranks (run it under mpirun -np " + std::to_string(P) + ")");
+    rank_ = state.mesh ? state.mesh->coord("pipeline") : 0;
+    data_size_ = state.mesh ? state.mesh->size("data") : 1;
+    data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
+    bf16_ = state.spec.train.precision == "bf16";
+    timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
+    sched_ = make_schedule(opt_.schedule, P, opt_.micro_batches, v);
+    micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches;
+
+    // Everything that can be wrong with the job is found here, on every rank alike,
+    // before any rank sends a byte.
+    torch::nn::Sequential& model = state.model;
+    const int L = static_cast<int>(model->size());
+    const int K = P * v;
+    if (L < K)
+      throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
+                        " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
+                        ") that must each hold one");
+    boundaries_ = probe(model, *data_, bf16_);
+    if (opt_.balance == "by_time") {
+      partition_ = by_time_partition(model, state);
+    } else {
+      partition_ = partition_for(opt_, model, {});
+    }
+    if (state.mesh && P > 1) make_links(*state.mesh);
+
+    // Keep this rank's stages; name every layer as the whole model names it.
+    torch::nn::Sequential kept;
+    for (int c = 0; c < v; ++c) {
+      const int s = sched_.stage_of(rank_, c);
+      torch::nn::Sequential chunk;
+      for (int i = partition_.first(s); i < partition_.end(s); ++i) {
+        chunk->push_back(std::to_string(i), layer(model, i));
+        kept->push_back(std::to_string(i), layer(model, i));
+      }
+      chunks_.push_back(chunk);
+    }
+    model = kept;
+    state.params.clear();
+    for (const auto& p : model->named_parameters()) state.params.push_back({p.key(), p.value()});
+  }
+
+  core::StepOutput forward_backward(const core::StepInput& step) override;
+  std::optional<core::EvalSums> evaluate(const core::Batch& batch, bool bf16) override;
+
+  double reduce_grad_norm_sq(double local) override {
+    if (!pp_ || pp_->size() == 1) return local;
+    at::Tensor t = at::full({1}, local, at::kDouble);
+    collectives::AllreduceOptions o;
+    o.timeout = timeout_;
+    pp_->allreduce(t, o)->wait();
+    return t.item<double>();
+  }
+
+  void gather_state(core::TensorMap& tensors) override;
+
+ private:
+  Partition by_time_partition(torch::nn::Sequential& model, core::TrainState& state);
+  void make_links(const core::Mesh& mesh);
+  int stage(int chunk) const { return sched_.stage_of(rank_, chunk); }
+  bool first(int chunk) const { return stage(chunk) == 0; }
+  bool last(int chunk) const { return stage(chunk) == sched_.total_stages() - 1; }
+  // The input boundary of a stage (the previous stage's output).
+  const Boundary& input_of(int chunk) const { return boundaries_[partition_.first(stage(chunk)) - 1]; }
+  const Boundary& output_of(int chunk) const { return boundaries_[partition_.end(stage(chunk)) - 1]; }
+  bool checkpointed(int micro) const {
+    return opt_.checkpoint == "always" || (opt_.checkpoint == "except_last" && micro != opt_.micro_batches - 1);
+  }
+  void broadcast_from_last(at::Tensor t) {
+    if (!pp_ || pp_->size() == 1) return;
+    collectives::BroadcastOptions o;
+    o.root = pp_->size() - 1;
+    o.timeout = timeout_;
+    pp_->broadcast(t, o)->wait();
+  }
+
+  Options opt_;
+  const core::JobSpec* spec_ = nullptr;
+  core::Trace* trace_ = nullptr;
+  const core::Dataset* data_ = nullptr;
+  int rank_ = 0, data_size_ = 1, data_coord_ = 0;
+  bool bf16_ = false;
+  int64_t micro_size_ = 1;
+  collectives::Duration timeout_ = collectives::kDefaultTimeout;
+  Schedule sched_;
+  Partition partition_;
+  std::vector<Boundary> boundaries_;  // boundaries_[i]: layer i's output
+  std::vector<torch::nn::Sequential> chunks_;
+  CommunicatorPtr pp_;
+  Link act_out_, act_in_, grad_out_, grad_in_;
+  PipelineStats stats_;
+};
+
+}  // namespace
+
+std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
+                                      int64_t micro_batch, bool bf16, bool time) {
+  std::vector<LayerCost> out;
+  const int L = static_cast<int>(model->size());
+  core::Batch b = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain)));
+  const double scale = static_cast<double>(micro_batch) / static_cast<double>(std::max<int64_t>(1, b.size()));
+  torch::Tensor x = b.inputs;
+  for (int i = 0; i < L; ++i) {
+    LayerCost c;
+    auto& m = layer(model, i);
+    c.name = layer_name(*m.ptr());
+    c.params = param_count(*m.ptr());
+    torch::Tensor in = x.detach();
+    if (in.is_floating_point()) in.requires_grad_(true);
+    torch::Tensor y;
+    if (time) {
+      // The best of a few runs: the first pays for allocation, the noise of a shared
+      // machine only ever adds.
+      double f = 1e30, bw = 1e30;
+      for (int rep = 0; rep < 4; ++rep) {
+        auto t0 = Clock::now();
+        {
+          core::compat::CpuAutocast autocast(bf16);
+          y = m.forward(in);
+        }
+        auto t1 = Clock::now();
+        if (y.requires_grad()) {
+          torch::autograd::backward({y}, {torch::ones_like(y)});
+        }
+        auto t2 = Clock::now();
+        f = std::min(f, seconds(t0, t1));
+        bw = std::min(bw, seconds(t1, t2));
+      }
+      c.forward_s = f;
+      c.backward_s = bw;
+      model->zero_grad();
+    } else {
+      torch::NoGradGuard no_grad;
+      core::compat::CpuAutocast autocast(bf16);
+      y = m.forward(in);
+    }
+    c.activation_bytes = static_cast<int64_t>(static_cast<double>(y.numel() * static_cast<int64_t>(y.element_size())) * scale);
+    out.push_back(c);
+    x = y.detach();
+  }
+  return out;
+}
+
+namespace {
+
+Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainState& state) {
+  // Ranks time the layers differently; world rank 0 measures and everyone takes its
+  // numbers, so every rank cuts the model at the same places.
+  const int L = static_cast<int>(model->size());
+  at::Tensor t = at::zeros({2 * L}, at::kDouble);
+  const bool measure = !state.mesh || state.mesh->rank() == 0;
+  if (measure) {
+    auto costs = measure_layers(model, *data_, micro_size_, bf16_, true);
+    for (int i = 0; i < L; ++i) {
+      t[2 * i] = costs[i].forward_s;
+      t[2 * i + 1] = costs[i].backward_s;
+    }
+  }
+  if (state.mesh && state.mesh->world()->size() > 1) {
+    collectives::BroadcastOptions o;
+    o.timeout = timeout_;
+    state.mesh->world()->broadcast(t, o)->wait();
+  }
+  std::vector<LayerCost> costs(L);
+  for (int i = 0; i < L; ++i) {
+    costs[i].forward_s = t[2 * i].item<double>();
+    costs[i].backward_s = t[2 * i + 1].item<double>();
+  }
+  return partition_for(opt_, model, costs);
+}
+
+void Pipeline::make_links(const core::Mesh& mesh) {
+  pp_ = mesh.axis("pipeline");
+  const int P = pp_->size(), me = pp_->rank();
+  // Edges r -> r+1, and P-1 -> 0 when chunks wrap around the ranks (interleaving). Every
+  // pipeline rank takes part in every split, in the same order.
+  for (int a = 0; a < P; ++a) {
+    if (a == P - 1 && opt_.virtual_stages == 1) break;
+    const int b = (a + 1) % P;
+    const bool in = me == a || me == b;
+    const std::string edge = std::to_string(a) + "->" + std::to_string(b);
+    CommunicatorPtr act = pp_->split(in ? 0 : -1, me == a ? 0 : 1, "pipeline activations " + edge, timeout_);
+    CommunicatorPtr grad = pp_->split(in ? 0 : -1, me == b ? 0 : 1,
+                                      "pipeline gradients " + std::to_string(b) + "->" + std::to_string(a), timeout_);
+    if (me == a) {
+      act_out_.comm = act;
+      grad_in_.comm = grad;
+    }
+    if (me == b) {
+      act_in_.comm = act;
+      grad_out_.comm = grad;
+    }
+  }
+}
+
+// ---- the executor ---------------------------------------------------------------------
+
+// Receives posted ahead on one link, in the order the schedule consumes them.
+class Inbox {
+ public:
+  Inbox(const Link& link, collectives::Duration timeout) : link_(link), timeout_(timeout) {}
+  void expect(std::vector<int64_t> shape, at::ScalarType dtype) { pending_.push_back({std::move(shape), dtype}); }
+  void start() {
+    for (int k = 0; k < kAhead; ++k) post();
+  }
+  // The next message; posts the one after.
+  at::Tensor take(double* wait_s) {
+    TETRA_CHECK(!posted_.empty(), "pipeline: a receive the schedule did not announce");
+    auto [buf, work] = posted_.front();
+    posted_.erase(posted_.begin());
+    auto t0 = Clock::now();
+    work->wait();
+    *wait_s += seconds(t0, Clock::now());
+    post();
+    return buf;
+  }
+
+ private:
+  static constexpr int kAhead = 2;  // receives queued ahead: the transfer overlaps compute
+  void post() {
+    if (next_ >= pending_.size()) return;
+    const auto& [shape, dtype] = pending_[next_++];
+    at::Tensor buf = at::empty(shape, at::TensorOptions().dtype(dtype));
+    collectives::RecvOptions o;
+    o.timeout = timeout_;
+    posted_.push_back({buf, link_.comm->recv(buf, link_.peer(), o)});
+  }
+  const Link& link_;
+  collectives::Duration timeout_;
+  std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> pending_;
+  size_t next_ = 0;
+  std::vector<std::pair<at::Tensor, WorkPtr>> posted_;
+};
+
+// What one (micro-batch, chunk) holds between its forward and its backward.
+struct Slot {
+  at::Tensor input;   // received (requires grad) or the data's inputs
+  at::Tensor output;  // with its graph (none under checkpointing)
+  at::Tensor loss;    // last stage: the micro-batch's weighted loss
+  at::Tensor targets;
+  at::Tensor out_grad;
+  at::Tensor rng;     // the CPU generator before a checkpointed forward (dropout replays)
+};
+
+}  // namespace
+
+core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
+  const int m = opt_.micro_batches, v = opt_.virtual_stages;
+  const auto& prog = sched_.ranks[rank_];
+  const int64_t n = step.indices.size(0);
+  core::StepOutput out;
+  std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
+  std::vector<at::Tensor> micro_idx(m);
+  for (int i = 0; i < m; ++i) micro_idx[i] = core::BatchPlan::slice(step.indices, i, m);
+  auto micro_n = [&](int i) { return micro_idx[i].size(0); };
+
+  Inbox acts(act_in_, timeout_), grads(grad_in_, timeout_);
+  int last_backward = -1;
+  for (size_t k = 0; k < prog.size(); ++k) {
+    const Instr& in = prog[k];
+    if (in.op == Op::kRecvAct) acts.expect(input_of(in.chunk).shape(micro_n(in.micro)), input_of(in.chunk).dtype);
+    if (in.op == Op::kRecvGrad) grads.expect(output_of(in.chunk).shape(micro_n(in.micro)), output_of(in.chunk).dtype);
+    if (in.op == Op::kBackward) last_backward = static_cast<int>(k);
+  }
+  const auto t_begin = Clock::now();
+  if (act_in_.comm) acts.start();
+  if (grad_in_.comm) grads.start();
+
+  std::vector<WorkPtr> sends;
+  double wait_s = 0, loss_sum = 0;
+  const bool tracing = trace_->enabled();
+  auto span = [&](int chunk, const std::string& what, Clock::time_point a, Clock::time_point b) {
+    if (tracing) trace_->span("stage " + std::to_string(stage(chunk)), what, trace_->us_at(a), trace_->us_at(b));
+  };
+  auto load = [&](int i, Slot& s, int chunk) {
+    auto t0 = Clock::now();
+    core::Batch b = step.load(micro_idx[i]);
+    out.data_s += seconds(t0, Clock::now());
+    if (first(chunk)) s.input = b.inputs;
+    s.targets = b.targets;
+  };
+  auto run_forward = [&](int i, int chunk, Slot& s) {
+    core::compat::CpuAutocast autocast(step.bf16);
+    s.output = chunks_[chunk]->forward(s.input);
+    if (last(chunk)) {
+      const double w = static_cast<double>(micro_n(i)) / static_cast<double>(n);
+      at::Tensor l = core::model_loss(s.output, s.targets);
+      s.loss = w == 1.0 ? l : l * w;
+    }
+  };
+  auto send = [&](const Link& link, const at::Tensor& t) {
+    collectives::SendOptions o;
+    o.timeout = timeout_;
+    sends.push_back(link.comm->send(t.detach().contiguous(), link.peer(), o));
+  };
+
+  for (size_t k = 0; k < prog.size(); ++k) {
+    const Instr& in = prog[k];
+    Slot& s = slots[in.chunk][in.micro];
+    switch (in.op) {
+      case Op::kRecvAct: {
+        auto t0 = Clock::now();
+        s.input = acts.take(&wait_s);
+        if (s.input.is_floating_point()) s.input.requires_grad_(true);
+        span(in.chunk, "wait " + to_string(in), t0, Clock::now());
+        break;
+      }
+      case Op::kRecvGrad: {
+        auto t0 = Clock::now();
+        s.out_grad = grads.take(&wait_s);
+        span(in.chunk, "wait " + to_string(in), t0, Clock::now());
+        break;
+      }
+      case Op::kForward: {
+        if (first(in.chunk) || last(in.chunk)) load(in.micro, s, in.chunk);
+        if (!first(in.chunk) && !s.input.defined()) {
+          // The previous stage is on this rank (one rank, several chunks): hand over.
+          Slot& prev = slots[in.chunk - 1][in.micro];
+          s.input = prev.output.detach();
+          if (s.input.is_floating_point()) s.input.requires_grad_(true);
+        }
+        auto t0 = Clock::now();
+        if (checkpointed(in.micro)) {
+          s.rng = at::detail::getDefaultCPUGenerator().get_state();
+          torch::NoGradGuard no_grad;
+          run_forward(in.micro, in.chunk, s);
+        } else {
+          run_forward(in.micro, in.chunk, s);
+        }
+        if (last(in.chunk)) loss_sum += s.loss.item<double>();
+        auto t1 = Clock::now();
+        out.forward_s += seconds(t0, t1);
+        span(in.chunk, to_string(in), t0, t1);
+        break;
+      }
+      case Op::kSendAct:
+        send(act_out_, s.output);
+        break;
+      case Op::kBackward: {
+        if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
+        if (!last(in.chunk) && !s.out_grad.defined()) {
+          Slot& next = slots[in.chunk + 1][in.micro];
+          s.out_grad = next.input.grad();
+          next = Slot{};
+        }
+        auto t0 = Clock::now();
+        if (checkpointed(in.micro)) {
+          // Re-materialise (GPipe): the forward again, now with its graph, under the
+          // random state it first ran with.
+          auto gen = at::detail::getDefaultCPUGenerator();
+          at::Tensor now = gen.get_state();
+          gen.set_state(s.rng);
+          run_forward(in.micro, in.chunk, s);
+          gen.set_state(now);
+        }
+        // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
+        if (last(in.chunk)) {
+          if (s.loss.requires_grad()) s.loss.backward();
+        } else if (s.output.requires_grad()) {
+          torch::autograd::backward({s.output}, {s.out_grad});
+        }
+        auto t1 = Clock::now();
+        out.backward_s += seconds(t0, t1);
+        span(in.chunk, to_string(in), t0, t1);
+        s.output = at::Tensor();
+        s.loss = at::Tensor();
+        s.out_grad = at::Tensor();
+        s.targets = at::Tensor();
+        if (first(in.chunk)) s.input = at::Tensor();
+        break;
+      }
+      case Op::kSendGrad: {
+        at::Tensor g = s.input.grad();
+        if (!g.defined()) g = at::zeros_like(s.input);
+        send(grad_out_, g);
+        s.input = at::Tensor();
+        break;
+      }
+    }
+  }
+  for (auto& w : sends) {
+    auto t0 = Clock::now();
+    w->wait();
+    wait_s += seconds(t0, Clock::now());
+  }
+  const auto t_end = Clock::now();
+  stats_.steps += 1;
+  stats_.busy_s += out.forward_s + out.backward_s;
+  stats_.wall_s += seconds(t_begin, t_end);
+  // The loss lives on the last stage; every pipeline rank reports it.
+  at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
+  broadcast_from_last(loss);
+  out.loss = loss.item<double>();
+  return out;
+}
+
+std::optional<core::EvalSums> Pipeline::evaluate(const core::Batch& batch, bool bf16) {
+  // Forward only, through every stage in order; the batch goes in pieces so the stages
+  // overlap (and no piece is larger than a training micro-batch needs to be).
+  const int v = opt_.virtual_stages;
+  const int64_t n = batch.size();
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(n, opt_.micro_batches));
+  torch::NoGradGuard no_grad;
+  double loss_sum = 0;
+  int64_t correct = 0, predictions = 0;
+  std::vector<WorkPtr> sends;
+  std::vector<at::Tensor> outputs(pieces);
+  for (int c = 0; c < v; ++c) {
+    for (int64_t j = 0; j < pieces; ++j) {
+      const int64_t b = n * j / pieces, e = n * (j + 1) / pieces;
+      at::Tensor x;
+      if (first(c)) {
+        x = batch.inputs.slice(0, b, e);
+      } else if (opt_.stages > 1) {
+        x = at::empty(input_of(c).shape(e - b), at::TensorOptions().dtype(input_of(c).dtype));
+        collectives::RecvOptions o;
+        o.timeout = timeout_;
+        act_in_.comm->recv(x, act_in_.peer(), o)->wait();
+      } else {
+        x = outputs[j];  // the previous chunk is on this rank
+      }
+      at::Tensor y;
+      {
+        core::compat::CpuAutocast autocast(bf16);
+        y = chunks_[c]->forward(x);
+      }
+      if (last(c)) {
+        y = y.to(at::kFloat);
+        at::Tensor t = batch.targets.slice(0, b, e);
+        loss_sum += core::model_loss(y, t).item<double>() * static_cast<double>(e - b);
+        correct += core::count_correct(y, t);
+        predictions += t.numel();
+      } else if (opt_.stages > 1) {
+        collectives::SendOptions o;
+        o.timeout = timeout_;
+        sends.push_back(act_out_.comm->send(y.contiguous(), act_out_.peer(), o));
+      } else {
+        outputs[j] = y;
+      }
+    }
+  }
+  for (auto& w : sends) w->wait();
+  at::Tensor sums = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(predictions)}, at::kDouble);
+  broadcast_from_last(sums);
+  core::EvalSums r;
+  r.loss_sum = sums[0].item<double>();
+  r.correct = static_cast<int64_t>(sums[1].item<double>());
+  r.predictions = static_cast<int64_t>(sums[2].item<double>());
+  return r;
+}
+
+void Pipeline::gather_state(core::TensorMap& tensors) {
+  // Only the writer's pipeline group gathers: the other data replicas hold the same.
+  if (!pp_ || pp_->size() == 1 || data_coord_ != 0) return;
+  collectives::SendOptions so;
+  so.timeout = timeout_;
+  collectives::RecvOptions ro;
+  ro.timeout = timeout_;
+  if (pp_->rank() != 0) {
+    const std::string bytes = core::safetensors_bytes(tensors);
+    at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+    at::Tensor buf = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+    pp_->send(len, 0, so)->wait();
+    pp_->send(buf, 0, so)->wait();
+    return;
+  }
+  for (int r = 1; r < pp_->size(); ++r) {
+    at::Tensor len = at::empty({1}, at::kLong);
+    pp_->recv(len, r, ro)->wait();
+    at::Tensor buf = at::empty({len.item<int64_t>()}, at::kByte);
+    pp_->recv(buf, r, ro)->wait();
+    std::string bytes(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel()));
+    for (auto& [k, t] : core::parse_safetensors(bytes, "pipeline stage state from rank " + std::to_string(r)))
+      tensors.emplace(k, t);  // names are global; shared entries (the step count) agree
+  }
+}
+
+// ---- the job spec ---------------------------------------------------------------------
+
+std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<Pipeline>(*this); }
+
+std::string Options::plan(const core::PlanInput& input) const {
+  const int P = stages, v = virtual_stages, K = P * v;
+  const int D = input.spec.mesh.size("data");
+  const int64_t micro = input.spec.data.batch_size / D / micro_batches;
+  const bool bf16 = input.spec.train.precision == "bf16";
+  std::ostringstream os;
+  const int L = static_cast<int>(input.model->size());
+  if (L < K)
+    throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
+                      " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
+                      ") that must each hold one");
+  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true);
+  Partition part = partition_for(*this, input.model, costs);
+  std::vector<StageCost> sc = stage_costs(part, costs);
+  Schedule s = make_schedule(schedule, P, micro_batches, v);
+  Simulation sim = simulate(s);
+  os << "pipeline: " << P << " rank" << (P == 1 ? "" : "s");
+  if (v > 1) os << " x " << v << " virtual stages = " << K << " stages";
+  os << ", schedule " << schedule << ", " << micro_batches << " micro-batches of " << micro << " (batch "
+     << input.spec.data.batch_size << (D > 1 ? " / data " + std::to_string(D) : "") << ")"
+     << ", balance " << (balance == "explicit" ? "explicit" : balance) << " " << part.str()
+     << ", checkpoint " << checkpoint << "\n";
+  // Memory: parameters with their gradients and optimizer state, and the activations of
+  // the micro-batches in flight (under checkpointing: their inputs, and one at a time).
+  const int64_t slots = input.spec.optimizer.type == "sgd" ? (input.spec.optimizer.momentum > 0 ? 1 : 0) : 2;
+  char line[512];
+  std::snprintf(line, sizeof(line), "  %-5s %-4s %-32s %10s %8s %8s %11s %9s %11s\n", "stage", "rank", "layers",
+                "params", "fwd ms", "bwd ms", "act/micro", "in flight", "memory");
+  // "in flight": the most micro-batches whose backward is still to come, on the rank.
+  os << line;
+  for (int k = 0; k < K; ++k) {
+    const int r = k % P;
+    const int in_flight = sim.ok ? sim.peak_in_flight[r] : micro_batches;
+    const int64_t in_bytes = k == 0 ? 0 : costs[part.first(k) - 1].activation_bytes;
+    int64_t act = checkpoint == "never" ? sc[k].activation_bytes * in_flight
+                                        : in_bytes * in_flight + sc[k].activation_bytes;
+    const int64_t mem = sc[k].params * 4 * (2 + slots) + act;
+    // "Flatten 3xLinear 3xReLU": the kinds of layer, in order of first appearance.
+    std::vector<std::pair<std::string, int>> kinds;
+    for (int i = part.first(k); i < part.end(k); ++i) {
+      std::string nm = costs[i].name.substr(0, costs[i].name.find('('));
+      auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& e) { return e.first == nm; });
+      if (it == kinds.end()) kinds.push_back({nm, 1}); else ++it->second;
+    }
+    std::string names;
+    for (const auto& [nm, count] : kinds)
+      names += (names.empty() ? "" : " ") + (count > 1 ? std::to_string(count) + "x" : std::string()) + nm;
+    std::string range = std::to_string(part.first(k)) + (part.size(k) > 1 ? "-" + std::to_string(part.end(k) - 1) : "");
+    std::string label = range + ": " + names;
+    if (label.size() > 32) label = label.substr(0, 29) + "...";
+    std::snprintf(line, sizeof(line), "  %-5d %-4d %-32s %10lld %8.3f %8.3f %11s %9d %11s\n", k, r, label.c_str(),
+                  static_cast<long long>(sc[k].params), sc[k].forward_s * 1e3, sc[k].backward_s * 1e3,
+                  core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(mem).c_str());
+    os << line;
+  }
+  os << "  memory = parameters x (weights, gradients, " << slots << " optimizer slot" << (slots == 1 ? "" : "s")
+     << ") + activations of the micro-batches in flight" << (checkpoint == "never" ? "" : " (their inputs, under checkpointing)")
+     << "\n";
+  if (sim.ok) {
+    os << "  bubble " << fmt("%.1f%%", 100 * sim.bubble_fraction) << " (ideal (P-1)/(v*m+P-1) = "
+       << fmt("%.1f%%", 100 * ideal_bubble(P, micro_batches, v)) << "), forward = 1 slot, backward = 2:\n";
+    std::istringstream d(draw(s, sim));
+    for (std::string l; std::getline(d, l);) os << "  " << l << "\n";
+  } else {
+    os << "  the schedule does not run: " << sim.error << "\n";
+  }
+  return os.str();
+}
+
+void register_pipeline(core::SectionRegistry& registry) {
+  registry.add(
+      "pipeline",
+      [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
+        auto o = std::make_shared<Options>();
+        const bool given = !s.keys().empty();
+        o->stages = job.mesh.size("pipeline");
+        const int P = o->stages;
+        o->schedule = s.choice("schedule", o->schedule, schedule_kinds());
+        o->micro_batches = static_cast<int>(s.integer("micro_batches", 4 * P, 1, 1 << 20));
+        o->virtual_stages = static_cast<int>(s.integer("virtual_stages", 1, 1, 1024));
+        if (s.is_list("balance")) {
+          o->balance = "explicit";
+          o->balance_counts = s.integers("balance", {}, 1);
+          const size_t K = static_cast<size_t>(P) * static_cast<size_t>(o->virtual_stages);
+          if (o->balance_counts.size() != K)
+            s.error("balance", "lists " + std::to_string(o->balance_counts.size()) + " layer counts, but there are " +
+                                   std::to_string(K) + " stages (pipeline " + std::to_string(P) + " x virtual_stages " +
+                                   std::to_string(o->virtual_stages) + ")");
+        } else {
+          o->balance = s.choice("balance", o->balance, {"uniform", "by_params", "by_time"});
+        }
+        o->checkpoint = s.choice("checkpoint", o->checkpoint, {"never", "except_last", "always"});
+        s.finish();
+        if (!given && P == 1) return nullptr;  // off: no pipeline
+        const std::string problem = schedule_problem(o->schedule, P, o->micro_batches, o->virtual_stages);
+        if (!problem.empty())
+          s.error(o->virtual_stages != 1 && o->schedule != "interleaved_1f1b" ? "virtual_stages" : "micro_batches", problem);
+        if (job.train.accumulation_steps != 1)
+          s.error("micro_batches", "a pipeline splits the batch into micro_batches itself: set train.accumulation_steps to 1 (it is " +
+                                       std::to_string(job.train.accumulation_steps) + ")");
+        const int64_t D = job.mesh.size("data");
+        const int64_t split = D * o->micro_batches;
+        if (job.data.batch_size % split != 0)
+          s.error("micro_batches", "data.batch_size " + std::to_string(job.data.batch_size) + " does not split into " +
+                                       std::to_string(D) + " data-parallel rank" + (D == 1 ? "" : "s") + " x " +
+                                       std::to_string(o->micro_batches) + " micro-batches (" +
+                                       fmt("%.2f", static_cast<double>(job.data.batch_size) / static_cast<double>(split)) +
+                                       " examples each); make the batch a multiple of " + std::to_string(split));
+        return o;
+      },
+      "pipeline");
+}
+
+}  // namespace tetra::pipeline

@@ -1,0 +1,79 @@
+// The pipeline strategy (GPipe, DESIGN.md): the model's layer sequence cut into stages
+// on the ranks of the mesh's `pipeline` axis, each step's batch split into
+// micro-batches that flow through the stages at the same time.
+//
+// Note [How a pipeline step runs]
+// attach() keeps this rank's stages of the model (the whole model is built first, from
+// the job's seed, so every layer starts exactly as in one process) and names their
+// parameters as one process names them. The step is a schedule (schedule.h): per rank,
+// a list of forward/backward/send/recv instructions that the executor runs in order.
+// Activations travel forward and their gradients backward over point-to-point links
+// between neighbouring pipeline ranks, one two-rank communicator per direction and
+// kind, so a send of activations never queues behind a receive of gradients on the same
+// progress thread. Shapes are agreed once: every rank probes the whole model on one
+// example at attach, so each boundary's [n, ...] shape and dtype are known on both
+// sides and messages carry bare tensor bytes. The last stage computes the loss of each
+// micro-batch weighted by its share of the batch, so the gradients that accumulate over
+// the micro-batches are those of the whole batch: one step equals the full-batch step.
+// The loss reaches every pipeline rank by a broadcast from the last one.
+//
+// Composition. The pipeline owns forward and backward; before each backward it calls
+// the step's before_backward hook, which runs the other strategies' hooks (the data-
+// parallel strategy then allreduces this stage's gradients over its data group as the
+// last micro-batch's backward produces them). It never reaches into them.
+//
+// Checkpoints. gather_state() sends every stage's tensors to the writer under the names
+// one process uses, so a checkpoint does not depend on the layout that wrote it: a run
+// saved with 2 stages resumes on 1, on 4, or with another balance.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/job_spec.h"
+#include "core/strategy.h"
+#include "pipeline/partition.h"
+#include "pipeline/schedule.h"
+
+namespace tetra::pipeline {
+
+struct Options : core::StrategyConfig {
+  int stages = 1;                  // mesh.pipeline (P)
+  std::string schedule = "1f1b";   // gpipe | 1f1b | interleaved_1f1b
+  int micro_batches = 0;           // m; 0 in the file means 4 x P
+  int virtual_stages = 1;          // v: chunks per rank (interleaved_1f1b)
+  std::string balance = "uniform"; // uniform | by_params | by_time | explicit
+  std::vector<int64_t> balance_counts;  // balance: [4, 3, ...] (P x v counts)
+  std::string checkpoint = "never";     // never | except_last | always
+  std::unique_ptr<core::Strategy> build() const override;
+  std::string plan(const core::PlanInput& input) const override;
+};
+
+// Registers the `pipeline` section (owner of the `pipeline` mesh axis).
+void register_pipeline(core::SectionRegistry& registry);
+
+// What a run measured, per rank (for benchmarks and the closing summary).
+struct PipelineStats {
+  int64_t steps = 0;
+  double busy_s = 0;   // forward + backward compute (including recomputation)
+  double wall_s = 0;   // from the step's first instruction to its last
+  // Idle fraction of this rank over the steps: 1 - busy / wall.
+  double bubble() const { return wall_s > 0 ? 1.0 - busy_s / wall_s : 0.0; }
+};
+
+// The strategy object, for code that wants its stats (dynamic_cast from Strategy).
+class PipelineStrategy : public core::Strategy {
+ public:
+  virtual const PipelineStats& stats() const = 0;
+  virtual const Partition& partition() const = 0;
+  virtual const Schedule& schedule() const = 0;
+};
+
+// The model's layers with their parameter counts, output sizes for one micro-batch and
+// (when `time` is set) forward and backward seconds measured on a micro-batch of
+// `micro_batch` examples from `data`. Used by attach (by_time) and --dry-run.
+std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
+                                      int64_t micro_batch, bool bf16, bool time);
+
+}  // namespace tetra::pipeline

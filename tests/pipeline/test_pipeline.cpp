@@ -1,0 +1,254 @@
+// The numerics contract for pipelines: with the same seed and global batch, every
+// schedule, any valid micro-batch count, with and without activation checkpointing, and
+// pipeline x data follow the single-process loss at every step within relative 1e-5
+// (fp32). Stages run as thread-ranks over the local backend; the mpirun runs are in
+// tests/tools (TrainMpi.Pipeline*). Also: checkpoints that resume on another layout,
+// the per-stage trace, and the mistakes that must be clear errors before any rank talks.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "collectives/error.h"
+#include "collectives/local.h"
+#include "core/runtime.h"
+#include "core/trainer.h"
+#include "data_parallel/data_parallel.h"
+#include "pipeline/pipeline.h"
+
+using namespace tetra;
+using namespace tetra::core;
+namespace fs = std::filesystem;
+
+namespace {
+
+// 8 layers: Flatten, (Linear, ReLU) x 3, Linear. clip_grad_norm: the norm spans stages.
+const char* kJob = R"(
+model: {type: mlp, hidden: [64, 48, 32]}
+data: {type: fashion-mnist, batch_size: 96, eval_samples: 600}
+optimizer: {type: adamw, lr: 2.0e-3, weight_decay: 0.01, clip_grad_norm: 1.0}
+schedule: {type: cosine, warmup_steps: 5}
+train: {max_steps: 12, seed: 5, threads: 1}
+checkpoint: {dir: ""}
+log: {metrics: "", progress: off}
+)";
+
+SectionRegistry registry() {
+  SectionRegistry plugins;
+  data_parallel::register_data_parallel(plugins);
+  pipeline::register_pipeline(plugins);
+  return plugins;
+}
+
+JobSpec job(std::vector<std::string> sets) { return parse_job_string(kJob, "pp", sets, registry()).spec; }
+
+TrainResult single(std::vector<std::string> sets = {}) {
+  set_threads(1);
+  return Trainer(job(sets)).run();
+}
+
+// Runs the job on pipeline x data thread-ranks; rank 0's result (all ranks must agree).
+TrainResult parallel(int stages, int data, std::vector<std::string> sets) {
+  set_threads(1);
+  sets.push_back("mesh.pipeline=" + std::to_string(stages));
+  sets.push_back("mesh.data=" + std::to_string(data));
+  const int n = stages * data;
+  std::vector<TrainResult> results(n);
+  collectives::run_local_ranks(n, [&](int rank, collectives::Communicator& world) {
+    TrainerOptions o;
+    o.world = world.shared_from_this();
+    results[rank] = Trainer(job(sets), o).run();
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(results[r].losses, results[0].losses) << "rank " << r;
+  return results[0];
+}
+
+void expect_follows(const TrainResult& ref, const TrainResult& got, const std::string& what) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i])) << what << ", step " << i + 1;
+  ASSERT_TRUE(ref.final_eval && got.final_eval) << what;
+  EXPECT_NEAR(got.final_eval->test_loss, ref.final_eval->test_loss, 1e-5 * ref.final_eval->test_loss) << what;
+  EXPECT_NEAR(*got.final_eval->accuracy, *ref.final_eval->accuracy, 2.0 / 600 + 1e-9) << what;
+}
+
+std::vector<std::string> pp(const std::string& schedule, int m, std::vector<std::string> more = {}) {
+  more.push_back("pipeline.schedule=" + schedule);
+  more.push_back("pipeline.micro_batches=" + std::to_string(m));
+  return more;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  fs::path d = fs::path(testing::TempDir()) / ("tetra_pp_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// The ConfigError `fn` throws (on every thread-rank), or "" when none.
+std::string config_error(int ranks, const std::function<void(collectives::Communicator*)>& fn) {
+  std::vector<std::string> got(ranks);
+  auto one = [&](int r, collectives::Communicator* w) {
+    try {
+      fn(w);
+    } catch (const ConfigError& e) {
+      got[r] = e.what();
+    }
+  };
+  if (ranks == 1) {
+    one(0, nullptr);
+  } else {
+    collectives::run_local_ranks(ranks, [&](int r, collectives::Communicator& w) { one(r, &w); });
+  }
+  for (int r = 1; r < ranks; ++r) EXPECT_EQ(got[r], got[0]) << "rank " << r;
+  return got[0];
+}
+
+}  // namespace
+
+TEST(Pipeline, EverySchedulesFollowsOneProcessOnTwoStages) {
+  const TrainResult ref = single();
+  for (int m : {1, 3, 4}) expect_follows(ref, parallel(2, 1, pp("gpipe", m)), "gpipe m=" + std::to_string(m));
+  for (int m : {1, 2, 6}) expect_follows(ref, parallel(2, 1, pp("1f1b", m)), "1f1b m=" + std::to_string(m));
+  for (int m : {2, 4})
+    expect_follows(ref, parallel(2, 1, pp("interleaved_1f1b", m, {"pipeline.virtual_stages=2"})),
+                   "interleaved v=2 m=" + std::to_string(m));
+}
+
+TEST(Pipeline, FourStagesAndUnevenBalances) {
+  const TrainResult ref = single();
+  expect_follows(ref, parallel(4, 1, pp("1f1b", 8)), "1f1b P=4 m=8");
+  expect_follows(ref, parallel(4, 1, pp("1f1b", 2, {"pipeline.balance=by_params"})), "1f1b P=4 m=2 by_params");
+  expect_follows(ref, parallel(4, 1, pp("interleaved_1f1b", 4, {"pipeline.virtual_stages=2"})),
+                 "interleaved P=4 v=2 m=4 (8 stages of one layer)");
+  expect_follows(ref, parallel(2, 1, pp("gpipe", 4, {"pipeline.balance=[1, 7]"})), "gpipe balance [1, 7]");
+  expect_follows(ref, parallel(2, 1, pp("1f1b", 4, {"pipeline.balance=by_time"})), "1f1b by_time");
+}
+
+TEST(Pipeline, ActivationCheckpointingFollows) {
+  const TrainResult ref = single();
+  for (const char* mode : {"except_last", "always"}) {
+    expect_follows(ref, parallel(2, 1, pp("gpipe", 4, {std::string("pipeline.checkpoint=") + mode})),
+                   std::string("gpipe checkpoint ") + mode);
+    expect_follows(ref, parallel(2, 1, pp("1f1b", 6, {std::string("pipeline.checkpoint=") + mode})),
+                   std::string("1f1b checkpoint ") + mode);
+  }
+  expect_follows(ref, parallel(2, 1, pp("interleaved_1f1b", 2, {"pipeline.virtual_stages=2", "pipeline.checkpoint=always"})),
+                 "interleaved checkpoint always");
+}
+
+TEST(Pipeline, OneRankWithVirtualStagesHandsOverLocally) {
+  // P = 1: no world at all; two chunks on the one rank pass activations in memory.
+  const TrainResult ref = single();
+  set_threads(1);
+  expect_follows(ref, Trainer(job(pp("interleaved_1f1b", 4, {"pipeline.virtual_stages=2"}))).run(), "P=1 v=2");
+  expect_follows(ref, Trainer(job(pp("gpipe", 3, {"pipeline.checkpoint=always"}))).run(), "P=1 gpipe checkpoint");
+}
+
+TEST(Pipeline, PipelineTimesDataFollowsOneProcess) {
+  const TrainResult ref = single();
+  expect_follows(ref, parallel(2, 2, pp("1f1b", 4)), "pipeline 2 x data 2, 1f1b m=4");
+  expect_follows(ref, parallel(2, 2, pp("gpipe", 3, {"data_parallel.overlap=false", "pipeline.checkpoint=always"})),
+                 "pipeline 2 x data 2, gpipe m=3, checkpoint, no overlap");
+}
+
+TEST(Pipeline, CheckpointFromTwoStagesResumesOnOneProcessAndOnTwoStages) {
+  fs::path d = fresh_dir("resume");
+  const TrainResult whole = single({"train.max_steps=20"});
+  // 20 steps on 2 stages, saved at step 10 (the whole model, gathered to rank 0)...
+  auto at = [&](const std::string& dir, std::vector<std::string> s) {
+    s.push_back("train.max_steps=20");
+    s.push_back("checkpoint.dir=" + (d / dir).string());
+    return s;
+  };
+  expect_follows(whole, parallel(2, 1, at("a", pp("1f1b", 4, {"checkpoint.every_steps=10"}))), "1f1b, saving");
+  const std::string step10 = (d / "a" / "step-00000010").string();
+  ASSERT_TRUE(fs::exists(step10));
+  // ...resumes as one process without a pipeline, and on 2 stages with another balance.
+  set_threads(1);
+  TrainResult one = Trainer(job(at("b", {"checkpoint.resume=" + step10}))).run();
+  EXPECT_EQ(one.resumed_from, step10);
+  TrainResult two = parallel(2, 1, at("c", pp("gpipe", 2, {"pipeline.balance=[2, 6]", "checkpoint.resume=" + step10})));
+  ASSERT_EQ(one.losses.size(), 10u);
+  ASSERT_EQ(two.losses.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_NEAR(one.losses[i], whole.losses[10 + i], 1e-5 * whole.losses[10 + i]) << "one process, step " << 11 + i;
+    EXPECT_NEAR(two.losses[i], whole.losses[10 + i], 1e-5 * whole.losses[10 + i]) << "two stages, step " << 11 + i;
+  }
+}
+
+TEST(Pipeline, TraceHasATrackPerStageWithEveryMicroBatch) {
+  fs::path d = fresh_dir("trace");
+  parallel(2, 1, pp("1f1b", 4, {"train.max_steps=2", "log.trace=" + (d / "trace.json").string()}));
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream in(d / ("trace.rank" + std::to_string(r) + ".json"));
+    ASSERT_TRUE(in) << "rank " << r;
+    nlohmann::json t = nlohmann::json::parse(in);
+    const auto& events = t.is_object() ? t["traceEvents"] : t;
+    std::set<std::string> names;
+    std::set<std::string> threads;
+    for (const auto& e : events) {
+      if (e.value("ph", "") == "M" && e.value("name", "") == "thread_name") threads.insert(e["args"]["name"].get<std::string>());
+      if (e.value("ph", "") == "X") names.insert(e["name"].get<std::string>());
+    }
+    EXPECT_TRUE(threads.count("stage " + std::to_string(r))) << "rank " << r;
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_TRUE(names.count("F" + std::to_string(i))) << "rank " << r << " F" << i;
+      EXPECT_TRUE(names.count("B" + std::to_string(i))) << "rank " << r << " B" << i;
+    }
+  }
+}
+
+TEST(Pipeline, ImpossibleNumbersAreClearErrorsBeforeAnyRankTalks) {
+  auto parse_error = [](std::vector<std::string> sets) {
+    try {
+      job(sets);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto has = [](const std::string& text, const std::string& part) {
+    EXPECT_NE(text.find(part), std::string::npos) << "\"" << part << "\" not in:\n" << text;
+  };
+  has(parse_error({"mesh.pipeline=2", "pipeline.micro_batches=5"}),
+      "data.batch_size 96 does not split into 1 data-parallel rank x 5 micro-batches");
+  has(parse_error({"mesh.pipeline=4", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+                   "pipeline.micro_batches=6"}),
+      "interleaved_1f1b needs micro_batches to be a multiple of the 4 pipeline stages, got 6");
+  has(parse_error({"mesh.pipeline=2", "pipeline.virtual_stages=2"}), "set schedule: interleaved_1f1b");
+  has(parse_error({"mesh.pipeline=2", "pipeline.schedule=1f1f"}), "pipeline.schedule");
+  has(parse_error({"mesh.pipeline=2", "train.accumulation_steps=2"}), "set train.accumulation_steps to 1");
+  has(parse_error({"mesh.pipeline=2", "pipeline.balance=[4, 2, 2]"}), "lists 3 layer counts, but there are 2 stages");
+  has(parse_error({"mesh.pipeline=2", "pipeline.micro_batch=4"}), "micro_batch");  // a typo is not ignored
+
+  // Known only once the model exists: every rank finds it in attach, before it sends.
+  set_threads(1);
+  auto trainer_error = [](int ranks, std::vector<std::string> sets) {
+    return config_error(ranks, [&](collectives::Communicator* w) {
+      TrainerOptions o;
+      if (w) o.world = w->shared_from_this();
+      Trainer t(job(sets), o);
+    });
+  };
+  has(trainer_error(4, {"mesh.pipeline=4", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=4",
+                        "pipeline.micro_batches=8"}),
+      "the model has 8 layers, fewer than the 16 stages (pipeline 4 x virtual_stages 4)");
+  has(trainer_error(2, {"mesh.pipeline=2", "pipeline.balance=[4, 5]"}), "balance [4, 5] adds up to 9 layers, the model has 8");
+  has(trainer_error(1, {"mesh.pipeline=2"}), "run it under mpirun -np 2");
+}
+
+TEST(Pipeline, DryRunPlanShowsStagesCostsAndTheSchedule) {
+  set_threads(1);
+  TrainerOptions o;
+  o.dry_run = true;
+  Trainer t(job({"mesh.pipeline=2", "pipeline.micro_batches=4", "pipeline.balance=by_params"}), o);
+  const std::string plan = t.plan();
+  EXPECT_NE(plan.find("pipeline: 2 ranks, schedule 1f1b, 4 micro-batches of 24"), std::string::npos) << plan;
+  EXPECT_NE(plan.find("balance by_params [2, 6]"), std::string::npos) << plan;  // 784x64 outweighs the rest
+  EXPECT_NE(plan.find("bubble 20.0% (ideal (P-1)/(v*m+P-1) = 20.0%)"), std::string::npos) << plan;
+  EXPECT_NE(plan.find("rank 0 | F0 F1 .. .. B0 B0"), std::string::npos) << plan;
+  EXPECT_NE(plan.find("rank 1 | .. F0 B0 B0 F1"), std::string::npos) << plan;
+}
