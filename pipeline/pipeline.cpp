@@ -347,25 +347,26 @@ void Pipeline::make_links(const core::Mesh& mesh) {
 // Receives posted ahead on one link, in the order the schedule consumes them.
 class Inbox {
  public:
-  Inbox(const Link& link, collectives::Duration timeout) : link_(link), timeout_(timeout) {}
+  Inbox(const Link& link, int ahead, collectives::Duration timeout) : ahead_(ahead), link_(link), timeout_(timeout) {}
   void expect(std::vector<int64_t> shape, at::ScalarType dtype) { pending_.push_back({std::move(shape), dtype}); }
   void start() {
-    for (int k = 0; k < kAhead; ++k) post();
+    for (int k = 0; k < ahead_; ++k) post();
   }
   // The next message; posts the one after.
   at::Tensor take(double* wait_s) {
+    if (posted_.empty()) post();
     TETRA_CHECK(!posted_.empty(), "pipeline: a receive the schedule did not announce");
     auto [buf, work] = posted_.front();
     posted_.erase(posted_.begin());
     auto t0 = Clock::now();
     work->wait();
     *wait_s += seconds(t0, Clock::now());
-    post();
+    if (ahead_ > 0) post();
     return buf;
   }
 
  private:
-  static constexpr int kAhead = 2;  // receives queued ahead: the transfer overlaps compute
+  const int ahead_;  // receives posted before they are needed (pipeline.prefetch)
   void post() {
     if (next_ >= pending_.size()) return;
     const auto& [shape, dtype] = pending_[next_++];
@@ -403,7 +404,7 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
   for (int i = 0; i < m; ++i) micro_idx[i] = core::BatchPlan::slice(step.indices, i, m);
   auto micro_n = [&](int i) { return micro_idx[i].size(0); };
 
-  Inbox acts(act_in_, timeout_), grads(grad_in_, timeout_);
+  Inbox acts(act_in_, opt_.prefetch, timeout_), grads(grad_in_, opt_.prefetch, timeout_);
   int last_backward = -1;
   for (size_t k = 0; k < prog.size(); ++k) {
     const Instr& in = prog[k];
@@ -440,6 +441,10 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
   auto send = [&](const Link& link, const at::Tensor& t) {
     collectives::SendOptions o;
     o.timeout = timeout_;
+    // A finished send lets go of its tensor now rather than at the step's end (a
+    // gradient a stage sent is memory it no longer needs).
+    sends.erase(std::remove_if(sends.begin(), sends.end(), [](const WorkPtr& w) { return w->done() && !w->exception(); }),
+                sends.end());
     sends.push_back(link.comm->send(t.detach().contiguous(), link.peer(), o));
   };
 
@@ -535,6 +540,7 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
   const auto t_end = Clock::now();
   stats_.steps += 1;
   stats_.busy_s += out.forward_s + out.backward_s;
+  stats_.wait_s += wait_s;
   stats_.wall_s += seconds(t_begin, t_end);
   // The loss lives on the last stage; every pipeline rank reports it.
   at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
@@ -721,6 +727,7 @@ void register_pipeline(core::SectionRegistry& registry) {
           o->balance = s.choice("balance", o->balance, {"uniform", "by_params", "by_time"});
         }
         o->checkpoint = s.choice("checkpoint", o->checkpoint, {"never", "except_last", "always"});
+        o->prefetch = static_cast<int>(s.integer("prefetch", o->prefetch, 0, 64));
         s.finish();
         if (!given && P == 1) return nullptr;  // off: no pipeline
         const std::string problem = schedule_problem(o->schedule, P, o->micro_batches, o->virtual_stages);

@@ -108,10 +108,11 @@ std::string config_error(int ranks, const std::function<void(collectives::Commun
 
 }  // namespace
 
-TEST(Pipeline, EverySchedulesFollowsOneProcessOnTwoStages) {
+TEST(Pipeline, EveryScheduleFollowsOneProcessOnTwoStages) {
   const TrainResult ref = single();
   for (int m : {1, 3, 4}) expect_follows(ref, parallel(2, 1, pp("gpipe", m)), "gpipe m=" + std::to_string(m));
   for (int m : {1, 2, 6}) expect_follows(ref, parallel(2, 1, pp("1f1b", m)), "1f1b m=" + std::to_string(m));
+  expect_follows(ref, parallel(2, 1, pp("1f1b", 4, {"pipeline.prefetch=2"})), "1f1b m=4, receives posted ahead");
   for (int m : {2, 4})
     expect_follows(ref, parallel(2, 1, pp("interleaved_1f1b", m, {"pipeline.virtual_stages=2"})),
                    "interleaved v=2 m=" + std::to_string(m));
