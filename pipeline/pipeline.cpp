@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 
@@ -80,9 +81,38 @@ struct Boundary {
   }
 };
 
+// Running layers to learn about them must leave no trace: a dropout draws from the
+// generator every rank shares with the single-process run, a batch norm updates its
+// running statistics. This puts both back as they were.
+class UntouchedModel {
+ public:
+  explicit UntouchedModel(torch::nn::Sequential& model)
+      : model_(model), rng_(at::detail::getDefaultCPUGenerator().get_state()) {
+    for (const auto& b : model->named_buffers()) buffers_.push_back({b.value(), b.value().clone()});
+  }
+  ~UntouchedModel() {
+    torch::NoGradGuard no_grad;
+    for (auto& [live, saved] : buffers_) live.copy_(saved);
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng_);
+    }
+    model_->zero_grad(/*set_to_none=*/true);
+  }
+  UntouchedModel(const UntouchedModel&) = delete;
+  UntouchedModel& operator=(const UntouchedModel&) = delete;
+
+ private:
+  torch::nn::Sequential& model_;
+  at::Tensor rng_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
+};
+
 // Runs the whole model on one example (no grad, the run's precision) and records each
 // layer's output: every rank computes the same table, so the boundaries need no header.
 std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& data, bool bf16) {
+  UntouchedModel untouched(model);
   torch::NoGradGuard no_grad;
   core::Batch b = data.range(core::Split::kTrain, 0, 1);
   std::vector<Boundary> out;
@@ -244,6 +274,7 @@ class Pipeline final : public PipelineStrategy {
 
 std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
                                       int64_t micro_batch, bool bf16, bool time) {
+  UntouchedModel untouched(model);
   std::vector<LayerCost> out;
   const int L = static_cast<int>(model->size());
   core::Batch b = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain)));
@@ -277,7 +308,6 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
       }
       c.forward_s = f;
       c.backward_s = bw;
-      model->zero_grad();
     } else {
       torch::NoGradGuard no_grad;
       core::compat::CpuAutocast autocast(bf16);

@@ -148,6 +148,15 @@ TEST(Pipeline, OneRankWithVirtualStagesHandsOverLocally) {
   expect_follows(ref, Trainer(job(pp("gpipe", 3, {"pipeline.checkpoint=always"}))).run(), "P=1 gpipe checkpoint");
 }
 
+TEST(Pipeline, ProbingAndTimingTheLayersDrawNoRandomNumbers) {
+  // One stage, one micro-batch: the same dropout masks as one process, unless attach's
+  // shape probe or by_time's timing drew from the generator.
+  set_threads(1);
+  const TrainResult ref = single({"model.dropout=0.2"});
+  const TrainResult got = Trainer(job(pp("gpipe", 1, {"model.dropout=0.2", "pipeline.balance=by_time"}))).run();
+  EXPECT_EQ(got.losses, ref.losses);
+}
+
 TEST(Pipeline, PipelineTimesDataFollowsOneProcess) {
   const TrainResult ref = single();
   expect_follows(ref, parallel(2, 2, pp("1f1b", 4)), "pipeline 2 x data 2, 1f1b m=4");
