@@ -15,6 +15,13 @@
 
 namespace tetra::core {
 
+// Thread-ranks take turns seeding the generator and drawing their initial parameters, so
+// every rank draws exactly what a single process draws.
+std::mutex& global_rng_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
 namespace {
 
 template <typename Fn>

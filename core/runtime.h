@@ -16,9 +16,16 @@
 // keeps glibc's defaults, to measure it.
 #pragma once
 
+#include <mutex>
 #include <string>
 
 namespace tetra::core {
+
+// LibTorch's default CPU generator is one per process. Thread-ranks (tests, replicas)
+// share it: whoever seeds it, draws from it or puts its state back while other
+// thread-ranks may do the same holds this lock for the whole of it (the trainer while it
+// seeds and builds the model; a strategy that runs layers and restores the state after).
+std::mutex& global_rng_mutex();
 
 // Call first in main(). May replace the process image once (execv of /proc/self/exe)
 // to set the OpenMP wait policy; then tunes the allocator. Idempotent.

@@ -12,6 +12,7 @@
 #include "core/checkpoint.h"
 #include "collectives/error.h"
 #include "core/models.h"
+#include "core/runtime.h"
 #include "core/torch_compat.h"
 #include "hardware/host.h"
 
@@ -45,14 +46,6 @@ std::string fmt(const char* f, double v) {
 }
 
 }  // namespace
-
-// LibTorch's default generator is one per process: thread-ranks (tests, replicas) take
-// turns seeding it and drawing their initial parameters, so every rank draws exactly what
-// a single process draws.
-std::mutex& global_rng_mutex() {
-  static std::mutex mu;
-  return mu;
-}
 
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
     : spec_(std::move(spec)), options_(std::move(options)) {

@@ -16,6 +16,7 @@
 #include "core/data.h"
 #include "core/models.h"
 #include "core/report.h"
+#include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/torch_compat.h"
 
@@ -40,6 +41,13 @@ std::string fmt(const char* f, double v) {
 // ---- the layers -----------------------------------------------------------------------
 
 torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(model->begin() + i); }
+
+// Whether a forward through `m` draws from the generator (a dropout anywhere inside).
+bool draws_random(torch::nn::Module& m) {
+  for (const auto& sub : m.modules(/*include_self=*/true))
+    if (sub->name().find("Dropout") != std::string::npos) return true;
+  return false;
+}
 
 // "Linear(784 -> 512)" from a module's pretty print "torch::nn::Linear(in_features=784, ...)".
 std::string layer_name(const torch::nn::Module& m) {
@@ -83,11 +91,14 @@ struct Boundary {
 
 // Running layers to learn about them must leave no trace: a dropout draws from the
 // generator every rank shares with the single-process run, a batch norm updates its
-// running statistics. This puts both back as they were.
+// running statistics. This puts both back as they were. It holds the process's generator
+// lock all along: thread-ranks share the generator, and putting it back while another
+// thread-rank seeds it and draws its initial parameters would hand that rank other
+// weights (a race CI once lost: a stage began from parameters one process never had).
 class UntouchedModel {
  public:
   explicit UntouchedModel(torch::nn::Sequential& model)
-      : model_(model), rng_(at::detail::getDefaultCPUGenerator().get_state()) {
+      : lock_(core::global_rng_mutex()), model_(model), rng_(at::detail::getDefaultCPUGenerator().get_state()) {
     for (const auto& b : model->named_buffers()) buffers_.push_back({b.value(), b.value().clone()});
   }
   ~UntouchedModel() {
@@ -104,6 +115,7 @@ class UntouchedModel {
   UntouchedModel& operator=(const UntouchedModel&) = delete;
 
  private:
+  std::lock_guard<std::mutex> lock_;  // first: taken before the state is read
   torch::nn::Sequential& model_;
   at::Tensor rng_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
@@ -213,6 +225,7 @@ class Pipeline final : public PipelineStrategy {
         kept->push_back(std::to_string(i), layer(model, i));
       }
       chunks_.push_back(chunk);
+      draws_random_.push_back(draws_random(*chunk));
     }
     model = kept;
     state.params.clear();
@@ -265,6 +278,7 @@ class Pipeline final : public PipelineStrategy {
   Partition partition_;
   std::vector<Boundary> boundaries_;  // boundaries_[i]: layer i's output
   std::vector<torch::nn::Sequential> chunks_;
+  std::vector<bool> draws_random_;  // per chunk: its forward draws from the generator
   CommunicatorPtr pp_;
   Link act_out_, act_in_, grad_out_, grad_in_;
   PipelineStats stats_;
@@ -505,6 +519,11 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
         }
         auto t0 = Clock::now();
         if (checkpointed(in.micro)) {
+          // A forward that draws (dropout) keeps the generator to itself from the state
+          // it records to its last draw, so its replay draws the same masks even when
+          // thread-ranks share the generator.
+          std::unique_lock<std::mutex> rng_lock;
+          if (draws_random_[in.chunk]) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
           s.rng = at::detail::getDefaultCPUGenerator().get_state();
           torch::NoGradGuard no_grad;
           run_forward(in.micro, in.chunk, s);
@@ -531,6 +550,8 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
         if (checkpointed(in.micro)) {
           // Re-materialise (GPipe): the forward again, now with its graph, under the
           // random state it first ran with.
+          std::unique_lock<std::mutex> rng_lock;
+          if (draws_random_[in.chunk]) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
           auto gen = at::detail::getDefaultCPUGenerator();
           at::Tensor now = gen.get_state();
           gen.set_state(s.rng);

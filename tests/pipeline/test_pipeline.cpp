@@ -10,9 +10,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "collectives/error.h"
 #include "collectives/local.h"
+#include "core/models.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
@@ -155,6 +160,26 @@ TEST(Pipeline, ProbingAndTimingTheLayersDrawNoRandomNumbers) {
   const TrainResult ref = single({"model.dropout=0.2"});
   const TrainResult got = Trainer(job(pp("gpipe", 1, {"model.dropout=0.2", "pipeline.balance=by_time"}))).run();
   EXPECT_EQ(got.losses, ref.losses);
+}
+
+TEST(Pipeline, RunningLayersWaitsWhileAThreadRankDrawsItsParameters) {
+  // Thread-ranks share the process's generator. Running layers to learn about them puts
+  // it back afterwards; doing that while another thread-rank seeds it and draws its model
+  // (the trainer holds global_rng_mutex for that) hands that rank other weights. So it
+  // waits for the lock, and a draw made under the lock is never rewound.
+  const JobSpec spec = job({"model.dropout=0.2"});
+  auto data = make_dataset(spec.data, spec.train.seed);
+  torch::nn::Sequential model = build_model(spec.model, data->info());
+  std::unique_lock<std::mutex> lock(global_rng_mutex());
+  auto measured = std::async(std::launch::async, [&] { return pipeline::measure_layers(model, *data, 8, false, false); });
+  EXPECT_EQ(measured.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "layers ran while another thread-rank held the generator";
+  torch::manual_seed(11);
+  const at::Tensor drawn = torch::rand({4});
+  const at::Tensor after = at::detail::getDefaultCPUGenerator().get_state();
+  lock.unlock();
+  EXPECT_EQ(measured.get().size(), model->size());
+  EXPECT_TRUE(at::detail::getDefaultCPUGenerator().get_state().equal(after)) << "the generator was rewound";
 }
 
 TEST(Pipeline, PipelineTimesDataFollowsOneProcess) {
