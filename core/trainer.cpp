@@ -34,6 +34,8 @@ torch::Tensor cpu_rng_state() {
 }
 
 void set_cpu_rng_state(const torch::Tensor& state) {
+  // Not while another thread-rank seeds the generator and draws its model.
+  std::lock_guard<std::mutex> rank_lock(global_rng_mutex());
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
