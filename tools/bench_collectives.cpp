@@ -131,10 +131,16 @@ Case make_case(const Args& a, Communicator& comm, int64_t bytes, at::ScalarType 
   } else if (a.op == "sendrecv") {
     c.in = at::full({count}, r, opts);
     c.out = at::empty({count}, opts);
-    c.run = [&comm, in = c.in, out = c.out, n, r] {
+    // Each edge of the ring (rank e to e + 1) has its own communicator: ops on one
+    // communicator run one at a time, so a send above the eager limit would wait for a
+    // receive queued behind it on every rank (the pipeline keeps one communicator per
+    // direction for the same reason).
+    std::vector<std::shared_ptr<tetra::collectives::Communicator>> edges;
+    for (int e = 0; n > 1 && e < n; ++e) edges.push_back(comm.split(0, r, "sendrecv edge " + std::to_string(e)));
+    c.run = [edges, in = c.in, out = c.out, n, r] {
       if (n == 1) return;
-      auto s = comm.send(in, (r + 1) % n);
-      comm.recv(out, (r + n - 1) % n)->wait();
+      auto s = edges[r]->send(in, (r + 1) % n);
+      edges[(r + n - 1) % n]->recv(out, (r + n - 1) % n)->wait();
       s->wait();
     };
     c.verify = [run = c.run, out = c.out, n, r] {
