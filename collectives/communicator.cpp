@@ -24,14 +24,38 @@ bool Work::done() const {
   return done_;
 }
 
+namespace {
+// Counts this caller among the communicator's waiters while it blocks.
+class Waiting {
+ public:
+  explicit Waiting(std::atomic<int>* n) : n_(n) {
+    if (n_) n_->fetch_add(1, std::memory_order_relaxed);
+  }
+  ~Waiting() {
+    if (n_) n_->fetch_sub(1, std::memory_order_relaxed);
+  }
+  Waiting(const Waiting&) = delete;
+  Waiting& operator=(const Waiting&) = delete;
+
+ private:
+  std::atomic<int>* n_;
+};
+}  // namespace
+
 void Work::wait() {
   std::unique_lock<std::mutex> lock(mu_);
+  if (done_) {
+    if (error_) std::rethrow_exception(error_);
+    return;
+  }
+  Waiting waiting(waiters_.get());
   cv_.wait(lock, [&] { return done_; });
   if (error_) std::rethrow_exception(error_);
 }
 
 void Work::wait(Duration timeout) {
   std::unique_lock<std::mutex> lock(mu_);
+  Waiting waiting(done_ ? nullptr : waiters_.get());
   if (!cv_.wait_for(lock, timeout, [&] { return done_; }))
     throw TimeoutError(what_ + ": not finished after " + std::to_string(timeout.count()) + " ms");
   if (error_) std::rethrow_exception(error_);
@@ -149,7 +173,7 @@ void Communicator::stop_progress_thread() {
 }
 
 WorkPtr Communicator::enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout) {
-  auto work = std::make_shared<Work>(name_ + ": " + what);
+  auto work = std::make_shared<Work>(name_ + ": " + what, waiters_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {

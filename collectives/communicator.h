@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -72,7 +73,9 @@ struct BarrierOptions {
 // The handle of one queued op.
 class Work {
  public:
-  Work(std::string what) : what_(std::move(what)) {}
+  // `waiters` counts the callers blocked on any op of the work's communicator.
+  explicit Work(std::string what, std::shared_ptr<std::atomic<int>> waiters = nullptr)
+      : what_(std::move(what)), waiters_(std::move(waiters)) {}
   bool done() const;
   // Blocks until the op finished; rethrows its error (CommError, TimeoutError, ...).
   void wait();
@@ -92,6 +95,7 @@ class Work {
 
  private:
   std::string what_;
+  std::shared_ptr<std::atomic<int>> waiters_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -137,6 +141,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Dtypes every backend carries: f32 f64 bf16 f16 i32 i64 u8.
   static bool supported(at::ScalarType t);
 
+  // For a backend polling an op: whether a caller is blocked in wait() on an op of this
+  // communicator now (the running one, or one queued behind it, which needs it done).
+  // Nobody waiting means the caller computes meanwhile: poll politely, do not take its
+  // core. (Note [Awaited and background polls] in mpi.h.)
+  bool awaited() const { return waiters_->load(std::memory_order_relaxed) > 0; }
+
  protected:
   Communicator(int rank, int size, std::string name);
 
@@ -176,6 +186,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::deque<Item> queue_;
   bool stopping_ = false;
   std::exception_ptr broken_;  // the first failure; later ops fail fast with it
+  std::shared_ptr<std::atomic<int>> waiters_ = std::make_shared<std::atomic<int>>(0);
   std::thread thread_;
 };
 using CommunicatorPtr = std::shared_ptr<Communicator>;

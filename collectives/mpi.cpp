@@ -63,12 +63,47 @@ inline void check_mpi(int code, const char* call, const char* file, int line) {
 
 // ---- waiting for a request ------------------------------------------------------------
 
+// How a wait tests its request (Note [Awaited and background polls] in mpi.h), in
+// microseconds. TETRA_MPI_POLL=spin,yield,sleep,background_spin overrides it, to measure;
+// a negative background_spin polls every op as if awaited (the policy before).
+struct PollPolicy {
+  int64_t spin_us = 100, yield_us = 5000, sleep_us = 50, background_spin_us = 20;
+};
+
+const PollPolicy& poll_policy() {
+  static const PollPolicy policy = [] {
+    PollPolicy p;
+    if (const char* env = std::getenv("TETRA_MPI_POLL")) {
+      long long a = 0, b = 0, c = 0, d = 0;
+      if (std::sscanf(env, "%lld,%lld,%lld,%lld", &a, &b, &c, &d) == 4 && a >= 0 && b >= a && c > 0) {
+        p = {a, b, c, d};
+      } else {
+        std::fprintf(stderr,
+                     "tetra: TETRA_MPI_POLL=%s is not spin,yield,sleep,background_spin microseconds "
+                     "(0 <= spin <= yield, sleep > 0); keeping %lld,%lld,%lld,%lld\n",
+                     env, static_cast<long long>(p.spin_us), static_cast<long long>(p.yield_us),
+                     static_cast<long long>(p.sleep_us), static_cast<long long>(p.background_spin_us));
+      }
+    }
+    return p;
+  }();
+  return policy;
+}
+
 // Tests `req` until it completes (true) or the deadline passes (false, still pending).
-// Spins for small messages, yields while a large op runs, sleeps while a peer is late.
-// A request that completes with an error throws, naming `call`.
-bool poll_until(MPI_Request& req, Deadline deadline, const char* call, int line, MPI_Status* status) {
+// While a caller waits on `comm` (or with no communicator): spins for small messages,
+// yields while a large op runs, sleeps while a peer is late. While nobody waits (the
+// caller computes): a short spin, then sleeps. A request that completes with an error
+// throws, naming `call`.
+bool poll_until(MPI_Request& req, Deadline deadline, const char* call, int line, MPI_Status* status,
+                const Communicator* comm) {
   using namespace std::chrono;
-  const auto start = Clock::now();
+  const PollPolicy& policy = poll_policy();
+  const auto spin = microseconds(policy.spin_us), yield = microseconds(policy.yield_us),
+             nap = microseconds(policy.sleep_us), background_spin = microseconds(policy.background_spin_us);
+  const bool always_awaited = comm == nullptr || policy.background_spin_us < 0;
+  auto start = Clock::now();
+  bool was_awaited = always_awaited || comm->awaited();
   MPI_Status ignored;
   if (!status) status = &ignored;
   for (;;) {
@@ -81,13 +116,16 @@ bool poll_until(MPI_Request& req, Deadline deadline, const char* call, int line,
     if (done) return true;
     const auto now = Clock::now();
     if (now >= deadline) return false;
+    const bool awaited = always_awaited || comm->awaited();
+    if (awaited && !was_awaited) start = now;  // a caller has just begun to wait: spin for it
+    was_awaited = awaited;
     const auto waited = now - start;
-    if (waited < microseconds(100)) {
+    if (waited < (awaited ? spin : background_spin)) {
       continue;
-    } else if (waited < milliseconds(5)) {
+    } else if (awaited && waited < yield) {
       sched_yield();
     } else {
-      std::this_thread::sleep_for(microseconds(50));
+      std::this_thread::sleep_for(nap);
     }
   }
 }
@@ -457,13 +495,13 @@ class MpiCommunicator final : public Communicator {
   void await(MPI_Request& req, Deadline deadline, const char* call, int line, std::vector<at::Tensor> keep,
              bool cancellable = false, MPI_Status* status = nullptr) {
     const auto start = Clock::now();
-    if (poll_until(req, deadline, call, line, status)) return;
+    if (poll_until(req, deadline, call, line, status, this)) return;
     const auto waited = std::chrono::duration_cast<Duration>(Clock::now() - start);
     bool gone = false;
     if (cancellable && MPI_Cancel(&req) == MPI_SUCCESS) {
       // A cancelled recv completes at once; a send that MPI cannot cancel stays pending.
       try {
-        gone = poll_until(req, Clock::now() + std::chrono::milliseconds(100), call, line, nullptr);
+        gone = poll_until(req, Clock::now() + std::chrono::milliseconds(100), call, line, nullptr, nullptr);
       } catch (const std::exception&) {
         gone = true;
       }
@@ -559,7 +597,7 @@ CommunicatorPtr mpi_world(const WorldOptions& options) {
   MPI_Comm dup = MPI_COMM_NULL;
   MPI_Request req;
   TETRA_MPI(MPI_Comm_idup, MPI_COMM_WORLD, &dup, &req);
-  if (!poll_until(req, Clock::now() + options.timeout, "MPI_Comm_idup", __LINE__, nullptr)) {
+  if (!poll_until(req, Clock::now() + options.timeout, "MPI_Comm_idup", __LINE__, nullptr, nullptr)) {
     int rank = 0, size = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/communicator.h"
@@ -324,6 +325,43 @@ inline void check_send_recv(Communicator& c, const Config& cfg = {}) {
   }
 }
 
+// Communicator::awaited() is true exactly while a caller blocks in wait() on one of its
+// ops: backends poll politely otherwise (Note [Awaited and background polls] in mpi.h).
+inline void check_awaited(Communicator& c, const Config& cfg = {}) {
+  SCOPED_TRACE(label(c, "awaited"));
+  EXPECT_FALSE(c.awaited());
+  if (c.size() < 2) return;
+  // The signal that rank 0's waiter is counted travels over another communicator: on
+  // this one it would queue behind the receive it is about to unblock.
+  auto side = c.split(0, c.rank(), "awaited side", cfg.timeout);
+  BarrierOptions bo;
+  bo.timeout = cfg.timeout;
+  if (c.rank() == 0) {
+    at::Tensor got = at::zeros({3}, at::kInt);
+    RecvOptions ro;
+    ro.timeout = cfg.timeout;
+    WorkPtr w = c.recv(got, 1, ro);
+    EXPECT_FALSE(c.awaited()) << "an op nobody waits on yet";
+    std::thread waiter([&] { wait_ok(w); });
+    const auto give_up = std::chrono::steady_clock::now() + cfg.timeout;
+    while (!c.awaited() && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+    EXPECT_TRUE(c.awaited()) << "a caller blocked in wait()";
+    wait_ok(side->barrier(bo));
+    waiter.join();
+    expect_tensor_eq(got, at::full({3}, 5, at::kInt));
+    EXPECT_FALSE(c.awaited()) << "the wait returned";
+    w->wait();  // done already: returns at once and counts nobody
+    EXPECT_FALSE(c.awaited());
+  } else {
+    wait_ok(side->barrier(bo));
+    if (c.rank() == 1) {
+      SendOptions so;
+      so.timeout = cfg.timeout;
+      wait_ok(c.send(at::full({3}, 5, at::kInt), 0, so));
+    }
+  }
+}
+
 inline void check_barrier(Communicator& c, const Config& cfg = {}) {
   SCOPED_TRACE(label(c, "barrier"));
   BarrierOptions opts;
@@ -465,6 +503,7 @@ inline void run_all(Communicator& c, const Config& cfg = {}) {
   check_allgather(c, cfg);
   check_broadcast(c, cfg);
   check_send_recv(c, cfg);
+  check_awaited(c, cfg);
   check_barrier(c, cfg);
   check_split(c, cfg);
   check_validation(c, cfg);

@@ -37,6 +37,7 @@ TEST_P(LocalWorld, AllreduceLarge) { run(conf::check_allreduce_large, GetParam()
 TEST_P(LocalWorld, ReduceScatter) { run(conf::check_reduce_scatter); }
 TEST_P(LocalWorld, Allgather) { run(conf::check_allgather); }
 TEST_P(LocalWorld, Broadcast) { run(conf::check_broadcast); }
+TEST_P(LocalWorld, Awaited) { run(conf::check_awaited); }
 TEST_P(LocalWorld, SendRecv) { run(conf::check_send_recv); }
 TEST_P(LocalWorld, Barrier) { run(conf::check_barrier); }
 TEST_P(LocalWorld, Split) { run(conf::check_split); }

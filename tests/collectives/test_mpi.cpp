@@ -448,6 +448,7 @@ TEST(MpiConformance, ReduceScatter) { conf::check_reduce_scatter(world()); }
 TEST(MpiConformance, Allgather) { conf::check_allgather(world()); }
 TEST(MpiConformance, Broadcast) { conf::check_broadcast(world()); }
 TEST(MpiConformance, SendRecv) { conf::check_send_recv(world()); }
+TEST(MpiConformance, Awaited) { conf::check_awaited(world()); }
 TEST(MpiConformance, Barrier) { conf::check_barrier(world()); }
 TEST(MpiConformance, Split) { conf::check_split(world()); }
 TEST(MpiConformance, Validation) { conf::check_validation(world()); }
