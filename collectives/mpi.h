@@ -41,9 +41,10 @@
 // starts the awaited pattern from its beginning. Open MPI's progress engine is global,
 // so a spinning wait on one communicator also moves the others' transfers along.
 // Measured on 2 cores (bench-pipeline, 1f1b, 2 stages, 3 runs each, alternated): the
-// pipeline's samples/s rose 18% at 8 micro-batches and 14% at 16. bench-train with
-// data=2 did not change (overlap 0.880 vs 0.876 of its compute-only ceiling). A 2-rank
-// sendrecv of 4 B took 52 us instead of 104 us. TETRA_MPI_POLL=spin,yield,sleep,
+// pipeline's samples/s rose 18% at 8 micro-batches and 14% at 16; `train
+// configs/pipeline.yaml` (6 runs each, alternated) did not move beyond the noise (8347
+// vs 8315 samples/s). bench-train with data=2 did not change (overlap 0.880 vs 0.876 of
+// its compute-only ceiling). A 2-rank sendrecv of 4 B took 52 us instead of 104 us. TETRA_MPI_POLL=spin,yield,sleep,
 // background_spin (us) overrides the policy to measure it; a negative background_spin
 // polls every op as awaited, which was the policy before.
 #pragma once
