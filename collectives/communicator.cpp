@@ -44,11 +44,7 @@ class Waiting {
 
 void Work::wait() {
   std::unique_lock<std::mutex> lock(mu_);
-  if (done_) {
-    if (error_) std::rethrow_exception(error_);
-    return;
-  }
-  Waiting waiting(waiters_.get());
+  Waiting waiting(done_ ? nullptr : waiters_.get());
   cv_.wait(lock, [&] { return done_; });
   if (error_) std::rethrow_exception(error_);
 }

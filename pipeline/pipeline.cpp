@@ -42,13 +42,6 @@ std::string fmt(const char* f, double v) {
 
 torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(model->begin() + i); }
 
-// Whether a forward through `m` draws from the generator (a dropout anywhere inside).
-bool draws_random(torch::nn::Module& m) {
-  for (const auto& sub : m.modules(/*include_self=*/true))
-    if (sub->name().find("Dropout") != std::string::npos) return true;
-  return false;
-}
-
 // "Linear(784 -> 512)" from a module's pretty print "torch::nn::Linear(in_features=784, ...)".
 std::string layer_name(const torch::nn::Module& m) {
   std::ostringstream os;
@@ -194,6 +187,7 @@ class Pipeline final : public PipelineStrategy {
     data_size_ = state.mesh ? state.mesh->size("data") : 1;
     data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
     bf16_ = state.spec.train.precision == "bf16";
+    draws_random_ = state.spec.model.dropout > 0;
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
     sched_ = make_schedule(opt_.schedule, P, opt_.micro_batches, v);
     micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches;
@@ -225,7 +219,6 @@ class Pipeline final : public PipelineStrategy {
         kept->push_back(std::to_string(i), layer(model, i));
       }
       chunks_.push_back(chunk);
-      draws_random_.push_back(draws_random(*chunk));
     }
     model = kept;
     state.params.clear();
@@ -272,13 +265,13 @@ class Pipeline final : public PipelineStrategy {
   const core::Dataset* data_ = nullptr;
   int rank_ = 0, data_size_ = 1, data_coord_ = 0;
   bool bf16_ = false;
+  bool draws_random_ = false;  // the model's forward draws from the generator (dropout)
   int64_t micro_size_ = 1;
   collectives::Duration timeout_ = collectives::kDefaultTimeout;
   Schedule sched_;
   Partition partition_;
   std::vector<Boundary> boundaries_;  // boundaries_[i]: layer i's output
   std::vector<torch::nn::Sequential> chunks_;
-  std::vector<bool> draws_random_;  // per chunk: its forward draws from the generator
   CommunicatorPtr pp_;
   Link act_out_, act_in_, grad_out_, grad_in_;
   PipelineStats stats_;
@@ -523,7 +516,7 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
           // it records to its last draw, so its replay draws the same masks even when
           // thread-ranks share the generator.
           std::unique_lock<std::mutex> rng_lock;
-          if (draws_random_[in.chunk]) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
+          if (draws_random_) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
           s.rng = at::detail::getDefaultCPUGenerator().get_state();
           torch::NoGradGuard no_grad;
           run_forward(in.micro, in.chunk, s);
@@ -551,7 +544,7 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
           // Re-materialise (GPipe): the forward again, now with its graph, under the
           // random state it first ran with.
           std::unique_lock<std::mutex> rng_lock;
-          if (draws_random_[in.chunk]) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
+          if (draws_random_) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
           auto gen = at::detail::getDefaultCPUGenerator();
           at::Tensor now = gen.get_state();
           gen.set_state(s.rng);

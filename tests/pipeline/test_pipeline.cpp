@@ -175,7 +175,7 @@ TEST(Pipeline, RunningLayersWaitsWhileAThreadRankDrawsItsParameters) {
   EXPECT_EQ(measured.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
       << "layers ran while another thread-rank held the generator";
   torch::manual_seed(11);
-  const at::Tensor drawn = torch::rand({4});
+  torch::rand({4});
   const at::Tensor after = at::detail::getDefaultCPUGenerator().get_state();
   lock.unlock();
   EXPECT_EQ(measured.get().size(), model->size());
