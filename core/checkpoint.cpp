@@ -2,24 +2,66 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <mutex>
+#include <set>
 #include <sstream>
 
+#include "collectives/communicator.h"
 #include "collectives/error.h"
+
+// Note [Checkpoint format 2]
+// meta.json holds the user's meta fields at its top level (as format 1 did) and these:
+//   "format": 2, "step", "epoch", "step_in_epoch",
+//   "world": N, "files": ["rank-00000.safetensors", ...]   (one per world rank)
+//   "index": {name: {"dtype": "F32", "shape": [5, 7],
+//                    "parts": [{"file": "rank-00000.safetensors", "begin": 0, "end": 12}, ...]}}
+// Parts are sorted by begin and cover the flattened tensor [0, numel) exactly once. A
+// rank's file is an ordinary safetensors file: a whole tensor under its name and shape; a
+// slice under its name as a 1-D tensor of its elements, with its place in the whole in
+// the header's __metadata__ "tetra.slices": {"name": {"begin": b, "shape": [...]}}, so
+// the files alone describe the checkpoint (rank 0 builds the index from their headers).
+//
+// Format 1 (before slices) had "format": "tetra-checkpoint-1", no index, and one
+// rank-00000.safetensors of whole tensors; the reader indexes that file's header instead.
+//
+// Saving with a world takes four collectives (each also a barrier): the ranks check that
+// they save the same step; rank 0 prepares the temporary folder; every rank writes and
+// fsyncs its file; rank 0 indexes, checks, publishes. After each, every rank learns
+// whether any rank failed and the first failure's message, so all ranks throw the same
+// error together instead of some waiting out a timeout in the next collective.
 
 namespace tetra::core {
 
 namespace fs = std::filesystem;
+using Part = CheckpointReader::Part;
 
 namespace {
 
 constexpr const char* kMeta = "meta.json";
-constexpr const char* kRankFile = "rank-00000.safetensors";
+constexpr const char* kFormat1 = "tetra-checkpoint-1";
+constexpr int kFormat = 2;
+constexpr const char* kSlicesKey = "tetra.slices";
+// meta.json keys that are the checkpoint's own, not the user's meta.
+const char* const kReserved[] = {"format", "step",  "epoch", "step_in_epoch",
+                                 "world",  "files", "index"};
+// Ranks wait in a save's collectives while the slowest writes its file, which for a large
+// model on a slow filesystem takes longer than the communicators' default timeout.
+constexpr collectives::Duration kSaveTimeout = std::chrono::minutes(30);
 
 std::string step_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_file(int rank) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "rank-%05d.safetensors", rank);
   return buf;
 }
 
@@ -38,9 +80,217 @@ std::vector<std::string> step_dirs(const std::string& dir) {
   return out;
 }
 
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string range_text(int64_t begin, int64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+
+// Elements of a shape; -1 when a dimension is negative.
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+// One tensor of the index while it is built: from rank files' headers (saving, format 1)
+// or from meta.json (format 2).
+struct IndexEntry {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  std::string first_file;  // where dtype and shape were first seen, for mismatch errors
+  std::vector<Part> parts;
+};
+using Index = std::map<std::string, IndexEntry>;
+
+void add_part(Index& index, const std::string& name, at::ScalarType dtype,
+              const std::vector<int64_t>& shape, Part part, const std::string& where) {
+  auto [it, fresh] = index.try_emplace(name);
+  IndexEntry& e = it->second;
+  if (fresh) {
+    e.dtype = dtype;
+    e.shape = shape;
+    e.first_file = part.file;
+  } else if (e.dtype != dtype) {
+    throw Error(where + ": tensor " + name + " is " + safetensors_dtype_name(e.dtype) + " in " +
+                e.first_file + " but " + safetensors_dtype_name(dtype) + " in " + part.file);
+  } else if (e.shape != shape) {
+    throw Error(where + ": tensor " + name + " has shape " + shape_text(e.shape) + " in " +
+                e.first_file + " but " + shape_text(shape) + " in " + part.file);
+  }
+  e.parts.push_back(std::move(part));
+}
+
+// Indexes one rank file by its header: whole tensors, and slices as its "tetra.slices"
+// metadata places them.
+void index_file(Index& index, const std::string& file_name, const SafetensorsFile& file,
+                const std::string& where) {
+  nlohmann::json slices = nlohmann::json::object();
+  auto md = file.metadata().find(kSlicesKey);
+  if (md != file.metadata().end()) {
+    try {
+      slices = nlohmann::json::parse(md->second);
+    } catch (const std::exception& e) {
+      throw Error(file.path() + ": its " + kSlicesKey + " metadata is not JSON (" + e.what() + ")");
+    }
+    if (!slices.is_object())
+      throw Error(file.path() + ": its " + kSlicesKey + " metadata is not a JSON object");
+  }
+  for (const auto& [name, entry] : file.entries()) {
+    if (!slices.contains(name)) {
+      add_part(index, name, entry.dtype, entry.shape, Part{file_name, 0, entry.numel()}, where);
+      continue;
+    }
+    const auto& s = slices[name];
+    std::vector<int64_t> shape;
+    int64_t begin = -1;
+    try {
+      shape = s.at("shape").get<std::vector<int64_t>>();
+      begin = s.at("begin").get<int64_t>();
+    } catch (const std::exception& e) {
+      throw Error(file.path() + ": the slice of tensor " + name + " lacks begin or shape in its " +
+                  kSlicesKey + " metadata (" + e.what() + ")");
+    }
+    const int64_t numel = numel_of(shape);
+    if (entry.shape.size() != 1 || numel < 0 || begin < 0 || begin > numel ||
+        entry.numel() > numel - begin)
+      throw Error(file.path() + ": the slice of tensor " + name + " (" + shape_text(entry.shape) +
+                  " elements from " + std::to_string(begin) + ") does not fit its shape " +
+                  shape_text(shape));
+    add_part(index, name, entry.dtype, shape, Part{file_name, begin, begin + entry.numel()}, where);
+  }
+  for (auto it = slices.begin(); it != slices.end(); ++it)
+    if (!file.contains(it.key()))
+      throw Error(file.path() + ": its " + kSlicesKey + " metadata names tensor " + it.key() +
+                  ", which it lacks");
+}
+
+// Sorts each tensor's parts and checks that they cover it exactly once.
+void check_index(Index& index, const std::string& where) {
+  for (auto& [name, e] : index) {
+    const int64_t numel = numel_of(e.shape);
+    if (numel < 0) throw Error(where + ": tensor " + name + " has shape " + shape_text(e.shape));
+    auto& parts = e.parts;
+    std::stable_sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    // An empty range holds nothing (a ZeRO rank can own no element of a tensor); keep
+    // one part only for an empty tensor, so that every tensor names a file.
+    if (numel > 0)
+      parts.erase(std::remove_if(parts.begin(), parts.end(),
+                                 [](const Part& p) { return p.begin == p.end; }),
+                  parts.end());
+    else if (parts.size() > 1)
+      parts.resize(1);
+    int64_t at = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      if (p.begin < 0 || p.end < p.begin || p.end > numel)
+        throw Error(where + ": tensor " + name + " (" + std::to_string(numel) +
+                    " elements) has a part " + range_text(p.begin, p.end) + " in " + p.file +
+                    " outside it");
+      if (p.begin > at)
+        throw Error(where + ": tensor " + name + ": elements " + range_text(at, p.begin) +
+                    " of its " + std::to_string(numel) +
+                    " are in no file (a gap between the slices of the ranks)");
+      if (p.begin < at)
+        throw Error(where + ": tensor " + name + ": elements " +
+                    range_text(p.begin, std::min(at, p.end)) + " are in both " + parts[i - 1].file +
+                    " and " + p.file + " (overlapping slices)");
+      at = p.end;
+    }
+    if (at < numel)
+      throw Error(where + ": tensor " + name + ": elements " + range_text(at, numel) + " of its " +
+                  std::to_string(numel) + " are in no file (a gap after the last slice)");
+  }
+}
+
+nlohmann::json index_json(const Index& index) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, e] : index) {
+    nlohmann::json parts = nlohmann::json::array();
+    for (const auto& p : e.parts)
+      parts.push_back({{"file", p.file}, {"begin", p.begin}, {"end", p.end}});
+    out[name] = {{"dtype", safetensors_dtype_name(e.dtype)},
+                 {"shape", e.shape},
+                 {"parts", std::move(parts)}};
+  }
+  return out;
+}
+
+// Runs `fn`; returns its error's message, or "" when it succeeded.
+std::string attempt(const std::function<void()>& fn) {
+  try {
+    fn();
+    return "";
+  } catch (const std::exception& e) {
+    return e.what()[0] ? e.what() : "unknown error";
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// Collective: every rank learns whether any rank failed, and the message of the lowest
+// rank that did ("" when none did). Also a barrier.
+std::string agree(collectives::Communicator* world, const std::string& error) {
+  if (!world) return error;
+  const int64_t mine = error.empty() ? world->size() : world->rank();
+  at::Tensor first = at::full({1}, mine, at::kLong);
+  world->allreduce(first, {collectives::ReduceOp::kMin, kSaveTimeout})->wait();
+  const int64_t root = first.item<int64_t>();
+  if (root == world->size()) return "";
+  at::Tensor len = at::full({1}, static_cast<int64_t>(error.size()), at::kLong);
+  world->broadcast(len, {static_cast<int>(root), kSaveTimeout})->wait();
+  at::Tensor text = at::empty({len.item<int64_t>()}, at::kByte);
+  if (world->rank() == root) std::memcpy(text.data_ptr(), error.data(), error.size());
+  world->broadcast(text, {static_cast<int>(root), kSaveTimeout})->wait();
+  return std::string(reinterpret_cast<const char*>(text.data_ptr<uint8_t>()),
+                     static_cast<size_t>(text.numel()));
+}
+
+// This rank's whole tensors and slices as one safetensors file.
+void write_part(const fs::path& file, const Checkpoint& ckpt, int rank) {
+  const std::string who = "checkpoint: rank " + std::to_string(rank);
+  TensorMap tensors;
+  for (const auto& [name, t] : ckpt.tensors) {
+    if (!t.defined()) throw Error(who + ": tensor " + name + " is undefined");
+    tensors.emplace(name, t);
+  }
+  nlohmann::json slices = nlohmann::json::object();
+  for (const auto& [name, s] : ckpt.slices) {
+    if (tensors.count(name))
+      throw Error(who + " holds tensor " + name + " both whole and as a slice");
+    if (!s.data.defined() || s.data.dim() != 1)
+      throw Error(who + ": the slice of tensor " + name + " must be 1-D, not of shape " +
+                  (s.data.defined() ? shape_text(s.data.sizes().vec()) : "(undefined)"));
+    const int64_t numel = numel_of(s.shape);
+    if (numel < 0 || s.begin < 0 || s.begin > numel || s.data.numel() > numel - s.begin)
+      throw Error(who + ": the slice of tensor " + name + " holds elements " +
+                  range_text(s.begin, s.begin + s.data.numel()) + ", outside its shape " +
+                  shape_text(s.shape));
+    tensors.emplace(name, s.data);
+    slices[name] = {{"begin", s.begin}, {"shape", s.shape}};
+  }
+  std::map<std::string, std::string> metadata;
+  if (!slices.empty()) metadata[kSlicesKey] = slices.dump();
+  try {
+    save_safetensors(file.string(), tensors, metadata);
+  } catch (const std::exception& e) {
+    throw Error(who + " could not write " + file.string() + ": " + e.what());
+  }
+}
+
 }  // namespace
 
-CheckpointStore::CheckpointStore(std::string dir, int64_t keep) : dir_(std::move(dir)), keep_(keep) {}
+CheckpointStore::CheckpointStore(std::string dir, int64_t keep)
+    : dir_(std::move(dir)), keep_(keep) {}
 
 std::vector<std::string> CheckpointStore::list() const { return step_dirs(dir_); }
 
@@ -50,41 +300,93 @@ std::optional<std::string> CheckpointStore::latest() const {
   return all.back();
 }
 
-std::string CheckpointStore::save(const Checkpoint& ckpt) {
-  std::error_code ec;
-  fs::create_directories(dir_, ec);
-  if (ec) throw Error("checkpoint: cannot create " + dir_ + ": " + ec.message());
+std::string CheckpointStore::save(const Checkpoint& ckpt, collectives::Communicator* world) {
+  const int rank = world ? world->rank() : 0, size = world ? world->size() : 1;
   const std::string name = step_name(ckpt.step);
   const fs::path final_dir = fs::path(dir_) / name;
   const fs::path tmp_dir = fs::path(dir_) / ("." + name + ".tmp");
-  fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir, ec);
-  if (ec) throw Error("checkpoint: cannot create " + tmp_dir.string() + ": " + ec.message());
+  const std::string where = "checkpoint " + name + " in " + dir_;
 
-  save_safetensors((tmp_dir / kRankFile).string(), ckpt.tensors);
-  nlohmann::json meta = ckpt.meta;
-  meta["format"] = "tetra-checkpoint-1";
-  meta["step"] = ckpt.step;
-  meta["epoch"] = ckpt.epoch;
-  meta["step_in_epoch"] = ckpt.step_in_epoch;
-  meta["files"] = {kRankFile};
-  write_file_atomic((tmp_dir / kMeta).string(), meta.dump(2) + "\n");
-  fsync_dir(tmp_dir.string());
-
-  // Replace an older checkpoint of the same step (a rerun) only once the new one is whole.
-  if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);
-  fs::rename(tmp_dir, final_dir, ec);
-  if (ec) throw Error("checkpoint: cannot rename " + tmp_dir.string() + ": " + ec.message());
-  fsync_dir(dir_);
-
-  // Keep the newest K; drop temporaries a killed run left behind.
-  auto all = list();
-  for (size_t i = 0; i + static_cast<size_t>(keep_) < all.size(); ++i) fs::remove_all(all[i], ec);
-  for (const auto& e : fs::directory_iterator(dir_, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.size() > 4 && n[0] == '.' && n.rfind(".tmp") == n.size() - 4 && e.path() != tmp_dir)
-      fs::remove_all(e.path(), ec);
+  // Each rank names the temporary folder after its own step: ranks that disagree would
+  // write into different folders and rank 0 would find files missing.
+  if (world) {
+    at::Tensor steps = at::tensor({ckpt.step, -ckpt.step}, at::kLong);
+    world->allreduce(steps, {collectives::ReduceOp::kMax, kSaveTimeout})->wait();
+    const int64_t hi = steps[0].item<int64_t>(), lo = -steps[1].item<int64_t>();
+    if (hi != lo)
+      throw Error("checkpoint: the ranks of \"" + world->name() + "\" save different steps (from " +
+                  std::to_string(lo) + " to " + std::to_string(hi) + ")");
   }
+
+  std::string error;
+  if (rank == 0)
+    error = attempt([&] {
+      std::error_code ec;
+      fs::create_directories(dir_, ec);
+      if (ec) throw Error("checkpoint: cannot create " + dir_ + ": " + ec.message());
+      fs::remove_all(tmp_dir, ec);  // what a killed save of this step left
+      fs::create_directories(tmp_dir, ec);
+      if (ec) throw Error("checkpoint: cannot create " + tmp_dir.string() + ": " + ec.message());
+    });
+  error = agree(world, error);
+  if (!error.empty()) throw Error(error);
+
+  // Every rank writes its file, even an empty one: the folder then says which ranks wrote.
+  error = agree(world, attempt([&] { write_part(tmp_dir / rank_file(rank), ckpt, rank); }));
+  if (!error.empty()) {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp_dir, ec);
+    }
+    throw Error(error);
+  }
+
+  if (rank == 0) {
+    error = attempt([&] {
+      Index index;
+      std::vector<std::string> files;
+      for (int r = 0; r < size; ++r) {
+        files.push_back(rank_file(r));
+        SafetensorsFile file((tmp_dir / files.back()).string());  // the header only
+        index_file(index, files.back(), file, where);
+      }
+      check_index(index, where);
+      nlohmann::json meta = ckpt.meta.is_object() ? ckpt.meta : nlohmann::json::object();
+      meta["format"] = kFormat;
+      meta["step"] = ckpt.step;
+      meta["epoch"] = ckpt.epoch;
+      meta["step_in_epoch"] = ckpt.step_in_epoch;
+      meta["world"] = size;
+      meta["files"] = files;
+      meta["index"] = index_json(index);
+      write_file_atomic((tmp_dir / kMeta).string(), meta.dump(1) + "\n");
+      fsync_dir(tmp_dir.string());
+
+      // Replace an older checkpoint of the same step (a rerun) only once the new one is whole.
+      std::error_code ec;
+      if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);
+      fs::rename(tmp_dir, final_dir, ec);
+      if (ec) throw Error("checkpoint: cannot rename " + tmp_dir.string() + ": " + ec.message());
+      fsync_dir(dir_);
+
+      // Keep the newest K; drop temporaries a killed run left behind.
+      auto all = list();
+      for (size_t i = 0; i + static_cast<size_t>(std::max<int64_t>(keep_, 1)) < all.size(); ++i)
+        fs::remove_all(all[i], ec);
+      for (const auto& e : fs::directory_iterator(dir_, ec)) {
+        const std::string n = e.path().filename().string();
+        if (n.size() > 4 && n[0] == '.' && n.rfind(".tmp") == n.size() - 4)
+          fs::remove_all(e.path(), ec);
+      }
+    });
+    if (!error.empty()) {
+      std::error_code ec;
+      fs::remove_all(tmp_dir, ec);
+    }
+  }
+  // No rank returns before the checkpoint exists (or all know that it does not).
+  error = agree(world, error);
+  if (!error.empty()) throw Error(error);
   return final_dir.string();
 }
 
@@ -97,23 +399,181 @@ std::optional<std::string> CheckpointStore::resolve(const std::string& path) {
 }
 
 Checkpoint CheckpointStore::load(const std::string& path) {
-  auto dir = resolve(path);
-  if (!dir) throw Error("checkpoint: no checkpoint at " + path + " (expected a step-* folder with " + kMeta + ")");
+  CheckpointReader reader(path);
   Checkpoint ckpt;
-  std::ifstream in(fs::path(*dir) / kMeta);
-  try {
-    in >> ckpt.meta;
-  } catch (const std::exception& e) {
-    throw Error("checkpoint: " + (fs::path(*dir) / kMeta).string() + " is damaged: " + e.what());
-  }
-  if (ckpt.meta.value("format", "") != "tetra-checkpoint-1")
-    throw Error("checkpoint: " + *dir + " is not a tetra checkpoint (format \"" +
-                ckpt.meta.value("format", "") + "\")");
-  ckpt.step = ckpt.meta.value("step", int64_t{0});
-  ckpt.epoch = ckpt.meta.value("epoch", int64_t{0});
-  ckpt.step_in_epoch = ckpt.meta.value("step_in_epoch", int64_t{0});
-  ckpt.tensors = load_safetensors((fs::path(*dir) / kRankFile).string());
+  ckpt.step = reader.step();
+  ckpt.epoch = reader.epoch();
+  ckpt.step_in_epoch = reader.step_in_epoch();
+  ckpt.meta = reader.meta();
+  for (const auto& name : reader.names()) ckpt.tensors.emplace(name, reader.read(name));
   return ckpt;
+}
+
+// ---- CheckpointReader -----------------------------------------------------------------
+
+struct CheckpointReader::Files {
+  std::mutex mu;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;  // by file name
+};
+
+CheckpointReader::CheckpointReader(const std::string& path) : open_(std::make_unique<Files>()) {
+  auto dir = CheckpointStore::resolve(path);
+  if (!dir)
+    throw Error("checkpoint: no checkpoint at " + path + " (expected a step-* folder with " +
+                kMeta + ")");
+  folder_ = *dir;
+  const std::string meta_path = (fs::path(folder_) / kMeta).string();
+  auto damaged = [&](const std::string& why) {
+    return Error("checkpoint: " + meta_path + " is damaged: " + why);
+  };
+  nlohmann::json doc;
+  {
+    std::ifstream in(meta_path);
+    if (!in) throw Error("checkpoint: cannot read " + meta_path);
+    try {
+      in >> doc;
+    } catch (const std::exception& e) {
+      throw damaged(e.what());
+    }
+  }
+  if (!doc.is_object()) throw damaged("not a JSON object");
+
+  const std::string where = "checkpoint " + folder_;
+  Index index;
+  try {
+    const nlohmann::json format = doc.value("format", nlohmann::json());
+    step_ = doc.value("step", int64_t{0});
+    epoch_ = doc.value("epoch", int64_t{0});
+    step_in_epoch_ = doc.value("step_in_epoch", int64_t{0});
+    if (format == kFormat1) {
+      // Format 1: one process wrote every tensor whole into one file; its header is the index.
+      format_ = 1;
+      world_ = 1;
+      files_ = {rank_file(0)};
+      auto file = std::make_unique<SafetensorsFile>((fs::path(folder_) / files_[0]).string());
+      index_file(index, files_[0], *file, where);
+      open_->open.emplace(files_[0], std::move(file));
+    } else if (format.is_number_integer() && format.get<int>() == kFormat) {
+      format_ = kFormat;
+      world_ = doc.at("world").get<int>();
+      files_ = doc.at("files").get<std::vector<std::string>>();
+      const std::set<std::string> known(files_.begin(), files_.end());
+      const auto& idx = doc.at("index");
+      if (!idx.is_object()) throw damaged("\"index\" is not an object");
+      for (auto it = idx.begin(); it != idx.end(); ++it) {
+        const auto& e = it.value();
+        at::ScalarType dtype;
+        if (!safetensors_dtype_from_name(e.at("dtype").get<std::string>(), &dtype))
+          throw damaged("tensor " + it.key() + " has dtype " + e.at("dtype").dump());
+        const auto shape = e.at("shape").get<std::vector<int64_t>>();
+        for (const auto& p : e.at("parts")) {
+          Part part{p.at("file").get<std::string>(), p.at("begin").get<int64_t>(),
+                    p.at("end").get<int64_t>()};
+          // Only files of this folder: a damaged index must not send the reader elsewhere.
+          if (!known.count(part.file) || part.file.find('/') != std::string::npos)
+            throw damaged("tensor " + it.key() + " has a part in " + part.file +
+                          ", which is not one of its files");
+          add_part(index, it.key(), dtype, shape, std::move(part), where);
+        }
+        if (!index.count(it.key())) throw damaged("tensor " + it.key() + " has no parts");
+      }
+    } else if (format.is_number_integer() && format.get<int>() > kFormat) {
+      throw Error("checkpoint: " + folder_ + " has format " + format.dump() +
+                  ", newer than this tetra reads (" + std::to_string(kFormat) + ")");
+    } else {
+      throw Error("checkpoint: " + folder_ + " is not a tetra checkpoint (format " + format.dump() +
+                  ")");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw damaged(e.what());
+  }
+  check_index(index, where);
+  for (auto& [name, e] : index)
+    index_.emplace(name, Entry{e.dtype, e.shape, numel_of(e.shape), std::move(e.parts)});
+
+  meta_ = doc;
+  for (const char* key : kReserved) meta_.erase(key);
+}
+
+CheckpointReader::~CheckpointReader() = default;
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> out;
+  out.reserve(index_.size());
+  for (const auto& [name, e] : index_) out.push_back(name);
+  return out;
+}
+
+const CheckpointReader::Entry& CheckpointReader::find(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) throw Error("checkpoint " + folder_ + " has no tensor " + name);
+  return it->second;
+}
+
+std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
+  return find(name).shape;
+}
+at::ScalarType CheckpointReader::dtype(const std::string& name) const { return find(name).dtype; }
+int64_t CheckpointReader::numel(const std::string& name) const { return find(name).numel; }
+const std::vector<Part>& CheckpointReader::parts(const std::string& name) const {
+  return find(name).parts;
+}
+
+const SafetensorsFile& CheckpointReader::file(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(open_->mu);
+  auto it = open_->open.find(name);
+  if (it == open_->open.end())
+    it = open_->open
+             .emplace(name, std::make_unique<SafetensorsFile>((fs::path(folder_) / name).string()))
+             .first;
+  return *it->second;
+}
+
+void CheckpointReader::read_into(const std::string& name, const Entry& e, int64_t begin,
+                                 int64_t count, void* dst) const {
+  const int64_t end = begin + count;
+  const size_t size = c10::elementSize(e.dtype);
+  char* out = static_cast<char*>(dst);
+  // The first part that ends past `begin`; parts are sorted and disjoint.
+  auto it = std::upper_bound(e.parts.begin(), e.parts.end(), begin,
+                             [](int64_t b, const Part& p) { return b < p.end; });
+  for (; it != e.parts.end() && it->begin < end; ++it) {
+    const int64_t lo = std::max(begin, it->begin), hi = std::min(end, it->end);
+    if (lo >= hi) continue;
+    const SafetensorsFile& f = file(it->file);
+    if (!f.contains(name))
+      throw Error("checkpoint " + folder_ + ": " + it->file + " has no tensor " + name +
+                  ", though the index puts its elements " + range_text(it->begin, it->end) +
+                  " there");
+    const auto& stored = f.entry(name);
+    if (stored.dtype != e.dtype || stored.numel() != it->end - it->begin)
+      throw Error("checkpoint " + folder_ + ": " + it->file + " holds tensor " + name + " as " +
+                  safetensors_dtype_name(stored.dtype) + " " + shape_text(stored.shape) +
+                  ", the index as " + safetensors_dtype_name(e.dtype) + " elements " +
+                  range_text(it->begin, it->end));
+    f.read(name, static_cast<uint64_t>(lo - it->begin) * size,
+           static_cast<uint64_t>(hi - lo) * size, out + static_cast<size_t>(lo - begin) * size);
+  }
+}
+
+torch::Tensor CheckpointReader::read(const std::string& name) const {
+  const Entry& e = find(name);
+  torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+  if (e.numel > 0) read_into(name, e, 0, e.numel, t.data_ptr());
+  return t;
+}
+
+torch::Tensor CheckpointReader::read_flat(const std::string& name, int64_t begin,
+                                          int64_t count) const {
+  const Entry& e = find(name);
+  if (begin < 0 || count < 0 || begin > e.numel || count > e.numel - begin)
+    throw Error("checkpoint " + folder_ + ": elements " + range_text(begin, begin + count) +
+                " of tensor " + name + " are outside its " + std::to_string(e.numel) + " elements");
+  torch::Tensor t = torch::empty({count}, torch::TensorOptions().dtype(e.dtype));
+  if (count > 0) read_into(name, e, begin, count, t.data_ptr());
+  return t;
 }
 
 }  // namespace tetra::core

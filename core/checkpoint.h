@@ -1,32 +1,52 @@
-// Checkpoints: a folder per step, written so that a kill at any moment leaves the last
-// good one intact.
+// Checkpoints: a folder per step that does not depend on the layout that wrote it, written
+// so that a kill at any moment leaves the last good one intact.
 //
-//   <dir>/step-00000500/meta.json          step, epoch, position, job, world, files
-//   <dir>/step-00000500/rank-00000.safetensors
+//   <dir>/step-00000500/meta.json               step, epoch, position, job, world, index
+//   <dir>/step-00000500/rank-00000.safetensors  what world rank 0 holds
+//   <dir>/step-00000500/rank-00001.safetensors  what world rank 1 holds ...
+//
+// Tensors carry the names a single process uses ("model/3.weight", "optim/3.weight.exp_avg",
+// "rng/cpu"). A rank writes whole tensors (replicated state, written once) and slices:
+// flattened ranges of tensors, as a ZeRO shard holds them. meta.json's index names, for
+// every tensor, its dtype, its whole shape and the parts that make it up (file, element
+// range), so any layout (another world size, ZeRO stage, pipeline cut, one process) reads
+// back exactly the ranges it needs. Note [Checkpoint format 2] in checkpoint.cpp.
 //
 // A checkpoint is assembled in a hidden temporary folder (".step-00000500.tmp"), every
-// file fsynced, then renamed into place and the parent fsynced: a folder named step-*
-// is always complete. The newest `keep` are kept. Tensors are stored by name
-// ("model/3.weight", "optim/3.weight.exp_avg", "rng/cpu") so that later layouts
-// (pipeline stages, ZeRO shards) can map them to their own ranks.
+// file fsynced, then renamed into place by rank 0 and the parent fsynced: a folder named
+// step-* is always complete. The newest `keep` are kept.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/safetensors.h"
 
+namespace tetra::collectives {
+class Communicator;
+}
+
 namespace tetra::core {
+
+// A flattened range of one tensor that this rank holds (a ZeRO shard covers ranges of
+// several parameters; at most one Slice per name per rank).
+struct Slice {
+  std::vector<int64_t> shape;  // the whole tensor's shape
+  int64_t begin = 0;           // first element, in the whole tensor's row-major flattened order
+  torch::Tensor data;          // 1-D contiguous: elements [begin, begin + data.numel())
+};
 
 struct Checkpoint {
   int64_t step = 0;           // optimizer steps completed
   int64_t epoch = 0;          // epoch of the next step
   int64_t step_in_epoch = 0;  // index within that epoch of the next step
-  TensorMap tensors;          // this rank's tensors
+  TensorMap tensors;          // whole tensors this rank writes (loaded: every tensor, whole)
+  std::map<std::string, Slice> slices;             // ranges of tensors this rank writes
   nlohmann::json meta = nlohmann::json::object();  // anything else (metrics, job name)
 };
 
@@ -34,9 +54,15 @@ class CheckpointStore {
  public:
   CheckpointStore(std::string dir, int64_t keep);
 
-  // Writes `ckpt` as this rank's part (rank 0 of 1 for a single process) and returns the
-  // checkpoint's folder. Removes the oldest beyond `keep` and stale temporary folders.
-  std::string save(const Checkpoint& ckpt);
+  // Writes a checkpoint and returns its folder (on every rank). Collective over `world`
+  // when given: every rank calls it with its own part (its whole tensors and slices);
+  // step, epoch, step_in_epoch and meta are taken from rank 0 (the ranks must agree on
+  // step). Without `world`, a single process (rank 0 of 1). Rank 0 checks that the parts
+  // of every tensor cover it exactly once, with one shape and dtype: otherwise, or when
+  // any rank fails to write, every rank throws the same tetra::Error and no step-* folder
+  // appears. Removes the oldest beyond `keep` and stale temporary folders. `world` agrees
+  // through small CPU tensors: an mpi, local, gloo or replicate communicator, not nccl.
+  std::string save(const Checkpoint& ckpt, collectives::Communicator* world = nullptr);
 
   // The newest complete checkpoint in the folder, if any.
   std::optional<std::string> latest() const;
@@ -44,7 +70,8 @@ class CheckpointStore {
   std::vector<std::string> list() const;
 
   // Loads a checkpoint folder (or, given the store's folder or a parent of step-*
-  // folders, its newest). A missing or damaged checkpoint is a tetra::Error naming it.
+  // folders, its newest): every tensor whole in `tensors`, whatever layout wrote it. A
+  // missing or damaged checkpoint is a tetra::Error naming it.
   static Checkpoint load(const std::string& path);
   // Resolves what `checkpoint.resume` points at: a step folder, or a folder of them.
   static std::optional<std::string> resolve(const std::string& path);
@@ -54,6 +81,66 @@ class CheckpointStore {
  private:
   std::string dir_;
   int64_t keep_;
+};
+
+// Reads a checkpoint of any format and layout, loading no more than is asked: meta.json
+// at construction, a file's header when a tensor in it is first read, then only the bytes
+// of the ranges read. Each object opens its own files (no shared state), so thread-ranks
+// may each read the same folder with their own reader; one reader may also be shared.
+class CheckpointReader {
+ public:
+  // A step folder, or a folder of them (its newest). Missing/damaged: tetra::Error naming it.
+  explicit CheckpointReader(const std::string& path);
+  ~CheckpointReader();
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+
+  const std::string& folder() const { return folder_; }
+  int64_t step() const { return step_; }
+  int64_t epoch() const { return epoch_; }
+  int64_t step_in_epoch() const { return step_in_epoch_; }
+  const nlohmann::json& meta() const { return meta_; }  // the user meta (job, batch_size, ...)
+  int world() const { return world_; }                  // ranks that wrote it
+  int format() const { return format_; }                // 1 (one whole-tensor file) or 2
+  const std::vector<std::string>& files() const { return files_; }  // file names in folder()
+
+  std::vector<std::string> names() const;  // every tensor, sorted
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  std::vector<int64_t> shape(const std::string& name) const;
+  at::ScalarType dtype(const std::string& name) const;
+  int64_t numel(const std::string& name) const;
+
+  torch::Tensor read(const std::string& name) const;  // the whole tensor, assembled from its parts
+  // Elements [begin, begin + count) of the flattened tensor, assembled from whatever files
+  // hold them (1-D).
+  torch::Tensor read_flat(const std::string& name, int64_t begin, int64_t count) const;
+
+  struct Part {
+    std::string file;    // in folder()
+    int64_t begin, end;  // elements [begin, end) of the flattened tensor
+  };
+  const std::vector<Part>& parts(const std::string& name) const;
+
+ private:
+  struct Entry {
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+    std::vector<Part> parts;  // sorted by begin, covering [0, numel) once
+  };
+  const Entry& find(const std::string& name) const;
+  void read_into(const std::string& name, const Entry& e, int64_t begin, int64_t count,
+                 void* dst) const;
+  const SafetensorsFile& file(const std::string& name) const;
+
+  std::string folder_;
+  int64_t step_ = 0, epoch_ = 0, step_in_epoch_ = 0;
+  nlohmann::json meta_ = nlohmann::json::object();
+  int world_ = 1, format_ = 2;
+  std::vector<std::string> files_;
+  std::map<std::string, Entry> index_;
+  struct Files;  // the rank files opened so far, behind a mutex (the reader stays movable)
+  std::unique_ptr<Files> open_;
 };
 
 }  // namespace tetra::core

@@ -1,6 +1,7 @@
 #include "core/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -132,22 +133,28 @@ TensorMap load_safetensors(const std::string& path, std::map<std::string, std::s
   return parse_safetensors(bytes, path, metadata);
 }
 
-TensorMap parse_safetensors(const std::string& bytes, const std::string& path,
-                            std::map<std::string, std::string>* metadata) {
-  auto bad = [&](const std::string& why) { return Error(path + ": not a valid safetensors file: " + why); };
-  if (bytes.size() < 8) throw bad("shorter than its 8-byte header length");
+namespace {
+
+uint64_t header_length(const unsigned char* b) {
   uint64_t len = 0;
-  for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  if (len > bytes.size() - 8) throw bad("header length " + std::to_string(len) + " exceeds the file");
+  for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(b[i]) << (8 * i);
+  return len;
+}
+
+// The one header parser, for whole files in memory and for SafetensorsFile: checks every
+// entry against its shape and the `data_size` bytes that follow the header.
+std::map<std::string, SafetensorsFile::Entry> parse_header(const char* json, uint64_t len, uint64_t data_size,
+                                                           const std::string& path,
+                                                           std::map<std::string, std::string>* metadata) {
+  auto bad = [&](const std::string& why) { return Error(path + ": not a valid safetensors file: " + why); };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(len));
+    header = nlohmann::json::parse(json, json + len);
   } catch (const std::exception& e) {
     throw bad(std::string("header is not JSON (") + e.what() + ")");
   }
   if (!header.is_object()) throw bad("header is not a JSON object");
-  const uint64_t base = 8 + len, data_size = bytes.size() - base;
-  TensorMap out;
+  std::map<std::string, SafetensorsFile::Entry> out;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (metadata && it.value().is_object())
@@ -156,26 +163,136 @@ TensorMap parse_safetensors(const std::string& bytes, const std::string& path,
       continue;
     }
     const auto& e = it.value();
-    torch::ScalarType type;
+    SafetensorsFile::Entry entry;
     if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() ||
-        !dtype_from_name(e["dtype"].get<std::string>(), &type))
+        !safetensors_dtype_from_name(e["dtype"].get<std::string>(), &entry.dtype))
       throw bad("tensor " + it.key() + " has no known dtype");
     if (!e.contains("shape") || !e["shape"].is_array() || !e.contains("data_offsets") ||
         !e["data_offsets"].is_array() || e["data_offsets"].size() != 2)
       throw bad("tensor " + it.key() + " lacks shape or data_offsets");
-    std::vector<int64_t> shape = e["shape"].get<std::vector<int64_t>>();
-    uint64_t b = e["data_offsets"][0].get<uint64_t>(), end = e["data_offsets"][1].get<uint64_t>();
-    int64_t numel = 1;
-    for (int64_t d : shape) numel *= d;
-    uint64_t need = static_cast<uint64_t>(numel) * c10::elementSize(type);
-    if (b > end || end > data_size || end - b != need)
-      throw bad("tensor " + it.key() + " has data_offsets [" + std::to_string(b) + ", " +
-                std::to_string(end) + "] that do not fit its shape or the file");
-    torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(type));
-    if (need) std::memcpy(t.data_ptr(), bytes.data() + base + b, need);
-    out.emplace(it.key(), std::move(t));
+    // Its byte count, refusing shapes whose product would overflow (a damaged header).
+    constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
+    uint64_t need = c10::elementSize(entry.dtype);
+    for (const auto& d : e["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        throw bad("tensor " + it.key() + " has shape " + e["shape"].dump());
+      const auto n = static_cast<uint64_t>(d.get<int64_t>());
+      if (n != 0 && need > kMaxBytes / n) throw bad("tensor " + it.key() + " has shape " + e["shape"].dump());
+      entry.shape.push_back(static_cast<int64_t>(n));
+      need *= n;
+    }
+    const auto& off = e["data_offsets"];
+    if (!off[0].is_number_unsigned() && !(off[0].is_number_integer() && off[0].get<int64_t>() >= 0))
+      throw bad("tensor " + it.key() + " has data_offsets " + off.dump());
+    if (!off[1].is_number_unsigned() && !(off[1].is_number_integer() && off[1].get<int64_t>() >= 0))
+      throw bad("tensor " + it.key() + " has data_offsets " + off.dump());
+    entry.begin = off[0].get<uint64_t>();
+    entry.end = off[1].get<uint64_t>();
+    if (entry.begin > entry.end || entry.end > data_size || entry.end - entry.begin != need)
+      throw bad("tensor " + it.key() + " has data_offsets [" + std::to_string(entry.begin) + ", " +
+                std::to_string(entry.end) + "] that do not fit its shape or the file");
+    out.emplace(it.key(), std::move(entry));
   }
   return out;
+}
+
+}  // namespace
+
+TensorMap parse_safetensors(const std::string& bytes, const std::string& path,
+                            std::map<std::string, std::string>* metadata) {
+  auto bad = [&](const std::string& why) { return Error(path + ": not a valid safetensors file: " + why); };
+  if (bytes.size() < 8) throw bad("shorter than its 8-byte header length");
+  const uint64_t len = header_length(reinterpret_cast<const unsigned char*>(bytes.data()));
+  if (len > bytes.size() - 8) throw bad("header length " + std::to_string(len) + " exceeds the file");
+  const uint64_t base = 8 + len;
+  auto entries = parse_header(bytes.data() + 8, len, bytes.size() - base, path, metadata);
+  TensorMap out;
+  for (const auto& [name, e] : entries) {
+    torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+    if (e.end > e.begin) std::memcpy(t.data_ptr(), bytes.data() + base + e.begin, e.end - e.begin);
+    out.emplace(name, std::move(t));
+  }
+  return out;
+}
+
+const char* safetensors_dtype_name(torch::ScalarType type) { return dtype_name(type); }
+
+bool safetensors_dtype_from_name(const std::string& name, torch::ScalarType* type) {
+  return dtype_from_name(name, type);
+}
+
+int64_t SafetensorsFile::Entry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+// Reads exactly `length` bytes at `offset`, or says why not.
+void pread_all(int fd, const std::string& path, uint64_t offset, uint64_t length, void* dst) {
+  char* p = static_cast<char*>(dst);
+  while (length > 0) {
+    ssize_t r = ::pread(fd, p, length, static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw Error("cannot read " + path + ": " + errno_text());
+    }
+    if (r == 0) throw Error(path + ": not a valid safetensors file: it ends early (truncated?)");
+    p += r;
+    offset += static_cast<uint64_t>(r);
+    length -= static_cast<uint64_t>(r);
+  }
+}
+
+}  // namespace
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw Error("cannot open " + path + ": " + errno_text());
+  try {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw Error("cannot stat " + path + ": " + errno_text());
+    file_size_ = static_cast<uint64_t>(st.st_size);
+    auto bad = [&](const std::string& why) { return Error(path + ": not a valid safetensors file: " + why); };
+    if (file_size_ < 8) throw bad("shorter than its 8-byte header length");
+    unsigned char head[8];
+    pread_all(fd_, path, 0, 8, head);
+    const uint64_t len = header_length(head);
+    if (len > file_size_ - 8) throw bad("header length " + std::to_string(len) + " exceeds the file");
+    std::string json(len, '\0');
+    pread_all(fd_, path, 8, len, json.data());
+    data_start_ = 8 + len;
+    entries_ = parse_header(json.data(), len, file_size_ - data_start_, path, &metadata_);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) throw Error(path_ + " has no tensor " + name);
+  return it->second;
+}
+
+void SafetensorsFile::read(const std::string& name, uint64_t offset, uint64_t length, void* dst) const {
+  const Entry& e = entry(name);
+  if (offset > e.end - e.begin || length > e.end - e.begin - offset)
+    throw Error(path_ + ": bytes [" + std::to_string(offset) + ", " + std::to_string(offset + length) +
+                ") of tensor " + name + " are past its " + std::to_string(e.end - e.begin) + " bytes");
+  pread_all(fd_, path_, data_start_ + e.begin + offset, length, dst);
+}
+
+torch::Tensor SafetensorsFile::tensor(const std::string& name) const {
+  const Entry& e = entry(name);
+  torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+  if (e.end > e.begin) read(name, 0, e.end - e.begin, t.data_ptr());
+  return t;
 }
 
 }  // namespace tetra::core

@@ -1,12 +1,21 @@
-// Safetensors round trip and the atomic, keep-K checkpoint store.
+// Safetensors round trip, the atomic, keep-K checkpoint store, and sharded checkpoints:
+// thread-ranks writing slices, any range read back by a reader of any layout.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
-#include "core/checkpoint.h"
 #include "collectives/error.h"
+#include "collectives/local.h"
+#include "core/checkpoint.h"
 #include "core/safetensors.h"
 
 using namespace tetra::core;
@@ -158,4 +167,390 @@ TEST(AtomicWrite, ReplacesWholeFileOnly) {
   int files = 0;
   for (auto& e : fs::directory_iterator(f.parent_path())) (void)e, ++files;
   EXPECT_EQ(files, 1);  // no temporaries left behind
+}
+
+// ---- SafetensorsFile ------------------------------------------------------------------
+
+TEST(SafetensorsFile, ReadsAnyByteRangeOfATensor) {
+  TensorMap in;
+  in["a"] = torch::arange(10, torch::kFloat32);
+  in["b"] = torch::arange(6, torch::kInt64).reshape({2, 3});
+  fs::path f = fresh_dir("stfile") / "x.safetensors";
+  save_safetensors(f.string(), in, {{"k", "v"}});
+  SafetensorsFile file(f.string());
+  EXPECT_EQ(file.entries().size(), 2u);
+  EXPECT_EQ(file.metadata().at("k"), "v");
+  EXPECT_EQ(file.entry("b").shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(file.entry("b").dtype, torch::kInt64);
+  float got[3];
+  file.read("a", 4 * sizeof(float), sizeof(got), got);
+  EXPECT_EQ(got[0], 4.0f);
+  EXPECT_EQ(got[2], 6.0f);
+  EXPECT_TRUE(torch::equal(file.tensor("b"), in["b"]));
+  EXPECT_THROW(file.read("a", 8 * sizeof(float), 3 * sizeof(float), got), tetra::Error);  // past its end
+  try {
+    file.entry("c");
+    FAIL();
+  } catch (const tetra::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(f.string()), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no tensor c"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(SafetensorsFile((f.parent_path() / "missing").string()), tetra::Error);
+}
+
+// ---- sharded checkpoints --------------------------------------------------------------
+
+namespace {
+
+// The tensors of one "model": a [5, 7] weight, a bf16 vector, an int64 counter, a scalar.
+TensorMap reference_tensors(float offset) {
+  TensorMap t;
+  t["model/w"] = torch::arange(35, torch::kFloat32).reshape({5, 7}) + offset;
+  t["optim/w.exp_avg"] = (torch::arange(10, torch::kFloat32) * 0.5 + offset).to(torch::kBFloat16);
+  t["optim/step"] = torch::tensor({static_cast<int64_t>(offset) + 3});
+  t["model/scale"] = torch::tensor(2.5f + offset);
+  return t;
+}
+
+Slice slice_of(const torch::Tensor& whole, int64_t begin, int64_t count) {
+  Slice s;
+  s.shape = whole.sizes().vec();
+  s.begin = begin;
+  s.data = whole.reshape({-1}).slice(0, begin, begin + count).clone();
+  return s;
+}
+
+// What rank `rank` of 3 holds: model/w split 12/12/11, optim/w.exp_avg split 0/4/6 (rank
+// 0 owns none of it), optim/step and model/scale whole on rank 0.
+Checkpoint rank_part(int rank, int64_t step, const TensorMap& ref) {
+  Checkpoint c;
+  c.step = step;
+  c.epoch = 2;
+  c.step_in_epoch = 4;
+  c.meta["job"] = "sharded";
+  const int64_t w_begin[] = {0, 12, 24}, w_count[] = {12, 12, 11};
+  const int64_t m_begin[] = {0, 0, 4}, m_count[] = {0, 4, 6};
+  c.slices["model/w"] = slice_of(ref.at("model/w"), w_begin[rank], w_count[rank]);
+  if (m_count[rank] > 0)
+    c.slices["optim/w.exp_avg"] = slice_of(ref.at("optim/w.exp_avg"), m_begin[rank], m_count[rank]);
+  if (rank == 0) {
+    c.tensors["optim/step"] = ref.at("optim/step");
+    c.tensors["model/scale"] = ref.at("model/scale");
+  }
+  return c;
+}
+
+void save_sharded(const fs::path& dir, int64_t step, const TensorMap& ref, int64_t keep = 3) {
+  tetra::collectives::run_local_ranks(3, [&](int rank, tetra::collectives::Communicator& world) {
+    CheckpointStore store(dir.string(), keep);
+    std::string folder = store.save(rank_part(rank, step, ref), &world);
+    // Every rank returns the folder, and only once it exists.
+    EXPECT_EQ(folder, (dir / ("step-0000000" + std::to_string(step))).string());
+    EXPECT_TRUE(fs::exists(fs::path(folder) / "meta.json"));
+  });
+}
+
+// Saves on three thread-ranks, rank r writing part_of(r); returns each rank's error ("" for
+// a rank whose save returned).
+std::vector<std::string> save_on_three(const fs::path& dir, const std::function<Checkpoint(int)>& part_of) {
+  std::vector<std::string> errors(3);
+  try {
+    tetra::collectives::run_local_ranks(3, [&](int rank, tetra::collectives::Communicator& world) {
+      try {
+        CheckpointStore(dir.string(), 3).save(part_of(rank), &world);
+      } catch (const tetra::Error& e) {
+        errors[rank] = e.what();
+        throw;
+      }
+    });
+  } catch (const tetra::Error&) {
+  }
+  return errors;
+}
+
+// Every rank threw the same error, carrying `needle`.
+void expect_same_error(const std::vector<std::string>& errors, const std::string& needle) {
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find(needle), std::string::npos) << "error: \"" << e << "\"";
+    EXPECT_EQ(e, errors[0]);
+  }
+}
+
+std::vector<std::string> entries_of(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+TEST(ShardedCheckpoint, ThreeRanksWriteSlicesAReaderAssemblesAnyRange) {
+  fs::path d = fresh_dir("sharded");
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(d, 7, ref);
+
+  const fs::path step = d / "step-00000007";
+  EXPECT_EQ(entries_of(step), (std::vector<std::string>{"meta.json", "rank-00000.safetensors",
+                                                        "rank-00001.safetensors", "rank-00002.safetensors"}));
+  EXPECT_EQ(entries_of(d), (std::vector<std::string>{"step-00000007"}));  // no temporary left
+
+  // The index, as meta.json spells it.
+  nlohmann::json meta = nlohmann::json::parse(read_all(step / "meta.json"));
+  EXPECT_EQ(meta["format"], 2);
+  EXPECT_EQ(meta["world"], 3);
+  EXPECT_EQ(meta["step"], 7);
+  EXPECT_EQ(meta["job"], "sharded");
+  EXPECT_EQ(meta["index"]["model/w"]["dtype"], "F32");
+  EXPECT_EQ(meta["index"]["model/w"]["shape"], nlohmann::json({5, 7}));
+  EXPECT_EQ(meta["index"]["model/w"]["parts"],
+            nlohmann::json::parse(R"([{"file":"rank-00000.safetensors","begin":0,"end":12},
+                                      {"file":"rank-00001.safetensors","begin":12,"end":24},
+                                      {"file":"rank-00002.safetensors","begin":24,"end":35}])"));
+  EXPECT_EQ(meta["index"]["optim/w.exp_avg"]["dtype"], "BF16");
+  EXPECT_EQ(meta["index"]["optim/w.exp_avg"]["parts"].size(), 2u);
+  EXPECT_EQ(meta["index"]["optim/step"]["parts"],
+            nlohmann::json::parse(R"([{"file":"rank-00000.safetensors","begin":0,"end":1}])"));
+
+  // Each rank file is a plain safetensors file: the slice as 1-D data, its place in metadata.
+  std::map<std::string, std::string> md;
+  TensorMap r1 = load_safetensors((step / "rank-00001.safetensors").string(), &md);
+  EXPECT_EQ(r1.at("model/w").sizes(), (std::vector<int64_t>{12}));
+  auto slices = nlohmann::json::parse(md.at("tetra.slices"));
+  EXPECT_EQ(slices["model/w"]["begin"], 12);
+  EXPECT_EQ(slices["model/w"]["shape"], nlohmann::json({5, 7}));
+
+  CheckpointReader r(d.string());  // the store's folder resolves to its newest
+  EXPECT_EQ(r.folder(), step.string());
+  EXPECT_EQ(r.step(), 7);
+  EXPECT_EQ(r.epoch(), 2);
+  EXPECT_EQ(r.step_in_epoch(), 4);
+  EXPECT_EQ(r.world(), 3);
+  EXPECT_EQ(r.meta(), nlohmann::json({{"job", "sharded"}}));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"model/scale", "model/w", "optim/step", "optim/w.exp_avg"}));
+  EXPECT_TRUE(r.contains("model/w"));
+  EXPECT_FALSE(r.contains("model/v"));
+  EXPECT_EQ(r.shape("model/w"), (std::vector<int64_t>{5, 7}));
+  EXPECT_EQ(r.dtype("optim/w.exp_avg"), torch::kBFloat16);
+  ASSERT_EQ(r.parts("model/w").size(), 3u);
+  EXPECT_EQ(r.parts("model/w")[2].file, "rank-00002.safetensors");
+  EXPECT_EQ(r.parts("model/w")[2].begin, 24);
+  EXPECT_EQ(r.parts("model/w")[2].end, 35);
+
+  for (const auto& [name, t] : ref) {
+    torch::Tensor back = r.read(name);
+    EXPECT_EQ(back.scalar_type(), t.scalar_type()) << name;
+    EXPECT_EQ(back.sizes(), t.sizes()) << name;
+    EXPECT_TRUE(torch::equal(back, t)) << name;
+  }
+  // Ranges inside one file, across two, across all three, at the ends, empty.
+  const torch::Tensor flat = ref.at("model/w").reshape({-1});
+  for (auto [b, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 35}, {0, 12}, {10, 5}, {11, 14}, {12, 12}, {23, 2}, {34, 1}, {3, 0}, {35, 0}, {5, 27}}) {
+    torch::Tensor got = r.read_flat("model/w", b, n);
+    EXPECT_EQ(got.dim(), 1);
+    EXPECT_TRUE(torch::equal(got, flat.slice(0, b, b + n))) << "[" << b << ", " << b + n << ")";
+  }
+  const torch::Tensor m = ref.at("optim/w.exp_avg");
+  EXPECT_TRUE(torch::equal(r.read_flat("optim/w.exp_avg", 2, 5), m.slice(0, 2, 7)));
+
+  // Clear errors: a name it lacks, a range past the end.
+  try {
+    r.read("model/v");
+    FAIL();
+  } catch (const tetra::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model/v"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(step.string()), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(r.read_flat("model/w", 30, 6), tetra::Error);
+  EXPECT_THROW(r.read_flat("model/w", -1, 2), tetra::Error);
+  CheckpointReader moved = std::move(r);  // keeps the files it opened
+  EXPECT_TRUE(torch::equal(moved.read("model/w"), ref.at("model/w")));
+
+  // load() gives every tensor whole, as before.
+  Checkpoint all = CheckpointStore::load(step.string());
+  EXPECT_EQ(all.step, 7);
+  EXPECT_EQ(all.meta["job"], "sharded");
+  ASSERT_EQ(all.tensors.size(), ref.size());
+  for (const auto& [name, t] : ref) EXPECT_TRUE(torch::equal(all.tensors.at(name), t)) << name;
+
+  // Another layout reads its own shards back: 2 thread-ranks, each its own reader, each
+  // half of model/w's elements.
+  tetra::collectives::run_local_ranks(2, [&](int rank, tetra::collectives::Communicator&) {
+    CheckpointReader mine(step.string());
+    const int64_t b = rank == 0 ? 0 : 18, n = rank == 0 ? 18 : 17;
+    for (int i = 0; i < 20; ++i)
+      EXPECT_TRUE(torch::equal(mine.read_flat("model/w", b, n), flat.slice(0, b, b + n))) << rank;
+  });
+}
+
+TEST(ShardedCheckpoint, ASingleProcessWritesTheSameFormat) {
+  fs::path d = fresh_dir("sharded_single");
+  const TensorMap ref = reference_tensors(1);
+  Checkpoint c;
+  c.step = 3;
+  c.tensors["model/scale"] = ref.at("model/scale");
+  c.slices["model/w"] = slice_of(ref.at("model/w"), 0, 35);  // one slice covering it all
+  CheckpointStore(d.string(), 2).save(c);
+  CheckpointReader r(d.string());
+  EXPECT_EQ(r.world(), 1);
+  EXPECT_EQ(r.files(), (std::vector<std::string>{"rank-00000.safetensors"}));
+  EXPECT_TRUE(torch::equal(r.read("model/w"), ref.at("model/w")));
+  EXPECT_TRUE(torch::equal(r.read("model/scale"), ref.at("model/scale")));
+}
+
+TEST(ShardedCheckpoint, AGapOrOverlapIsAnErrorAndPublishesNothing) {
+  fs::path d = fresh_dir("sharded_bad");
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(d, 5, ref);
+  const torch::Tensor w = ref.at("model/w");
+
+  // Each case: what ranks 0, 1, 2 hold of model/w ({begin, count}), and a word the error must carry.
+  struct Case {
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {{{0, 12}, {13, 12}, {25, 10}}, "[12, 13) of its 35 are in no file"},  // a gap
+      {{{0, 12}, {12, 12}, {24, 10}}, "[34, 35) of its 35 are in no file"},  // short at the end
+      {{{0, 13}, {12, 12}, {24, 11}}, "[12, 13) are in both rank-00000.safetensors and rank-00001.safetensors"},
+  };
+  for (const auto& c : cases) {
+    auto errors = save_on_three(d, [&](int rank) {
+      Checkpoint part = rank_part(rank, 6, ref);
+      part.slices["model/w"] = slice_of(w, c.ranges[rank].first, c.ranges[rank].second);
+      return part;
+    });
+    expect_same_error(errors, "tensor model/w: elements " + c.needle);
+    EXPECT_EQ(entries_of(d), (std::vector<std::string>{"step-00000005"})) << c.needle;
+  }
+
+  // Shapes that disagree between ranks, and a slice outside its tensor.
+  auto errors = save_on_three(d, [&](int rank) {
+    Checkpoint part = rank_part(rank, 6, ref);
+    if (rank == 2) part.slices["model/w"].shape = {35};
+    return part;
+  });
+  expect_same_error(errors, "tensor model/w has shape [5, 7] in rank-00000.safetensors but [35] in rank-00002");
+  try {
+    Checkpoint c;
+    c.slices["model/w"] = slice_of(w, 30, 5);
+    c.slices["model/w"].begin = 31;
+    CheckpointStore(d.string(), 3).save(c);
+    FAIL();
+  } catch (const tetra::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model/w"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[31, 36)"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(entries_of(d), (std::vector<std::string>{"step-00000005"}));
+  EXPECT_TRUE(torch::equal(CheckpointReader(d.string()).read("model/w"), w));
+}
+
+TEST(ShardedCheckpoint, FormatOneCheckpointsStillLoad) {
+  // A checkpoint as the single-file format wrote it: whole tensors in rank-00000, no index.
+  fs::path d = fresh_dir("format1");
+  const fs::path step = d / "step-00000012";
+  fs::create_directories(step);
+  const TensorMap ref = reference_tensors(2);
+  save_safetensors((step / "rank-00000.safetensors").string(), ref);
+  nlohmann::json meta = {{"format", "tetra-checkpoint-1"}, {"step", 12}, {"epoch", 1}, {"step_in_epoch", 5},
+                         {"files", {"rank-00000.safetensors"}}, {"job", "old"}, {"batch_size", 64}};
+  std::ofstream(step / "meta.json") << meta.dump(2);
+
+  CheckpointReader r(d.string());
+  EXPECT_EQ(r.format(), 1);
+  EXPECT_EQ(r.world(), 1);
+  EXPECT_EQ(r.step(), 12);
+  EXPECT_EQ(r.epoch(), 1);
+  EXPECT_EQ(r.step_in_epoch(), 5);
+  EXPECT_EQ(r.meta(), nlohmann::json({{"job", "old"}, {"batch_size", 64}}));
+  EXPECT_EQ(r.names().size(), ref.size());
+  for (const auto& [name, t] : ref) {
+    EXPECT_TRUE(torch::equal(r.read(name), t)) << name;
+    ASSERT_EQ(r.parts(name).size(), 1u);
+    EXPECT_EQ(r.parts(name)[0].end, t.numel());
+  }
+  EXPECT_TRUE(torch::equal(r.read_flat("model/w", 6, 9), ref.at("model/w").reshape({-1}).slice(0, 6, 15)));
+  Checkpoint c = CheckpointStore::load(d.string());
+  EXPECT_EQ(c.step, 12);
+  EXPECT_EQ(c.meta["batch_size"], 64);
+  for (const auto& [name, t] : ref) EXPECT_TRUE(torch::equal(c.tensors.at(name), t)) << name;
+}
+
+TEST(ShardedCheckpoint, AnInterruptedSaveLeavesTheLastGoodCheckpointNewestAndWhole) {
+  fs::path d = fresh_dir("sharded_interrupted");
+  const TensorMap good = reference_tensors(0), next = reference_tensors(10);
+  save_sharded(d, 4, good);
+
+  // Rank 2 fails while writing its file (a dtype safetensors cannot hold), after ranks 0
+  // and 1 wrote theirs: every rank throws, nothing is published, the temporary is gone.
+  auto errors = save_on_three(d, [&](int rank) {
+    Checkpoint part = rank_part(rank, 8, next);
+    if (rank == 2) part.tensors["optim/odd"] = torch::zeros({2}, torch::kComplexFloat);
+    return part;
+  });
+  expect_same_error(errors, "rank 2 could not write");
+  expect_same_error(errors, "rank-00002.safetensors");
+  EXPECT_EQ(entries_of(d), (std::vector<std::string>{"step-00000004"}));
+
+  // What a kill leaves: a temporary with some rank files, and one complete but for the
+  // rename (meta.json written). Neither counts; the reader resumes the last good one.
+  fs::create_directories(d / ".step-00000008.tmp");
+  fs::copy_file(d / "step-00000004" / "rank-00000.safetensors", d / ".step-00000008.tmp" / "rank-00000.safetensors");
+  fs::copy(d / "step-00000004", d / ".step-00000009.tmp");
+  CheckpointStore store(d.string(), 3);
+  EXPECT_EQ(store.latest().value(), (d / "step-00000004").string());
+  EXPECT_EQ(store.list().size(), 1u);
+  CheckpointReader r(d.string());
+  EXPECT_EQ(r.step(), 4);
+  for (const auto& [name, t] : good) EXPECT_TRUE(torch::equal(r.read(name), t)) << name;
+
+  // The next save (of the interrupted step, say) cleans the temporaries up.
+  save_sharded(d, 8, next);
+  EXPECT_EQ(entries_of(d), (std::vector<std::string>{"step-00000004", "step-00000008"}));
+  CheckpointReader r8(d.string());
+  EXPECT_EQ(r8.step(), 8);
+  for (const auto& [name, t] : next) EXPECT_TRUE(torch::equal(r8.read(name), t)) << name;
+  // The older one is untouched by the newer save.
+  for (const auto& [name, t] : good) EXPECT_TRUE(torch::equal(r.read(name), t)) << name;
+}
+
+TEST(ShardedCheckpoint, RanksSavingDifferentStepsIsAnError) {
+  fs::path d = fresh_dir("sharded_steps");
+  const TensorMap ref = reference_tensors(0);
+  auto errors = save_on_three(d, [&](int rank) { return rank_part(rank, rank == 1 ? 9 : 8, ref); });
+  expect_same_error(errors, "save different steps (from 8 to 9)");
+  EXPECT_TRUE(entries_of(d).empty());
+}
+
+TEST(ShardedCheckpoint, ADamagedIndexOrRankFileIsAClearError) {
+  fs::path d = fresh_dir("sharded_damaged");
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(d, 4, ref);
+  const fs::path step = d / "step-00000004";
+  auto expect_error = [&](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      FAIL() << "no error for " << needle;
+    } catch (const tetra::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // A rank file cut short: the reader opens it when a range in it is read, and names it.
+  const fs::path f1 = step / "rank-00001.safetensors";
+  std::string bytes = read_all(f1);
+  std::ofstream(f1, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() - 8);
+  CheckpointReader r(step.string());
+  EXPECT_TRUE(torch::equal(r.read_flat("model/w", 0, 12), ref.at("model/w").reshape({-1}).slice(0, 0, 12)));
+  expect_error([&] { r.read("model/w"); }, f1.string());
+  // An index whose parts leave a gap.
+  nlohmann::json meta = nlohmann::json::parse(read_all(step / "meta.json"));
+  meta["index"]["model/w"]["parts"][1]["begin"] = 13;
+  std::ofstream(step / "meta.json", std::ios::trunc) << meta.dump();
+  expect_error([&] { CheckpointReader bad(step.string()); }, "model/w");
+  // An index that points outside the folder.
+  meta["index"]["model/w"]["parts"][1]["begin"] = 12;
+  meta["index"]["model/w"]["parts"][1]["file"] = "../../etc/passwd";
+  std::ofstream(step / "meta.json", std::ios::trunc) << meta.dump();
+  expect_error([&] { CheckpointReader bad(step.string()); }, "is damaged");
 }

@@ -1,0 +1,166 @@
+// ckpt — looks into a tetra checkpoint and turns it into one safetensors file, whatever
+// layout (world size, ZeRO shards, pipeline cut) wrote it.
+//
+//   ckpt show PATH [--parts]                      step, ranks, files, every tensor
+//   ckpt export PATH -o OUT.safetensors [--all]   consolidated whole tensors
+//
+// PATH is a step folder (runs/job/ckpt/step-00000500) or a folder of them (its newest).
+// `export` writes the model's weights by default: the tensors named "model/...", without
+// that prefix (the names the trainer's checkpoint.safetensors export uses, which any
+// safetensors reader loads into the same model); `--all` writes every tensor (optimizer
+// state, RNG) under its checkpoint name. Tensors are read one at a time, from the byte
+// ranges of the rank files that hold them.
+//
+// Exit status: 0 done; 2 the command line, the checkpoint or the output is wrong (the
+// message, "ckpt: error: ...", names the file).
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "collectives/error.h"
+#include "core/checkpoint.h"
+#include "core/report.h"
+#include "core/safetensors.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tetra::core::CheckpointReader;
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string range_text(int64_t begin, int64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+
+// "312 B" below a KiB, where human_bytes would say "0 KiB".
+std::string size_text(int64_t bytes) {
+  return bytes < 1024 ? std::to_string(bytes) + " B" : tetra::core::human_bytes(bytes);
+}
+
+int64_t tensor_bytes(const CheckpointReader& r, const std::string& name) {
+  return r.numel(name) * static_cast<int64_t>(c10::elementSize(r.dtype(name)));
+}
+
+int show(const std::string& path, bool parts) {
+  CheckpointReader r(path);
+  std::printf("checkpoint %s\n", r.folder().c_str());
+  std::printf("  step %lld, epoch %lld (step %lld in it), format %d, written by %d rank%s\n",
+              static_cast<long long>(r.step()), static_cast<long long>(r.epoch()),
+              static_cast<long long>(r.step_in_epoch()), r.format(), r.world(),
+              r.world() == 1 ? "" : "s");
+  if (!r.meta().empty()) std::printf("  meta %s\n", r.meta().dump().c_str());
+
+  int64_t total = 0;
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const auto& f : r.files()) {
+    std::error_code ec;
+    const auto size = fs::file_size(fs::path(r.folder()) / f, ec);
+    if (!ec) total += static_cast<int64_t>(size);
+    files.emplace_back(f, ec ? "missing" : size_text(static_cast<int64_t>(size)));
+  }
+  std::printf("files: %zu, %s\n", files.size(), size_text(total).c_str());
+  size_t w = 0;
+  for (const auto& [f, s] : files) w = std::max(w, f.size());
+  for (const auto& [f, s] : files)
+    std::printf("  %-*s  %s\n", static_cast<int>(w), f.c_str(), s.c_str());
+
+  struct Row {
+    std::string name, dtype, shape, bytes, parts;
+  };
+  std::vector<Row> rows = {{"name", "dtype", "shape", "bytes", "parts"}};
+  int64_t tensor_total = 0;
+  const auto names = r.names();
+  for (const auto& n : names) {
+    const int64_t bytes = tensor_bytes(r, n);
+    tensor_total += bytes;
+    rows.push_back({n, tetra::core::safetensors_dtype_name(r.dtype(n)), shape_text(r.shape(n)),
+                    std::to_string(bytes), std::to_string(r.parts(n).size())});
+  }
+  size_t wn = 0, wd = 0, ws = 0, wb = 0;
+  for (const auto& row : rows) {
+    wn = std::max(wn, row.name.size());
+    wd = std::max(wd, row.dtype.size());
+    ws = std::max(ws, row.shape.size());
+    wb = std::max(wb, row.bytes.size());
+  }
+  std::printf("tensors: %zu, %s\n", names.size(), size_text(tensor_total).c_str());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& row = rows[i];
+    std::printf("  %-*s  %-*s  %-*s  %*s  %s\n", static_cast<int>(wn), row.name.c_str(),
+                static_cast<int>(wd), row.dtype.c_str(), static_cast<int>(ws), row.shape.c_str(),
+                static_cast<int>(wb), row.bytes.c_str(), row.parts.c_str());
+    if (parts && i > 0)
+      for (const auto& p : r.parts(row.name))
+        std::printf("      %s  %s\n", p.file.c_str(), range_text(p.begin, p.end).c_str());
+  }
+  return 0;
+}
+
+int export_weights(const std::string& path, const std::string& output, bool all) {
+  CheckpointReader r(path);
+  const std::string prefix = "model/";
+  tetra::core::TensorMap out;
+  int64_t bytes = 0;
+  for (const auto& n : r.names()) {
+    const bool model = n.rfind(prefix, 0) == 0;
+    if (!all && !model) continue;
+    const std::string key = all ? n : n.substr(prefix.size());
+    out.emplace(key, r.read(n));
+    bytes += tensor_bytes(r, n);
+  }
+  if (out.empty())
+    throw tetra::Error("checkpoint " + r.folder() + " has no tensor named " + prefix +
+                       "... (--all exports every tensor)");
+  tetra::core::save_safetensors(
+      output, out, {{"format", "pt"}, {"framework", "tetra"}, {"step", std::to_string(r.step())}});
+  std::printf("ckpt: wrote %zu tensors (%s) of step %lld to %s\n", out.size(),
+              size_text(bytes).c_str(), static_cast<long long>(r.step()), output.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ckpt: looks into a tetra checkpoint and exports it as one safetensors file",
+               "ckpt"};
+  app.require_subcommand(1);
+  std::string path, output;
+  bool parts = false, all = false;
+
+  CLI::App* show_cmd =
+      app.add_subcommand("show", "step, ranks, files and every tensor of a checkpoint");
+  show_cmd->add_option("path", path, "a step-* folder, or a folder of them (its newest)")
+      ->required();
+  show_cmd->add_flag("--parts", parts, "each tensor's parts: the file and element range of each");
+
+  CLI::App* export_cmd = app.add_subcommand("export", "whole tensors into one safetensors file");
+  export_cmd->add_option("path", path, "a step-* folder, or a folder of them (its newest)")
+      ->required();
+  export_cmd->add_option("-o,--output", output, "the safetensors file to write")->required();
+  export_cmd->add_flag(
+      "--all", all,
+      "every tensor under its checkpoint name (default: the model/ tensors, without the prefix)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  try {
+    if (show_cmd->parsed()) return show(path, parts);
+    return export_weights(path, output, all);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckpt: error: %s\n", e.what());
+    return 2;
+  }
+}
