@@ -23,12 +23,46 @@ struct NamedParam {
   torch::Tensor tensor;
 };
 
+// The optimizer's state slots for one contiguous range of elements (a parameter, or a
+// ZeRO shard): each defined slot has the range's length and dtype.
+struct UpdateSlots {
+  torch::Tensor exp_avg, exp_avg_sq;  // adam, adamw
+  torch::Tensor momentum;             // sgd with momentum > 0
+  bool fresh_momentum = false;        // sgd: first update of `momentum` (torch sets buf = d, not m*buf + d)
+};
+
+// One update of `param` from `grad` in a single pass over the elements, with the formulas
+// and order of operations of torch::optim (SGD with momentum/nesterov/weight decay; Adam
+// with L2 weight decay; AdamW with decoupled decay). `step` is the 1-based update count
+// (bias corrections), `lr` this step's rate. param, grad and the slots: contiguous CPU
+// tensors of equal numel and the same floating dtype (float or double; other dtypes or
+// non-contiguous tensors fall back to reference_update). Allocates no tensors (and at one
+// intra-op thread nothing at all). The caller allocates the slots `spec` needs (a missing
+// one, or one of another length, is a tetra::Error); with fresh_momentum, `momentum` is
+// only written.
+//
+// Note [One pass per range]
+// Each element of param, grad and the slots is loaded once, updated in registers (SIMD
+// vectors of the build's native width, std::experimental::simd, then one element at a
+// time for the tail) and stored once; a range above 16384 elements is split across
+// LibTorch's intra-op threads (Note [Splitting a range across threads] in optim.cpp).
+// Float is computed in float with each scalar argument formed in double and rounded to
+// float, as ATen does, so the result is ATen's bit for bit where ATen's kernels round
+// every operation (ATEN_CPU_CAPABILITY=default); its AVX2/AVX-512 kernels fuse some
+// multiply-adds (add with alpha) that this loop rounds twice: a last-bit difference.
+void fused_update(const OptimizerSpec& spec, double lr, int64_t step, const torch::Tensor& param,
+                  const torch::Tensor& grad, UpdateSlots& slots);
+// The same update as today's ATen ops (kept as the reference for tests and bench-optim).
+void reference_update(const OptimizerSpec& spec, double lr, int64_t step, const torch::Tensor& param,
+                      const torch::Tensor& grad, UpdateSlots& slots);
+
 class Optimizer {
  public:
   Optimizer(const OptimizerSpec& spec, std::vector<NamedParam> params);
 
   // One update with learning rate `lr` from each parameter's .grad() (parameters whose
-  // grad is undefined are skipped, as torch::optim does).
+  // grad is undefined are skipped, as torch::optim does): fused_update per parameter,
+  // its state created on the parameter's first update.
   void step(double lr);
   void zero_grad();
 
