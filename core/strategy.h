@@ -16,6 +16,11 @@
 //   finish_gradients()       after the last backward: on return gradients are global
 //   (clip — its norm summed over reduce_grad_norm_sq — optimizer step)
 //
+// On each mesh axis exactly one strategy synchronises gradients (gradient_axis()). When
+// two do, the one that owns the model state (ModelStateOwner: ZeRO, which reduce-scatters
+// into its shards) takes the axis and the trainer drops the other (the data-parallel
+// allreduce); two owners, or two plain synchronisers, are a ConfigError.
+//
 // Strategies attach in the mesh's axis order, outermost first (kAxisOrder: pipeline,
 // then data), so that the data-parallel strategy sees the parameters the pipeline kept.
 #pragma once
@@ -28,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "core/checkpoint.h"
 #include "core/data.h"
 #include "core/job_spec.h"
 #include "core/mesh.h"
@@ -77,6 +83,8 @@ class Strategy {
   virtual std::string name() const = 0;
   // The mesh axis the strategy owns ("" for none); orders attach.
   virtual std::string axis() const { return ""; }
+  // The mesh axis over which this strategy synchronises gradients ("" for none).
+  virtual std::string gradient_axis() const { return ""; }
   virtual void attach(TrainState& state) {}
   // The pipeline replaces the trainer's loop over micro-batches.
   virtual bool owns_forward_backward() const { return false; }
@@ -99,6 +107,51 @@ class Strategy {
   virtual double wait_seconds() const { return 0; }
   virtual double comm_seconds() const { return 0; }
 };
+
+// The bytes of model state one rank holds (deduplicated by storage): what ZeRO shards.
+struct ModelStateBytes {
+  int64_t parameters = 0, gradients = 0, optimizer = 0;
+  int64_t buffers = 0;  // communication buffers, and (ZeRO-3) layers gathered at the moment
+  int64_t total() const { return parameters + gradients + optimizer + buffers; }
+};
+
+// An optional capability (its own interface, not "not supported" methods on Strategy): a
+// strategy that keeps the model state in its own layout — ZeRO shards the parameters,
+// gradients and optimizer state over the data axis — and therefore steps the optimizer,
+// clips and checkpoints that state itself. The trainer then builds no Optimizer of its
+// own and never reads the parameters' values directly (under ZeRO-3 they exist only while
+// a layer runs). Every method that communicates is collective over the data group.
+class ModelStateOwner {
+ public:
+  virtual ~ModelStateOwner() = default;
+  virtual void zero_grad() = 0;
+  // This rank's part of the squared global gradient norm: every element of the model
+  // counted by exactly one rank of the data group (reduce_grad_norm_sq adds them up).
+  virtual double grad_norm_sq() = 0;
+  virtual void scale_gradients(double factor) = 0;
+  // One optimizer step at `lr`; on return the parameters hold the new values (as far as
+  // this layout keeps them at all).
+  virtual void step(double lr) = 0;
+  // Collective: adds this rank's slices of the parameters ("model/<name>") and optimizer
+  // state ("optim/<name>.exp_avg", ...) and, on data rank 0, the whole "optim/__step__".
+  virtual void save_state(Checkpoint& ckpt) = 0;
+  // Takes this rank's part of the parameters and optimizer state from any checkpoint,
+  // whatever layout wrote it. Checks every shape before changing anything.
+  virtual void load_state(const CheckpointReader& reader) = 0;
+  // Collective: the whole parameters of this rank's model (its pipeline stage) under
+  // their single-process names, on data rank 0 (others leave `out` unchanged).
+  virtual void gather_parameters(TensorMap& out) = 0;
+  virtual ModelStateBytes memory() const = 0;
+};
+
+// For strategies that replicate or shard the model over a group (data parallelism, ZeRO):
+// every rank of `group` must train the same model on the same job — a cheap fingerprint
+// of the parameter shapes and of the settings that change the arithmetic, compared
+// across the group; a difference is a ConfigError naming the rank (`who` names the
+// strategy in it). Collective.
+void check_same_job(collectives::Communicator& group, const TrainState& state, const std::string& who);
+// Parameters and buffers start as group rank 0's. Collective.
+void broadcast_from_first(collectives::Communicator& group, TrainState& state);
 
 // What `train --dry-run` shows a strategy.
 struct PlanInput {

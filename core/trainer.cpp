@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <cmath>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "core/checkpoint.h"
@@ -39,6 +41,17 @@ void set_cpu_rng_state(const torch::Tensor& state) {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
+}
+
+// Rank 0's `text` on every rank of `group`.
+std::string broadcast_string(collectives::Communicator& group, const std::string& text) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  group.broadcast(len)->wait();
+  at::Tensor bytes = at::zeros({len.item<int64_t>()}, at::kByte);
+  if (group.rank() == 0 && !text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  if (bytes.numel() == 0) return "";
+  group.broadcast(bytes)->wait();
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
 }
 
 std::string fmt(const char* f, double v) {
@@ -92,6 +105,23 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     std::stable_sort(strategies_.begin(), strategies_.end(),
                      [&](const auto& a, const auto& b) { return order(*a) < order(*b); });
   }
+  // On each axis one strategy synchronises gradients: the one that owns the model state
+  // (it reduce-scatters into its shards) takes the axis over a plain allreduce.
+  for (const auto& axis : kAxisOrder) {
+    std::vector<Strategy*> syncers;
+    for (auto& s : strategies_)
+      if (s->gradient_axis() == axis) syncers.push_back(s.get());
+    if (syncers.size() < 2) continue;
+    std::vector<Strategy*> owners;
+    for (Strategy* s : syncers)
+      if (dynamic_cast<ModelStateOwner*>(s)) owners.push_back(s);
+    if (owners.size() != 1)
+      throw ConfigError("strategies " + syncers[0]->name() + " and " + syncers[1]->name() +
+                        " both synchronise the gradients of the " + axis + " axis; a job can have one of them");
+    strategies_.erase(std::remove_if(strategies_.begin(), strategies_.end(),
+                                     [&](const auto& s) { return s->gradient_axis() == axis && s.get() != owners[0]; }),
+                      strategies_.end());
+  }
   state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get()});
   for (auto& s : strategies_) {
     s->attach(*state_);
@@ -102,8 +132,40 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
       stepper_ = s.get();
     }
   }
-  // After attach: the optimizer steps (and keeps state for) the parameters this rank holds.
-  optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
+  for (auto& s : strategies_)
+    if (auto* o = dynamic_cast<ModelStateOwner*>(s.get())) owner_ = o;
+  // After attach: the optimizer steps (and keeps state for) the parameters this rank
+  // holds — unless a strategy keeps the model state in its own layout and steps it.
+  if (!owner_) optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
+}
+
+ModelStateBytes Trainer::memory() const {
+  if (owner_) return owner_->memory();
+  // Each storage once: data parallelism's gradients are views of its buckets.
+  std::set<const void*> seen;
+  auto bytes = [&seen](const torch::Tensor& t) -> int64_t {
+    if (!t.defined() || !seen.insert(t.storage().unsafeGetStorageImpl()).second) return 0;
+    return static_cast<int64_t>(t.storage().nbytes());
+  };
+  ModelStateBytes m;
+  for (const auto& p : params_) m.parameters += bytes(p.tensor);
+  for (const auto& p : params_) m.gradients += bytes(p.tensor.grad());
+  if (optimizer_)
+    for (const auto& [k, v] : optimizer_->state_dict())
+      if (k != "__step__") m.optimizer += bytes(v);
+  return m;
+}
+
+TensorMap Trainer::weights() {
+  TensorMap weights;
+  if (owner_) {
+    owner_->gather_parameters(weights);
+  } else {
+    for (const auto& p : model_->named_parameters()) weights[p.key()] = p.value();
+  }
+  for (auto& s : strategies_) s->gather_state(weights);
+  if (!writer()) weights.clear();
+  return weights;
 }
 
 std::string Trainer::plan() const {
@@ -132,7 +194,10 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
       data_size_ == 1 ? global_indices : BatchPlan::slice(global_indices, data_rank_, data_size_);
   const int64_t n = indices.size(0);
   const bool bf16 = spec_.train.precision == "bf16";
-  optimizer_->zero_grad();
+  if (owner_)
+    owner_->zero_grad();
+  else
+    optimizer_->zero_grad();
   double loss_sum = 0;
   if (stepper_) {
     // The pipeline runs the micro-batches; the others' hooks still run before backward.
@@ -189,12 +254,22 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   t = Clock::now();
   {
     Trace::Scope s(trace_, "compute", "optimizer");
-    if (spec_.optimizer.clip_grad_norm > 0)
-      clip_grad_norm(params_, spec_.optimizer.clip_grad_norm, [this](double sq) {
-        for (auto& s : strategies_) sq = s->reduce_grad_norm_sq(sq);
-        return sq;
-      });
-    optimizer_->step(schedule_->at(step_));
+    auto reduce_sq = [this](double sq) {
+      for (auto& s : strategies_) sq = s->reduce_grad_norm_sq(sq);
+      return sq;
+    };
+    if (owner_) {
+      // The norm from the shards: each rank's part, summed over the axes.
+      const double max_norm = spec_.optimizer.clip_grad_norm;
+      if (max_norm > 0) {
+        const double norm = std::sqrt(reduce_sq(owner_->grad_norm_sq()));
+        if (norm > max_norm) owner_->scale_gradients(max_norm / (norm + 1e-6));
+      }
+      owner_->step(schedule_->at(step_));
+    } else {
+      if (spec_.optimizer.clip_grad_norm > 0) clip_grad_norm(params_, spec_.optimizer.clip_grad_norm, reduce_sq);
+      optimizer_->step(schedule_->at(step_));
+    }
   }
   phases_.optimizer += seconds_since(t);
   return loss_sum;
@@ -213,8 +288,22 @@ EvalResult Trainer::evaluate() {
   const bool bf16 = spec_.train.precision == "bf16";
   double loss_sum = 0;
   int64_t correct = 0, predictions = 0;
-  for (int64_t b = begin; b < end; b += spec_.data.eval_batch_size) {
-    Batch batch = data_->range(Split::kTest, b, std::min(end, b + spec_.data.eval_batch_size));
+  // Every data rank runs the same number of forwards: a strategy that owns the model
+  // state may communicate inside one (ZeRO-3 gathers each layer). A rank whose part ran
+  // out runs one sample again and counts nothing.
+  const int64_t eb = spec_.data.eval_batch_size;
+  const int64_t longest = (total + data_size_ - 1) / data_size_;
+  const int64_t forwards = owner_ ? (longest + eb - 1) / eb : (end - begin + eb - 1) / eb;
+  for (int64_t i = 0; i < forwards; ++i) {
+    const int64_t b = begin + i * eb;
+    if (b >= end) {
+      const int64_t k = std::min(begin, std::max<int64_t>(0, data_->size(Split::kTest) - 1));
+      Batch filler = data_->range(Split::kTest, k, k + 1);
+      compat::CpuAutocast autocast(bf16);
+      if (!stepper_ || !stepper_->evaluate(filler, bf16)) model_->forward(filler.inputs);
+      continue;
+    }
+    Batch batch = data_->range(Split::kTest, b, std::min(end, b + eb));
     if (stepper_) {
       if (auto sums = stepper_->evaluate(batch, bf16)) {
         loss_sum += sums->loss_sum;
@@ -255,59 +344,76 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
   ckpt.step = step;
   ckpt.epoch = epoch;
   ckpt.step_in_epoch = step_in_epoch;
-  for (const auto& p : model_->named_parameters()) ckpt.tensors["model/" + p.key()] = p.value();
   for (const auto& b : model_->named_buffers()) ckpt.tensors["model/" + b.key()] = b.value();
-  for (const auto& [k, v] : optimizer_->state_dict()) ckpt.tensors["optim/" + k] = v;
-  // A pipeline's stages send their layers to the writer (collective: every rank is here).
+  if (owner_) {
+    // Sharded state: each rank adds its slices (collective).
+    owner_->save_state(ckpt);
+  } else {
+    for (const auto& p : model_->named_parameters()) ckpt.tensors["model/" + p.key()] = p.value();
+    for (const auto& [k, v] : optimizer_->state_dict()) ckpt.tensors["optim/" + k] = v;
+  }
+  // A pipeline's stages send their whole tensors to the writer (collective: every rank is here).
   for (auto& s : strategies_) s->gather_state(ckpt.tensors);
-  if (!writer()) return "";
-  ckpt.tensors["rng/cpu"] = cpu_rng_state();
-  ckpt.meta["job"] = spec_.name;
-  ckpt.meta["batch_size"] = spec_.data.batch_size;
-  ckpt.meta["steps_per_epoch"] = plan_->steps_per_epoch();
-  ckpt.meta["optimizer"] = spec_.optimizer.type;
-  ckpt.meta["data_parallel_ranks"] = data_size_;  // informative: the state is the same on any number
-  if (best_accuracy_) ckpt.meta["best_accuracy"] = *best_accuracy_;
+  if (writer()) {
+    ckpt.tensors["rng/cpu"] = cpu_rng_state();
+    ckpt.meta["job"] = spec_.name;
+    ckpt.meta["batch_size"] = spec_.data.batch_size;
+    ckpt.meta["steps_per_epoch"] = plan_->steps_per_epoch();
+    ckpt.meta["optimizer"] = spec_.optimizer.type;
+    ckpt.meta["mesh"] = spec_.mesh.str();  // informative: any layout resumes it
+    ckpt.meta["data_parallel_ranks"] = data_size_;
+    if (best_accuracy_) ckpt.meta["best_accuracy"] = *best_accuracy_;
+  } else {
+    ckpt.tensors.clear();  // replicated state: the writer's copy is the one written
+  }
   CheckpointStore store(spec_.checkpoint.dir, spec_.checkpoint.keep);
-  return store.save(ckpt);
+  std::string folder = store.save(ckpt, options_.world.get());
+  return writer() ? folder : "";
 }
 
 void Trainer::restore(const std::string& path) {
-  Checkpoint ckpt = CheckpointStore::load(path);
+  CheckpointReader ckpt(path);
+  const nlohmann::json& meta = ckpt.meta();
   auto expect = [&](const char* key, const nlohmann::json& now) {
-    if (ckpt.meta.contains(key) && ckpt.meta[key] != now)
-      throw ConfigError("checkpoint " + path + " was written with " + key + " = " +
-                        ckpt.meta[key].dump() + ", this job has " + now.dump() +
-                        " (set checkpoint.resume: never to start afresh)");
+    if (meta.contains(key) && meta[key] != now)
+      throw ConfigError("checkpoint " + ckpt.folder() + " was written with " + key + " = " + meta[key].dump() +
+                        ", this job has " + now.dump() + " (set checkpoint.resume: never to start afresh)");
   };
   expect("batch_size", spec_.data.batch_size);
   expect("steps_per_epoch", plan_->steps_per_epoch());
   expect("optimizer", spec_.optimizer.type);
   torch::NoGradGuard no_grad;
-  auto load_into = [&](const std::string& name, torch::Tensor& t) {
-    auto it = ckpt.tensors.find("model/" + name);
-    if (it == ckpt.tensors.end())
-      throw ConfigError("checkpoint " + path + " has no tensor for model parameter " + name +
+  // Every tensor is checked before any is changed: a checkpoint that does not fit the
+  // model leaves it as it was.
+  auto check = [&](const std::string& name, const torch::Tensor& t) {
+    if (!ckpt.contains("model/" + name))
+      throw ConfigError("checkpoint " + ckpt.folder() + " has no tensor for model parameter " + name +
                         " (is it from another model?)");
-    if (!it->second.sizes().equals(t.sizes()))
-      throw ConfigError("checkpoint " + path + ": model parameter " + name + " has shape " +
-                        c10::str(it->second.sizes()) + " there and " + c10::str(t.sizes()) +
-                        " in this model");
-    t.copy_(it->second);
+    const auto shape = ckpt.shape("model/" + name);
+    if (!t.sizes().equals(shape))
+      throw ConfigError("checkpoint " + ckpt.folder() + ": model tensor " + name + " has shape " +
+                        c10::str(at::IntArrayRef(shape)) + " there and " + c10::str(t.sizes()) + " in this model");
   };
-  for (auto& p : model_->named_parameters()) load_into(p.key(), p.value());
-  for (auto& b : model_->named_buffers()) load_into(b.key(), b.value());
-  std::map<std::string, torch::Tensor> opt;
-  for (const auto& [k, v] : ckpt.tensors)
-    if (k.rfind("optim/", 0) == 0) opt[k.substr(6)] = v;
-  optimizer_->load_state_dict(opt);
-  auto rng = ckpt.tensors.find("rng/cpu");
-  if (rng != ckpt.tensors.end()) set_cpu_rng_state(rng->second);
-  step_ = ckpt.step;
-  epoch_ = ckpt.epoch;
-  step_in_epoch_ = ckpt.step_in_epoch;
-  if (ckpt.meta.contains("best_accuracy")) best_accuracy_ = ckpt.meta["best_accuracy"].get<double>();
-  resumed_from_ = *CheckpointStore::resolve(path);
+  auto buffers = model_->named_buffers();
+  for (auto& b : buffers) check(b.key(), b.value());
+  if (owner_) {
+    owner_->load_state(ckpt);  // checks its own tensors first
+  } else {
+    auto params = model_->named_parameters();
+    for (auto& p : params) check(p.key(), p.value());
+    std::map<std::string, torch::Tensor> opt;
+    for (const auto& name : ckpt.names())
+      if (name.rfind("optim/", 0) == 0) opt[name.substr(6)] = ckpt.read(name);
+    for (auto& p : params) p.value().copy_(ckpt.read("model/" + p.key()).view(p.value().sizes()));
+    optimizer_->load_state_dict(opt);
+  }
+  for (auto& b : buffers) b.value().copy_(ckpt.read("model/" + b.key()).view(b.value().sizes()));
+  if (ckpt.contains("rng/cpu")) set_cpu_rng_state(ckpt.read("rng/cpu"));
+  step_ = ckpt.step();
+  epoch_ = ckpt.epoch();
+  step_in_epoch_ = ckpt.step_in_epoch();
+  if (meta.contains("best_accuracy")) best_accuracy_ = meta["best_accuracy"].get<double>();
+  resumed_from_ = ckpt.folder();
 }
 
 TrainResult Trainer::run() {
@@ -337,6 +443,9 @@ TrainResult Trainer::run() {
         throw ConfigError("checkpoint.resume: no checkpoint at " + ck.resume);
       from = ck.resume;
     }
+    // Rank 0 decides which checkpoint every rank resumes (the ranks could otherwise see
+    // the folder at different moments of a save, or through different mounts).
+    if (options_.world && options_.world->size() > 1) from = broadcast_string(*options_.world, from);
     if (!from.empty()) restore(from);
   }
 
@@ -403,8 +512,12 @@ TrainResult Trainer::run() {
     interval_seconds += dt;
     const double sps = interval_seconds > 0 ? static_cast<double>(interval_samples) / interval_seconds : 0;
     if (log_now) {
+      const ModelStateBytes m = memory();
       metrics.write({{"step", step_}, {"epoch", epoch_}, {"loss", loss}, {"lr", lr},
-                     {"samples_per_s", sps}, {"time_s", seconds_since(t_start)}});
+                     {"samples_per_s", sps}, {"time_s", seconds_since(t_start)},
+                     {"model_state_bytes", {{"parameters", m.parameters}, {"gradients", m.gradients},
+                                            {"optimizer", m.optimizer}, {"buffers", m.buffers},
+                                            {"total", m.total()}}}});
     }
     Progress::Status st;
     st.step = step_;
@@ -441,9 +554,7 @@ TrainResult Trainer::run() {
     if (write) last_checkpoint = saved;
   }
   if (!ck.safetensors.empty()) {
-    TensorMap weights;
-    for (const auto& p : model_->named_parameters()) weights[p.key()] = p.value();
-    for (auto& s : strategies_) s->gather_state(weights);
+    TensorMap weights = this->weights();  // collective
     if (write)
       save_safetensors(ck.safetensors, weights,
                      {{"format", "pt"}, {"framework", "tetra"}, {"model", spec_.model.type},
@@ -462,6 +573,7 @@ TrainResult Trainer::run() {
   result.best_accuracy = best_accuracy_;
   result.checkpoint = last_checkpoint;
   result.phases = phases_;
+  result.memory = memory();
   return result;
 }
 

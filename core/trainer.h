@@ -45,6 +45,7 @@ struct TrainResult {
   struct Phases {
     double data = 0, forward = 0, backward = 0, gradients = 0, optimizer = 0;
   } phases;
+  ModelStateBytes memory;  // this rank's model state after the last step
 };
 
 struct TrainerOptions {
@@ -81,6 +82,12 @@ class Trainer {
   const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
   // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
   std::string plan() const;
+  // The model state this rank holds now (parameters, gradients, optimizer state and the
+  // communication buffers of a strategy that owns the state), counted by storage.
+  ModelStateBytes memory() const;
+  // Collective over the world: the whole model's parameters under their single-process
+  // names on the writer (empty elsewhere), whatever the layout (pipeline stages, ZeRO-3).
+  TensorMap weights();
 
  private:
   void restore(const std::string& path);
@@ -106,6 +113,7 @@ class Trainer {
   std::vector<std::unique_ptr<Strategy>> strategies_;
   std::unique_ptr<TrainState> state_;
   Strategy* stepper_ = nullptr;
+  ModelStateOwner* owner_ = nullptr;  // a strategy that keeps the model state (ZeRO)
   int64_t model_parameters_ = 0;  // the strategy that owns forward/backward, if any
   TrainResult::Phases phases_;
   // Averages a scalar over the data-parallel ranks (identity on one).

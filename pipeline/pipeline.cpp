@@ -213,14 +213,14 @@ class Pipeline final : public PipelineStrategy {
     torch::nn::Sequential kept;
     for (int c = 0; c < v; ++c) {
       const int s = sched_.stage_of(rank_, c);
-      torch::nn::Sequential chunk;
-      for (int i = partition_.first(s); i < partition_.end(s); ++i) {
-        chunk->push_back(std::to_string(i), layer(model, i));
-        kept->push_back(std::to_string(i), layer(model, i));
-      }
-      chunks_.push_back(chunk);
+      chunk_ranges_.push_back({static_cast<int>(kept->size()), partition_.end(s) - partition_.first(s)});
+      for (int i = partition_.first(s); i < partition_.end(s); ++i) kept->push_back(std::to_string(i), layer(model, i));
     }
     model = kept;
+    // The chunks are cut from the model when the first step runs, not now: a strategy
+    // that attaches after this one may wrap the layers (ZeRO-3 gathers each layer's
+    // parameters around its forward), and the chunks must run the wrapped layers.
+    model_ = &state.model;
     state.params.clear();
     for (const auto& p : model->named_parameters()) state.params.push_back({p.key(), p.value()});
   }
@@ -271,7 +271,18 @@ class Pipeline final : public PipelineStrategy {
   Schedule sched_;
   Partition partition_;
   std::vector<Boundary> boundaries_;  // boundaries_[i]: layer i's output
-  std::vector<torch::nn::Sequential> chunks_;
+  std::vector<torch::nn::Sequential> chunks_;      // cut from *model_ by chunk_ranges_ on first use
+  std::vector<std::pair<int, int>> chunk_ranges_;  // (first layer in the kept model, layers)
+  torch::nn::Sequential* model_ = nullptr;         // the trainer's model (this rank's layers)
+  void cut_chunks() {
+    if (!chunks_.empty()) return;
+    for (const auto& [first, count] : chunk_ranges_) {
+      torch::nn::Sequential chunk;
+      auto names = (*model_)->named_children();
+      for (int i = first; i < first + count; ++i) chunk->push_back(names[i].key(), layer(*model_, i));
+      chunks_.push_back(chunk);
+    }
+  }
   CommunicatorPtr pp_;
   Link act_out_, act_in_, grad_out_, grad_in_;
   PipelineStats stats_;
@@ -432,6 +443,7 @@ struct Slot {
 }  // namespace
 
 core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
+  cut_chunks();
   const int m = opt_.micro_batches, v = opt_.virtual_stages;
   const auto& prog = sched_.ranks[rank_];
   const int64_t n = step.indices.size(0);
@@ -594,6 +606,7 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
 }
 
 std::optional<core::EvalSums> Pipeline::evaluate(const core::Batch& batch, bool bf16) {
+  cut_chunks();
   // Forward only, through every stage in order; the batch goes in pieces so the stages
   // overlap (and no piece is larger than a training micro-batch needs to be).
   const int v = opt_.virtual_stages;

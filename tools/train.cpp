@@ -25,6 +25,7 @@
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
+#include "zero/zero.h"
 #include "hardware/host.h"
 
 namespace {
@@ -67,6 +68,10 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
                   100 * r.best_accuracy.value_or(*r.final_eval->accuracy));
   }
   std::printf("  peak memory  %s\n", human_bytes(hardware::peak_rss_bytes()).c_str());
+  std::printf("  model state  %s on rank 0: parameters %s, gradients %s, optimizer %s, buffers %s\n",
+              human_bytes(r.memory.total()).c_str(), human_bytes(r.memory.parameters).c_str(),
+              human_bytes(r.memory.gradients).c_str(), human_bytes(r.memory.optimizer).c_str(),
+              human_bytes(r.memory.buffers).c_str());
   if (!r.checkpoint.empty()) std::printf("  checkpoint   %s\n", r.checkpoint.c_str());
   if (!spec.checkpoint.safetensors.empty())
     std::printf("  weights      %s (safetensors)\n", spec.checkpoint.safetensors.c_str());
@@ -98,7 +103,7 @@ void print_plan(const JobSpec& spec, const Trainer& trainer, int threads) {
   std::printf("model      %s, %lld parameters\n%s", spec.model.type.c_str(),
               static_cast<long long>(params), describe(t.model()).c_str());
   const int64_t bytes = params * 4;
-  std::printf("memory     parameters %s + gradients %s + optimizer state %s = %s (fp32)\n",
+  std::printf("memory     parameters %s + gradients %s + optimizer state %s = %s (fp32, whole model, no sharding)\n",
               human_bytes(bytes).c_str(), human_bytes(bytes).c_str(),
               human_bytes(bytes * state_per_param).c_str(),
               human_bytes(bytes * (2 + state_per_param)).c_str());
@@ -135,6 +140,7 @@ int main(int argc, char** argv) {
     SectionRegistry plugins;  // the built-in strategy plugins, registered explicitly
     data_parallel::register_data_parallel(plugins);
     pipeline::register_pipeline(plugins);
+    zero::register_zero(plugins);
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
     if (check) {

@@ -212,8 +212,10 @@ std::vector<std::string> mpi_args(int np, const std::vector<std::string>& args) 
 
 Outcome run_mpi(int np, const std::vector<std::string>& args) { return run_program(TETRA_MPIEXEC, mpi_args(np, args)); }
 
-// `many` adds settings for the mpirun side only (the mesh and its strategies).
-void expect_mpi_follows_single(int np, const std::string& batch, std::vector<std::string> many_sets = {}) {
+// `many` adds settings for the mpirun side only (the mesh and its strategies), `both`
+// for both runs (the optimizer, say).
+void expect_mpi_follows_single(int np, const std::string& batch, std::vector<std::string> many_sets = {},
+                               const std::vector<std::string>& both = {}) {
   fs::path d = fresh_dir("mpi" + std::to_string(np));
   const std::string job = write_job(d, "job.yaml", R"(
 model: {type: mlp, hidden: [128, 64]}
@@ -224,9 +226,16 @@ data_parallel: {bucket_mb: 0.1}
 checkpoint: {dir: ""}
 log: {every: 1, progress: plain}
 )").string();
-  Outcome one = run({job, "--set", "data.batch_size=" + batch, "--set", "log.metrics=" + (d / "one.jsonl").string()});
+  std::vector<std::string> one_args = {job, "--set", "data.batch_size=" + batch, "--set",
+                                       "log.metrics=" + (d / "one.jsonl").string()};
+  for (const auto& kv : both) {
+    one_args.push_back("--set");
+    one_args.push_back(kv);
+    many_sets.push_back(kv);
+  }
+  Outcome one = run(one_args);
   ASSERT_EQ(one.status, 0) << one.out;
-  if (many_sets.empty()) many_sets = {"mesh.data=" + std::to_string(np)};
+  if (many_sets.size() == both.size()) many_sets.push_back("mesh.data=" + std::to_string(np));
   std::vector<std::string> args = {job, "--set", "data.batch_size=" + batch, "--set",
                                    "log.metrics=" + (d / "many.jsonl").string()};
   for (const auto& kv : many_sets) {
@@ -258,6 +267,35 @@ TEST(TrainMpi, InterleavedPipelineWithCheckpointingFollowsOneProcess) {
 TEST(TrainMpi, PipelineTimesDataOnFourProcessesFollowsOneProcess) {
   expect_mpi_follows_single(4, "128", {"mesh.pipeline=2", "mesh.data=2", "pipeline.schedule=1f1b", "pipeline.micro_batches=4",
                                        "pipeline.balance=by_time"});
+}
+
+// ZeRO over real processes, plain SGD without clipping (a sum instead of an average
+// would double every step), an odd world, and inside a pipeline's data groups.
+TEST(TrainMpi, ZeroStagesOnTwoProcessesFollowOneProcessWithPlainSgd) {
+  for (const char* stage : {"zero.stage=1", "zero.stage=2", "zero.stage=3"})
+    expect_mpi_follows_single(2, "128", {"mesh.data=2", stage}, {"optimizer.type=sgd", "optimizer.lr=0.05"});
+}
+TEST(TrainMpi, ZeroThreeOnThreeProcessesFollowsOneProcess) {
+  expect_mpi_follows_single(3, "192", {"mesh.data=3", "zero.stage=3", "zero.prefetch=2"});
+}
+TEST(TrainMpi, PipelineTimesZeroOnFourProcessesFollowsOneProcess) {
+  for (const char* stage : {"zero.stage=1", "zero.stage=3"})
+    expect_mpi_follows_single(4, "128", {"mesh.pipeline=2", "mesh.data=2", "pipeline.micro_batches=4", stage},
+                              {"optimizer.clip_grad_norm=0.5"});
+}
+
+TEST(TrainCli, ZeroConfigsAreValidAndTheDryRunShowsTheShardedState) {
+  for (const char* cfg : {"zero.yaml", "zero3-gpt.yaml"}) {
+    Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
+    EXPECT_EQ(r.status, 0) << cfg << "\n" << r.out;
+  }
+  Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/zero.yaml", "--dry-run"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("zero: stage 2 over 2 data ranks"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("model state per rank"), std::string::npos) << r.out;
+  Outcome bad = run({std::string(TETRA_SOURCE_DIR) + "/configs/zero.yaml", "--check", "--set", "zero.stage=4"});
+  EXPECT_EQ(bad.status, 2) << bad.out;
+  EXPECT_NE(bad.out.find("zero.stage"), std::string::npos) << bad.out;
 }
 
 TEST(TrainMpi, APipelineWithMoreStagesThanLayersIsOneClearErrorAndExit2) {

@@ -1,0 +1,711 @@
+#include "zero/zero.h"
+
+#include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <sstream>
+#include <unordered_map>
+
+#include "collectives/error.h"
+#include "core/bucketer.h"
+#include "core/models.h"
+#include "core/report.h"
+
+namespace tetra::zero {
+
+namespace {
+
+using collectives::AllgatherOptions;
+using collectives::CommunicatorPtr;
+using collectives::ReduceOp;
+using collectives::ReduceScatterOptions;
+using collectives::WorkPtr;
+using core::GradientBuckets;
+
+// Every unit is padded to a multiple of N x kAlign elements: each rank's chunk then starts
+// on a 64-byte boundary (fp32) and every rank owns exactly the same number of elements.
+constexpr int64_t kAlign = 16;
+// Buffers in the reduce-scatter and all-gather pools: one filling while one is on the wire.
+constexpr int kPoolSize = 2;
+
+int64_t storage_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+// Drops a buffer's bytes but keeps the tensor and every view of it (FSDP's "free the
+// unsharded flat parameter"): the parameters that view it keep their shapes, and
+// autograd's saved references see the values again once the bytes come back.
+void free_storage(const at::Tensor& t) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+}
+void alloc_storage(const at::Tensor& t) {
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (t.storage().nbytes() != bytes) at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+}
+
+class Zero;
+
+// Identity on the way forward; on the way back it runs before the wrapped layer's own
+// backward (the gradient of the layer's output arrives here first), which is when ZeRO-3
+// gathers that layer's parameters again.
+struct BeforeLayerBackward : torch::autograd::Function<BeforeLayerBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, int64_t owner, int64_t unit) {
+    ctx->saved_data["owner"] = owner;
+    ctx->saved_data["unit"] = unit;
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads);
+};
+
+// A layer of the model's sequence under ZeRO-3. It registers the wrapped layer's own
+// parameters, buffers and children under their own names, so the model's names stay
+// the single-process names ("3.weight", "2.attn.qkv.weight").
+class GatheredLayerImpl : public torch::nn::Module {
+ public:
+  GatheredLayerImpl(torch::nn::AnyModule inner, Zero* owner, int unit)
+      : torch::nn::Module("ZeroGathered"), inner_(std::move(inner)), owner_(owner), unit_(unit) {
+    auto m = inner_.ptr();
+    for (const auto& c : m->named_children()) register_module(c.key(), c.value());
+    for (const auto& p : m->named_parameters(false)) register_parameter(p.key(), p.value(), p.value().requires_grad());
+    for (const auto& b : m->named_buffers(false)) register_buffer(b.key(), b.value());
+  }
+  at::Tensor forward(at::Tensor x);
+  // The wrapped module is not a child (its children are): pass train/eval on to it.
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    inner_.ptr()->train(on);
+  }
+  void pretty_print(std::ostream& os) const override {
+    os << "ZeroGathered(";
+    inner_.ptr()->pretty_print(os);
+    os << ")";
+  }
+
+ private:
+  torch::nn::AnyModule inner_;
+  Zero* owner_;
+  int unit_;
+};
+TORCH_MODULE(GatheredLayer);
+
+class Zero final : public core::Strategy, public core::ModelStateOwner {
+ public:
+  explicit Zero(Options o) : opt_(std::move(o)) {}
+  ~Zero() override {
+    try {
+      drain();
+      for (auto& u : units_)
+        if (u.work) u.work->wait();
+    } catch (...) {
+    }
+  }
+  std::string name() const override { return "zero"; }
+  std::string gradient_axis() const override { return "data"; }
+
+  void attach(core::TrainState& state) override;
+  void before_backward(bool last) override { sync_ = last; }
+  void finish_gradients() override;
+  double reduce_grad_norm_sq(double local) override {
+    if (!comm_) return local;
+    at::Tensor t = at::full({1}, local, at::kDouble);
+    comm_->allreduce(t, sum_opts())->wait();
+    return t.item<double>();
+  }
+  double wait_seconds() const override { return wait_s_; }
+
+  // ModelStateOwner
+  void zero_grad() override;
+  double grad_norm_sq() override;
+  void scale_gradients(double factor) override;
+  void step(double lr) override;
+  void save_state(core::Checkpoint& ckpt) override;
+  void load_state(const core::CheckpointReader& reader) override;
+  void gather_parameters(core::TensorMap& out) override;
+  core::ModelStateBytes memory() const override;
+
+  // ZeRO-3, from the layer wrappers.
+  at::Tensor run_layer(int unit, torch::nn::AnyModule& inner, const at::Tensor& x);
+  void before_layer_backward(int unit);
+
+ private:
+  enum class Held { kFree, kGathering, kGathered };
+  struct Unit {
+    int64_t shard_offset = 0;  // where this rank's chunk lives in the shard buffers
+    int64_t chunk = 0;         // padded / N
+    at::Tensor full;           // the whole unit's parameters (stage 3: bytes only while gathered)
+    at::Tensor full_grad;      // stage 1: the whole unit's gradients (.grad views)
+    Held held = Held::kGathered;
+    WorkPtr work;              // stage 3: the gather in flight
+    bool launched = false;     // its reduce-scatter was issued this step
+  };
+  // A few flat buffers that ops borrow in turn; borrowing waits for the oldest op.
+  struct Pool {
+    std::vector<at::Tensor> buffers;
+    std::vector<WorkPtr> works;
+    std::vector<std::function<void()>> after;
+    size_t next = 0;
+  };
+
+  collectives::AllreduceOptions sum_opts() const {
+    collectives::AllreduceOptions o;
+    o.timeout = timeout_;
+    return o;
+  }
+  at::Tensor param_chunk(int u) {
+    Unit& un = units_[u];
+    return opt_.stage == 3 ? param_shard_.narrow(0, un.shard_offset, un.chunk)
+                           : un.full.narrow(0, rank_ * un.chunk, un.chunk);
+  }
+  at::Tensor grad_chunk(int u) {
+    Unit& un = units_[u];
+    return opt_.stage == 1 ? un.full_grad.narrow(0, rank_ * un.chunk, un.chunk)
+                           : grad_shard_.narrow(0, un.shard_offset, un.chunk);
+  }
+  // Borrows buffer i of `pool` (waiting for the op that last used it).
+  int borrow(Pool& pool);
+  void settle(Pool& pool, int i);
+  void drain();
+  void on_ready(int slot);
+  void reduce(int u);
+  void gather(int u);
+  void issue_gather(int u);
+  void release(int u);
+  void wrap_layers(core::TrainState& state, const std::vector<int>& unit_layer);
+  // For each parameter of unit u: [a, b) the part of it inside this rank's chunk, in the
+  // parameter's flattened elements, and where that part starts in the chunk.
+  struct Piece {
+    int slot;
+    int64_t begin, count, chunk_pos;
+  };
+  std::vector<Piece> pieces(int u) const;
+  std::vector<std::pair<std::string, at::Tensor*>> slot_tensors();
+
+  Options opt_;
+  const core::JobSpec* spec_ = nullptr;
+  core::Trace* trace_ = nullptr;
+  CommunicatorPtr comm_, gather_comm_;
+  collectives::Duration timeout_ = collectives::kDefaultTimeout;
+  int rank_ = 0, size_ = 1;
+  bool sync_ = false;
+  GradientBuckets buckets_;
+  std::vector<Unit> units_;
+  int64_t shard_numel_ = 0;
+  at::Tensor param_shard_, grad_shard_;   // stage 3 / stages 2 and 3
+  at::Tensor exp_avg_, exp_avg_sq_, momentum_;
+  Pool grad_pool_;     // stages 2, 3: whole unit gradients on their way to the reduce-scatter
+  Pool staging_pool_;  // stages 1, 2: a chunk on its way into or out of a collective
+  int64_t steps_ = 0;
+  double wait_s_ = 0;
+};
+
+at::Tensor GatheredLayerImpl::forward(at::Tensor x) { return owner_->run_layer(unit_, inner_, x); }
+
+torch::autograd::variable_list BeforeLayerBackward::backward(torch::autograd::AutogradContext* ctx,
+                                                             torch::autograd::variable_list grads) {
+  auto* owner = reinterpret_cast<Zero*>(ctx->saved_data["owner"].toInt());
+  owner->before_layer_backward(static_cast<int>(ctx->saved_data["unit"].toInt()));
+  return {grads[0], at::Tensor(), at::Tensor()};
+}
+
+// ---- attach ----------------------------------------------------------------------------
+
+void Zero::attach(core::TrainState& state) {
+  spec_ = &state.spec;
+  trace_ = &state.trace;
+  timeout_ = collectives::Duration(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
+  if (state.mesh && state.mesh->size("data") > 1) {
+    comm_ = state.mesh->axis("data");
+    rank_ = comm_->rank();
+    size_ = comm_->size();
+    core::check_same_job(*comm_, state, "zero");
+    core::broadcast_from_first(*comm_, state);
+    // Stage 3's gathers get a communicator (and progress thread) of their own, so a
+    // prefetch never queues behind a gradient reduce-scatter.
+    if (opt_.stage == 3) gather_comm_ = comm_->split(0, rank_, comm_->name() + " / zero gathers");
+  }
+  at::NoGradGuard no_grad;
+  const int64_t pad = size_ * kAlign;
+  std::vector<int> unit_layer;
+  if (opt_.stage == 3) {
+    // One unit per layer of the sequence that has parameters, in forward order.
+    std::unordered_map<const void*, const core::NamedParam*> by_impl;
+    for (const auto& p : state.params) by_impl[p.tensor.unsafeGetTensorImpl()] = &p;
+    std::vector<std::vector<core::NamedParam>> groups;
+    int index = 0;
+    for (const auto& layer : *state.model) {
+      std::vector<core::NamedParam> group;
+      for (const auto& t : layer.ptr()->parameters()) {
+        auto it = by_impl.find(t.unsafeGetTensorImpl());
+        TETRA_CHECK(it != by_impl.end(), "zero: a parameter of layer ", index, " is not among the trained parameters");
+        group.push_back(*it->second);
+      }
+      if (!group.empty()) unit_layer.push_back(index);
+      groups.push_back(std::move(group));
+      ++index;
+    }
+    buckets_ = GradientBuckets::by_groups(groups, pad);
+  } else {
+    buckets_ = GradientBuckets::by_size(state.params, static_cast<int64_t>(opt_.bucket_mb * 1024 * 1024), pad);
+  }
+  auto& bks = buckets_.buckets();
+  if (bks.empty()) throw ConfigError("zero: the model has no parameters to train");
+  const at::ScalarType dtype = bks.front().dtype;
+  for (const auto& b : bks)
+    if (b.dtype != dtype)
+      throw ConfigError("zero: the parameters have several dtypes; ZeRO shards one dtype (they are " +
+                        std::string(c10::toString(dtype)) + " and " + c10::toString(b.dtype) + ")");
+  const auto options = at::TensorOptions().dtype(dtype);
+
+  // The flat layout: every unit whole (parameters as views of it), this rank's chunks
+  // back to back in the shard buffers.
+  units_.resize(bks.size());
+  for (size_t u = 0; u < bks.size(); ++u) {
+    Unit& un = units_[u];
+    un.chunk = bks[u].padded / size_;
+    un.shard_offset = shard_numel_;
+    shard_numel_ += un.chunk;
+    un.full = at::zeros({bks[u].padded}, options);
+    for (int s : bks[u].slots) {
+      auto& sl = buckets_.slots()[s];
+      at::Tensor view = un.full.narrow(0, sl.offset, sl.numel).view(sl.param.tensor.sizes());
+      view.copy_(sl.param.tensor.detach());
+      sl.param.tensor.set_data(view);
+    }
+  }
+  if (opt_.stage == 3) {
+    param_shard_ = at::empty({shard_numel_}, options);
+    for (size_t u = 0; u < units_.size(); ++u) {
+      param_chunk(static_cast<int>(u)).copy_(units_[u].full.narrow(0, rank_ * units_[u].chunk, units_[u].chunk));
+      free_storage(units_[u].full);
+      units_[u].held = Held::kFree;
+    }
+  }
+  if (opt_.stage == 1) {
+    std::vector<at::Tensor> buffers;
+    for (auto& un : units_) {
+      un.full_grad = at::zeros_like(un.full);
+      buffers.push_back(un.full_grad);
+    }
+    buckets_.bind_views(buffers);
+  } else {
+    grad_shard_ = at::zeros({shard_numel_}, options);
+    for (auto& sl : buckets_.slots()) sl.param.tensor.mutable_grad() = at::Tensor();
+    for (int i = 0; i < kPoolSize; ++i) grad_pool_.buffers.push_back(at::empty({buckets_.max_padded()}, options));
+  }
+  if (opt_.stage <= 2 && size_ > 1) {
+    int64_t max_chunk = 0;
+    for (auto& un : units_) max_chunk = std::max(max_chunk, un.chunk);
+    for (int i = 0; i < kPoolSize; ++i) staging_pool_.buffers.push_back(at::empty({max_chunk}, options));
+  }
+  for (Pool* p : {&grad_pool_, &staging_pool_}) {
+    p->works.resize(p->buffers.size());
+    p->after.resize(p->buffers.size());
+  }
+  const auto& o = state.spec.optimizer;
+  if (o.type != "sgd") {
+    exp_avg_ = at::zeros({shard_numel_}, options);
+    exp_avg_sq_ = at::zeros({shard_numel_}, options);
+  } else if (o.momentum != 0) {
+    momentum_ = at::zeros({shard_numel_}, options);
+  }
+  buckets_.hook([this](int s) { on_ready(s); });
+  if (opt_.stage == 3) wrap_layers(state, unit_layer);
+}
+
+void Zero::wrap_layers(core::TrainState& state, const std::vector<int>& unit_layer) {
+  torch::nn::Sequential wrapped;
+  auto names = state.model->named_children();
+  size_t u = 0;
+  int index = 0;
+  for (auto& layer : *state.model) {
+    const std::string& name = names[index].key();
+    if (u < unit_layer.size() && unit_layer[u] == index) {
+      wrapped->push_back(std::string(name), GatheredLayer(layer, this, static_cast<int>(u)));
+      ++u;
+    } else {
+      wrapped->push_back(std::string(name), layer);
+    }
+    ++index;
+  }
+  if (!state.model->is_training()) wrapped->eval();
+  state.model = wrapped;
+}
+
+// ---- stage 3: gathering layers -----------------------------------------------------------
+
+void Zero::issue_gather(int u) {
+  Unit& un = units_[u];
+  alloc_storage(un.full);
+  at::Tensor mine = param_shard_.narrow(0, un.shard_offset, un.chunk);
+  if (!gather_comm_) {
+    un.full.copy_(mine);
+    un.held = Held::kGathered;
+    return;
+  }
+  AllgatherOptions o;
+  o.timeout = timeout_;
+  un.work = gather_comm_->allgather(mine, un.full, o);
+  un.held = Held::kGathering;
+}
+
+void Zero::gather(int u) {
+  Unit& un = units_[u];
+  if (un.held == Held::kFree) issue_gather(u);
+  if (un.held == Held::kGathering) {
+    const auto t0 = std::chrono::steady_clock::now();
+    un.work->wait();
+    wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    un.work.reset();
+    un.held = Held::kGathered;
+  }
+}
+
+void Zero::release(int u) {
+  Unit& un = units_[u];
+  if (opt_.stage != 3 || un.held == Held::kFree) return;
+  if (un.work) {  // never free bytes an op is still writing
+    un.work->wait();
+    un.work.reset();
+  }
+  free_storage(un.full);
+  un.held = Held::kFree;
+}
+
+at::Tensor Zero::run_layer(int u, torch::nn::AnyModule& inner, const at::Tensor& x) {
+  gather(u);
+  for (int k = 1; k <= opt_.prefetch && u + k < static_cast<int>(units_.size()); ++k)
+    if (units_[u + k].held == Held::kFree) issue_gather(u + k);
+  at::Tensor y = inner.forward(x);
+  if (at::GradMode::is_enabled() && y.requires_grad())
+    y = BeforeLayerBackward::apply(y, reinterpret_cast<int64_t>(this), static_cast<int64_t>(u));
+  release(u);
+  return y;
+}
+
+void Zero::before_layer_backward(int u) {
+  gather(u);
+  for (int k = 1; k <= opt_.prefetch && u - k >= 0; ++k)
+    if (units_[u - k].held == Held::kFree) issue_gather(u - k);
+}
+
+// ---- gradients -------------------------------------------------------------------------
+
+int Zero::borrow(Pool& pool) {
+  const int i = static_cast<int>(pool.next++ % pool.buffers.size());
+  settle(pool, i);
+  return i;
+}
+
+void Zero::settle(Pool& pool, int i) {
+  if (pool.works[i]) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.works[i]->wait();
+    wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    pool.works[i].reset();
+  }
+  if (pool.after[i]) {
+    auto fn = std::move(pool.after[i]);
+    pool.after[i] = nullptr;
+    fn();
+  }
+}
+
+void Zero::drain() {
+  for (Pool* p : {&grad_pool_, &staging_pool_})
+    for (size_t i = 0; i < p->buffers.size(); ++i) settle(*p, static_cast<int>(i));
+}
+
+void Zero::on_ready(int slot) {
+  const int u = buckets_.slots()[slot].bucket;
+  // Stages 1 and 2 act only on the step's last backward (the others accumulate); stage 3
+  // also frees a layer after each backward.
+  if (opt_.stage < 3 && (!sync_ || !opt_.overlap)) return;
+  if (opt_.stage == 1) buckets_.bind(slot);
+  if (!buckets_.mark(slot)) return;
+  // The unit's gradients are complete for this backward.
+  at::NoGradGuard no_grad;
+  if (sync_ && (opt_.overlap || opt_.stage == 3)) reduce(u);
+  if (opt_.stage == 3 && !sync_) {
+    buckets_.reset_bucket(u);
+    release(u);
+  }
+}
+
+// The unit's average gradient lands in this rank's chunk.
+void Zero::reduce(int u) {
+  Unit& un = units_[u];
+  if (un.launched) return;
+  un.launched = true;
+  ReduceScatterOptions o;
+  o.op = ReduceOp::kAvg;
+  o.timeout = timeout_;
+  if (opt_.stage == 1) {
+    if (!comm_) return;  // one rank: the whole gradient is the chunk
+    // Into a staging buffer (a reduce-scatter cannot write inside its own input), then
+    // into the chunk of the unit's gradient that this rank steps.
+    const int i = borrow(staging_pool_);
+    at::Tensor out = staging_pool_.buffers[i].narrow(0, 0, un.chunk);
+    staging_pool_.works[i] = comm_->reduce_scatter(un.full_grad, out, o);
+    staging_pool_.after[i] = [this, u, out] { grad_chunk(u).copy_(out); };
+    return;
+  }
+  const int i = borrow(grad_pool_);
+  const auto& b = buckets_.buckets()[u];
+  at::Tensor flat = grad_pool_.buffers[i].narrow(0, 0, b.padded);
+  buckets_.take_gradients(u, flat);
+  if (opt_.stage == 3) release(u);  // its backward is over
+  if (!comm_) {
+    grad_chunk(u).copy_(flat);
+    return;
+  }
+  grad_pool_.works[i] = comm_->reduce_scatter(flat, grad_chunk(u), o);
+}
+
+void Zero::finish_gradients() {
+  sync_ = false;
+  at::NoGradGuard no_grad;
+  // Units not yet on their way: overlap off, or parameters that got no gradient.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].launched) continue;
+    if (opt_.stage == 1)
+      for (int s : buckets_.buckets()[u].slots) buckets_.bind(s);
+    reduce(static_cast<int>(u));
+  }
+  drain();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    units_[u].launched = false;
+    release(static_cast<int>(u));
+  }
+  buckets_.reset();
+}
+
+void Zero::zero_grad() {
+  at::NoGradGuard no_grad;
+  if (opt_.stage == 1) {
+    for (auto& un : units_) un.full_grad.zero_();
+    for (size_t s = 0; s < buckets_.slots().size(); ++s) buckets_.bind(static_cast<int>(s));
+  } else {
+    for (auto& sl : buckets_.slots()) sl.param.tensor.mutable_grad() = at::Tensor();
+  }
+}
+
+double Zero::grad_norm_sq() {
+  at::NoGradGuard no_grad;
+  double sq = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const double n = grad_chunk(static_cast<int>(u)).norm().item<double>();
+    sq += n * n;
+  }
+  return sq;
+}
+
+void Zero::scale_gradients(double factor) {
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) grad_chunk(static_cast<int>(u)).mul_(factor);
+}
+
+void Zero::step(double lr) {
+  at::NoGradGuard no_grad;
+  ++steps_;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int u = static_cast<int>(k);
+    Unit& un = units_[u];
+    core::UpdateSlots slots;
+    if (exp_avg_.defined()) {
+      slots.exp_avg = exp_avg_.narrow(0, un.shard_offset, un.chunk);
+      slots.exp_avg_sq = exp_avg_sq_.narrow(0, un.shard_offset, un.chunk);
+    }
+    if (momentum_.defined()) {
+      slots.momentum = momentum_.narrow(0, un.shard_offset, un.chunk);
+      slots.fresh_momentum = steps_ == 1;
+    }
+    at::Tensor p = param_chunk(u);
+    core::fused_update(spec_->optimizer, lr, steps_, p, grad_chunk(u), slots);
+    if (opt_.stage == 3 || !comm_) continue;
+    // Every rank's updated chunk into every rank's whole parameters.
+    const int i = borrow(staging_pool_);
+    at::Tensor in = staging_pool_.buffers[i].narrow(0, 0, un.chunk);
+    in.copy_(p);
+    AllgatherOptions o;
+    o.timeout = timeout_;
+    staging_pool_.works[i] = comm_->allgather(in, un.full, o);
+  }
+  drain();
+}
+
+// ---- checkpoints -----------------------------------------------------------------------
+
+std::vector<Zero::Piece> Zero::pieces(int u) const {
+  std::vector<Piece> out;
+  const auto& b = buckets_.buckets()[u];
+  const int64_t lo = rank_ * units_[u].chunk, hi = lo + units_[u].chunk;
+  for (int s : b.slots) {
+    const auto& sl = buckets_.slots()[s];
+    const int64_t a = std::max(lo, sl.offset), e = std::min(hi, sl.offset + sl.numel);
+    if (a < e) out.push_back({s, a - sl.offset, e - a, a - lo});
+  }
+  return out;
+}
+
+void Zero::save_state(core::Checkpoint& ckpt) {
+  at::NoGradGuard no_grad;
+  const std::vector<std::pair<std::string, at::Tensor>> state = {
+      {"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"momentum", momentum_}};
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int u = static_cast<int>(k);
+    const Unit& un = units_[u];
+    at::Tensor params = param_chunk(u);
+    for (const Piece& pc : pieces(u)) {
+      const auto& sl = buckets_.slots()[pc.slot];
+      const std::vector<int64_t> shape = sl.param.tensor.sizes().vec();
+      ckpt.slices["model/" + sl.param.name] = {shape, pc.begin, params.narrow(0, pc.chunk_pos, pc.count).clone()};
+      for (const auto& [key, t] : state)
+        if (t.defined())
+          ckpt.slices["optim/" + sl.param.name + "." + key] = {
+              shape, pc.begin, t.narrow(0, un.shard_offset + pc.chunk_pos, pc.count).clone()};
+    }
+  }
+  if (rank_ == 0) ckpt.tensors["optim/__step__"] = torch::tensor(steps_, torch::kInt64);
+}
+
+void Zero::load_state(const core::CheckpointReader& reader) {
+  at::NoGradGuard no_grad;
+  // Every check first: a mismatch changes nothing.
+  auto check = [&](const std::string& key, const at::Tensor& like, const std::string& what) {
+    if (!reader.contains(key))
+      throw ConfigError("checkpoint " + reader.folder() + " has no tensor " + key + " for " + what +
+                        " (is it from another model or optimizer?)");
+    const auto shape = reader.shape(key);
+    if (!like.sizes().equals(shape))
+      throw ConfigError("checkpoint " + reader.folder() + ": tensor " + key + " has shape " + c10::str(at::IntArrayRef(shape)) +
+                        " there and " + c10::str(like.sizes()) + " in this model");
+  };
+  int64_t steps = 0;
+  if (reader.contains("optim/__step__")) steps = reader.read("optim/__step__").item<int64_t>();
+  const std::vector<std::pair<std::string, at::Tensor>> state = {
+      {"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"momentum", momentum_}};
+  for (const auto& sl : buckets_.slots()) {
+    check("model/" + sl.param.name, sl.param.tensor, "model parameter " + sl.param.name);
+    if (steps > 0 && sl.param.tensor.requires_grad())
+      for (const auto& [key, t] : state)
+        if (t.defined()) check("optim/" + sl.param.name + "." + key, sl.param.tensor, "the optimizer state of " + sl.param.name);
+  }
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int u = static_cast<int>(k);
+    const Unit& un = units_[u];
+    at::Tensor params = param_chunk(u);
+    for (const Piece& pc : pieces(u)) {
+      const auto& sl = buckets_.slots()[pc.slot];
+      params.narrow(0, pc.chunk_pos, pc.count).copy_(reader.read_flat("model/" + sl.param.name, pc.begin, pc.count));
+      for (const auto& [key, t] : state) {
+        if (!t.defined()) continue;
+        at::Tensor dst = t.narrow(0, un.shard_offset + pc.chunk_pos, pc.count);
+        const std::string name = "optim/" + sl.param.name + "." + key;
+        if (reader.contains(name))
+          dst.copy_(reader.read_flat(name, pc.begin, pc.count));
+        else
+          dst.zero_();
+      }
+    }
+    if (opt_.stage < 3) {
+      // Stages 1 and 2 keep the whole parameters: read the rest of them too.
+      for (int s : buckets_.buckets()[u].slots) {
+        const auto& sl = buckets_.slots()[s];
+        sl.param.tensor.detach().copy_(reader.read("model/" + sl.param.name).view(sl.param.tensor.sizes()));
+      }
+    }
+  }
+  steps_ = steps;
+}
+
+void Zero::gather_parameters(core::TensorMap& out) {
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int u = static_cast<int>(k);
+    const bool was_free = opt_.stage == 3 && units_[u].held == Held::kFree;
+    if (opt_.stage == 3) gather(u);
+    if (rank_ == 0)
+      for (int s : buckets_.buckets()[u].slots) {
+        const auto& sl = buckets_.slots()[s];
+        out[sl.param.name] = sl.param.tensor.detach().clone();
+      }
+    if (was_free) release(u);
+  }
+}
+
+core::ModelStateBytes Zero::memory() const {
+  core::ModelStateBytes m;
+  for (const auto& un : units_) {
+    if (opt_.stage < 3)
+      m.parameters += storage_bytes(un.full);
+    else
+      m.buffers += storage_bytes(un.full);  // gathered at the moment
+    m.gradients += storage_bytes(un.full_grad);
+  }
+  m.parameters += storage_bytes(param_shard_);
+  m.gradients += storage_bytes(grad_shard_);
+  m.optimizer = storage_bytes(exp_avg_) + storage_bytes(exp_avg_sq_) + storage_bytes(momentum_);
+  for (const Pool* p : {&grad_pool_, &staging_pool_})
+    for (const auto& b : p->buffers) m.buffers += storage_bytes(b);
+  return m;
+}
+
+}  // namespace
+
+// ---- the job spec ----------------------------------------------------------------------
+
+core::ModelStateBytes estimate_memory(const core::JobSpec& spec, int stage, int data_ranks, int64_t params) {
+  const auto& o = spec.optimizer;
+  const int64_t slots = o.type != "sgd" ? 2 : (o.momentum != 0 ? 1 : 0);
+  const int64_t psi = params * 4, n = std::max(1, data_ranks);  // fp32
+  core::ModelStateBytes m;
+  m.parameters = stage >= 3 ? psi / n : psi;
+  m.gradients = stage >= 2 ? psi / n : psi;
+  m.optimizer = stage >= 1 ? slots * psi / n : slots * psi;
+  return m;
+}
+
+std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<Zero>(*this); }
+
+std::string Options::plan(const core::PlanInput& input) const {
+  const int n = input.spec.mesh.size("data");
+  const int pp = input.spec.mesh.size("pipeline");
+  const int64_t psi = core::parameter_count(*input.model);
+  std::ostringstream os;
+  os << "zero: stage " << stage << " over " << n << " data rank" << (n == 1 ? "" : "s");
+  if (n == 1) os << " (one data rank: nothing to shard, every rank holds the whole state)";
+  if (stage <= 2) os << ", reduce-scatter units of " << bucket_mb << " MiB" << (overlap ? " during backward" : " after backward");
+  if (stage == 3) os << ", a unit per layer, " << prefetch << " layer" << (prefetch == 1 ? "" : "s") << " prefetched";
+  os << "\n";
+  auto line = [&](const char* what, const core::ModelStateBytes& m) {
+    os << "  " << what << "parameters " << core::human_bytes(m.parameters) << " + gradients "
+       << core::human_bytes(m.gradients) << " + optimizer state " << core::human_bytes(m.optimizer) << " = "
+       << core::human_bytes(m.total()) << "\n";
+  };
+  line("model state per rank (fp32): ", estimate_memory(input.spec, stage, n, psi / pp));
+  line("without ZeRO it would be:   ", estimate_memory(input.spec, 0, n, psi / pp));
+  if (pp > 1) os << "  (each pipeline stage's share, taken as 1/" << pp << " of the model's parameters)\n";
+  os << "  plus communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "2 units (gradients on their way) + 2 chunks")
+     << (stage == 3 ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
+  return os.str();
+}
+
+void register_zero(core::SectionRegistry& registry) {
+  registry.add("zero", [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
+    auto o = std::make_shared<Options>();
+    o->stage = static_cast<int>(s.integer("stage", 0, 0, 3));
+    o->bucket_mb = s.positive_number("bucket_mb", o->bucket_mb);
+    o->overlap = s.boolean("overlap", o->overlap);
+    o->prefetch = static_cast<int>(s.integer("prefetch", o->prefetch, 0, 64));
+    s.finish();
+    if (o->stage == 0) return nullptr;  // off: the data_parallel plugin allreduces
+    return o;
+  });
+}
+
+}  // namespace tetra::zero
