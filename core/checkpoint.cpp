@@ -13,6 +13,7 @@
 
 #include "collectives/communicator.h"
 #include "collectives/error.h"
+#include "core/text.h"
 
 // Note [Checkpoint format 2]
 // meta.json holds the user's meta fields at its top level (as format 1 did) and these:
@@ -80,15 +81,6 @@ std::vector<std::string> step_dirs(const std::string& dir) {
   return out;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::string range_text(int64_t begin, int64_t end) {
-  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
-}
 
 // Elements of a shape; -1 when a dimension is negative.
 int64_t numel_of(const std::vector<int64_t>& shape) {
@@ -122,8 +114,8 @@ void add_part(Index& index, const std::string& name, at::ScalarType dtype,
     throw Error(where + ": tensor " + name + " is " + safetensors_dtype_name(e.dtype) + " in " +
                 e.first_file + " but " + safetensors_dtype_name(dtype) + " in " + part.file);
   } else if (e.shape != shape) {
-    throw Error(where + ": tensor " + name + " has shape " + shape_text(e.shape) + " in " +
-                e.first_file + " but " + shape_text(shape) + " in " + part.file);
+    throw Error(where + ": tensor " + name + " has shape " + shape_str(e.shape) + " in " +
+                e.first_file + " but " + shape_str(shape) + " in " + part.file);
   }
   e.parts.push_back(std::move(part));
 }
@@ -161,9 +153,9 @@ void index_file(Index& index, const std::string& file_name, const SafetensorsFil
     const int64_t numel = numel_of(shape);
     if (entry.shape.size() != 1 || numel < 0 || begin < 0 || begin > numel ||
         entry.numel() > numel - begin)
-      throw Error(file.path() + ": the slice of tensor " + name + " (" + shape_text(entry.shape) +
+      throw Error(file.path() + ": the slice of tensor " + name + " (" + shape_str(entry.shape) +
                   " elements from " + std::to_string(begin) + ") does not fit its shape " +
-                  shape_text(shape));
+                  shape_str(shape));
     add_part(index, name, entry.dtype, shape, Part{file_name, begin, begin + entry.numel()}, where);
   }
   for (auto it = slices.begin(); it != slices.end(); ++it)
@@ -176,7 +168,7 @@ void index_file(Index& index, const std::string& file_name, const SafetensorsFil
 void check_index(Index& index, const std::string& where) {
   for (auto& [name, e] : index) {
     const int64_t numel = numel_of(e.shape);
-    if (numel < 0) throw Error(where + ": tensor " + name + " has shape " + shape_text(e.shape));
+    if (numel < 0) throw Error(where + ": tensor " + name + " has shape " + shape_str(e.shape));
     auto& parts = e.parts;
     std::stable_sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) {
       return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
@@ -194,20 +186,20 @@ void check_index(Index& index, const std::string& where) {
       const Part& p = parts[i];
       if (p.begin < 0 || p.end < p.begin || p.end > numel)
         throw Error(where + ": tensor " + name + " (" + std::to_string(numel) +
-                    " elements) has a part " + range_text(p.begin, p.end) + " in " + p.file +
+                    " elements) has a part " + range_str(p.begin, p.end) + " in " + p.file +
                     " outside it");
       if (p.begin > at)
-        throw Error(where + ": tensor " + name + ": elements " + range_text(at, p.begin) +
+        throw Error(where + ": tensor " + name + ": elements " + range_str(at, p.begin) +
                     " of its " + std::to_string(numel) +
                     " are in no file (a gap between the slices of the ranks)");
       if (p.begin < at)
         throw Error(where + ": tensor " + name + ": elements " +
-                    range_text(p.begin, std::min(at, p.end)) + " are in both " + parts[i - 1].file +
+                    range_str(p.begin, std::min(at, p.end)) + " are in both " + parts[i - 1].file +
                     " and " + p.file + " (overlapping slices)");
       at = p.end;
     }
     if (at < numel)
-      throw Error(where + ": tensor " + name + ": elements " + range_text(at, numel) + " of its " +
+      throw Error(where + ": tensor " + name + ": elements " + range_str(at, numel) + " of its " +
                   std::to_string(numel) + " are in no file (a gap after the last slice)");
   }
 }
@@ -269,12 +261,12 @@ void write_part(const fs::path& file, const Checkpoint& ckpt, int rank) {
       throw Error(who + " holds tensor " + name + " both whole and as a slice");
     if (!s.data.defined() || s.data.dim() != 1)
       throw Error(who + ": the slice of tensor " + name + " must be 1-D, not of shape " +
-                  (s.data.defined() ? shape_text(s.data.sizes().vec()) : "(undefined)"));
+                  (s.data.defined() ? shape_str(s.data.sizes().vec()) : "(undefined)"));
     const int64_t numel = numel_of(s.shape);
     if (numel < 0 || s.begin < 0 || s.begin > numel || s.data.numel() > numel - s.begin)
       throw Error(who + ": the slice of tensor " + name + " holds elements " +
-                  range_text(s.begin, s.begin + s.data.numel()) + ", outside its shape " +
-                  shape_text(s.shape));
+                  range_str(s.begin, s.begin + s.data.numel()) + ", outside its shape " +
+                  shape_str(s.shape));
     tensors.emplace(name, s.data);
     slices[name] = {{"begin", s.begin}, {"shape", s.shape}};
   }
@@ -545,14 +537,14 @@ void CheckpointReader::read_into(const std::string& name, const Entry& e, int64_
     const SafetensorsFile& f = file(it->file);
     if (!f.contains(name))
       throw Error("checkpoint " + folder_ + ": " + it->file + " has no tensor " + name +
-                  ", though the index puts its elements " + range_text(it->begin, it->end) +
+                  ", though the index puts its elements " + range_str(it->begin, it->end) +
                   " there");
     const auto& stored = f.entry(name);
     if (stored.dtype != e.dtype || stored.numel() != it->end - it->begin)
       throw Error("checkpoint " + folder_ + ": " + it->file + " holds tensor " + name + " as " +
-                  safetensors_dtype_name(stored.dtype) + " " + shape_text(stored.shape) +
+                  safetensors_dtype_name(stored.dtype) + " " + shape_str(stored.shape) +
                   ", the index as " + safetensors_dtype_name(e.dtype) + " elements " +
-                  range_text(it->begin, it->end));
+                  range_str(it->begin, it->end));
     f.read(name, static_cast<uint64_t>(lo - it->begin) * size,
            static_cast<uint64_t>(hi - lo) * size, out + static_cast<size_t>(lo - begin) * size);
   }
@@ -569,7 +561,7 @@ torch::Tensor CheckpointReader::read_flat(const std::string& name, int64_t begin
                                           int64_t count) const {
   const Entry& e = find(name);
   if (begin < 0 || count < 0 || begin > e.numel || count > e.numel - begin)
-    throw Error("checkpoint " + folder_ + ": elements " + range_text(begin, begin + count) +
+    throw Error("checkpoint " + folder_ + ": elements " + range_str(begin, begin + count) +
                 " of tensor " + name + " are outside its " + std::to_string(e.numel) + " elements");
   torch::Tensor t = torch::empty({count}, torch::TensorOptions().dtype(e.dtype));
   if (count > 0) read_into(name, e, begin, count, t.data_ptr());

@@ -24,4 +24,9 @@ inline std::string shape_str(const std::vector<int64_t>& v) {
   return out + "]";
 }
 
+// "[3, 7)": a half-open range of elements
+inline std::string range_str(int64_t begin, int64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+
 }  // namespace tetra::core

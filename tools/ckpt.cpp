@@ -25,21 +25,15 @@
 #include "core/checkpoint.h"
 #include "core/report.h"
 #include "core/safetensors.h"
+#include "core/text.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using tetra::core::CheckpointReader;
+using tetra::core::range_str;
+using tetra::core::shape_str;
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::string range_text(int64_t begin, int64_t end) {
-  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
-}
 
 // "312 B" below a KiB, where human_bytes would say "0 KiB".
 std::string size_text(int64_t bytes) {
@@ -82,7 +76,7 @@ int show(const std::string& path, bool parts) {
   for (const auto& n : names) {
     const int64_t bytes = tensor_bytes(r, n);
     tensor_total += bytes;
-    rows.push_back({n, tetra::core::safetensors_dtype_name(r.dtype(n)), shape_text(r.shape(n)),
+    rows.push_back({n, tetra::core::safetensors_dtype_name(r.dtype(n)), shape_str(r.shape(n)),
                     std::to_string(bytes), std::to_string(r.parts(n).size())});
   }
   size_t wn = 0, wd = 0, ws = 0, wb = 0;
@@ -100,7 +94,7 @@ int show(const std::string& path, bool parts) {
                 static_cast<int>(wb), row.bytes.c_str(), row.parts.c_str());
     if (parts && i > 0)
       for (const auto& p : r.parts(row.name))
-        std::printf("      %s  %s\n", p.file.c_str(), range_text(p.begin, p.end).c_str());
+        std::printf("      %s  %s\n", p.file.c_str(), range_str(p.begin, p.end).c_str());
   }
   return 0;
 }

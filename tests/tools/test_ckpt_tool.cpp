@@ -1,12 +1,8 @@
 // `ckpt` as a user runs it: a checkpoint written as ZeRO shards by three thread-ranks is
 // shown (step, ranks, files, tensors, parts) and exported as one safetensors file of whole
 // tensors; bad paths exit 2 with "ckpt: error:" naming them.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -16,8 +12,8 @@
 #include "collectives/local.h"
 #include "core/checkpoint.h"
 #include "core/safetensors.h"
+#include "tests/tools/spawn.h"
 
-extern char** environ;
 namespace fs = std::filesystem;
 using namespace tetra::core;
 
@@ -25,45 +21,13 @@ namespace {
 
 const std::string kCkpt = std::string(TETRA_BIN_DIR) + "/ckpt";
 
-fs::path fresh_dir(const std::string& name) {
-  fs::path d =
-      fs::path(testing::TempDir()) / ("tetra_ckpt_tool_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using tetra::testing_tools::Outcome;
+using tetra::testing_tools::slurp;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-struct Outcome {
-  int status = -1;
-  std::string out, err;
-};
+fs::path fresh_dir(const std::string& name) { return tetra::testing_tools::fresh_dir("tetra_ckpt_tool", name); }
 
 Outcome run(const fs::path& dir, const std::vector<std::string>& args) {
-  const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(kCkpt.c_str()));
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  pid_t pid = -1;
-  Outcome r;
-  EXPECT_EQ(posix_spawn(&pid, kCkpt.c_str(), &fa, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&fa);
-  if (pid <= 0) return r;
-  int st = 0;
-  waitpid(pid, &st, 0);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return tetra::testing_tools::run_tool(kCkpt, dir, args);
 }
 
 // A small model's state as one process names it.

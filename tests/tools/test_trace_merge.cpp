@@ -4,10 +4,6 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -17,8 +13,8 @@
 #include <vector>
 
 #include "core/report.h"
+#include "tests/tools/spawn.h"
 
-extern char** environ;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -26,44 +22,13 @@ namespace {
 
 const std::string kMerge = std::string(TETRA_BIN_DIR) + "/trace-merge";
 
-fs::path fresh_dir(const std::string& name) {
-  fs::path d = fs::path(testing::TempDir()) / ("tetra_trace_merge_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using tetra::testing_tools::Outcome;
+using tetra::testing_tools::slurp;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-struct Outcome {
-  int status = -1;
-  std::string out, err;
-};
+fs::path fresh_dir(const std::string& name) { return tetra::testing_tools::fresh_dir("tetra_trace_merge", name); }
 
 Outcome run(const fs::path& dir, const std::vector<std::string>& args) {
-  const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(kMerge.c_str()));
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  pid_t pid = -1;
-  Outcome r;
-  EXPECT_EQ(posix_spawn(&pid, kMerge.c_str(), &fa, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&fa);
-  if (pid <= 0) return r;
-  int st = 0;
-  waitpid(pid, &st, 0);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return tetra::testing_tools::run_tool(kMerge, dir, args);
 }
 
 // A rank's trace as the trainer writes it: tracks compute, data (and checkpoint on rank 0),

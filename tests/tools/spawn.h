@@ -1,0 +1,63 @@
+// Running a tool as a user runs it, for the tests of tools/: a fresh folder per case, and
+// one spawn of the binary with its stdout and stderr captured in files of that folder.
+#pragma once
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace tetra::testing_tools {
+
+// An empty folder under the test's temporary directory: <prefix>_<name>_<pid>.
+inline std::filesystem::path fresh_dir(const std::string& prefix, const std::string& name) {
+  std::filesystem::path d =
+      std::filesystem::path(testing::TempDir()) / (prefix + "_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+struct Outcome {
+  int status = -1;  // the exit status, or 128 + the signal that ended it
+  std::string out, err;
+};
+
+// Runs `exe args...` to its end; its output lands in dir/stdout.txt and dir/stderr.txt.
+inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir, const std::vector<std::string>& args) {
+  const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(exe.c_str()));
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = -1;
+  Outcome r;
+  EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  if (pid <= 0) return r;
+  int st = 0;
+  waitpid(pid, &st, 0);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+}  // namespace tetra::testing_tools
