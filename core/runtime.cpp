@@ -58,6 +58,10 @@ void tune_allocator() {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
+  // Blocks above the 32 MiB ceiling would still be mapped and faulted in afresh on every
+  // step (a 4096 x 4096 layer's gradient is 64 MiB): serve them from the heap too.
+  if (const char* mmap = std::getenv("TETRA_MALLOC_MMAP"); !(mmap && std::strcmp(mmap, "1") == 0))
+    mallopt(M_MMAP_MAX, 0);
 }
 
 int local_ranks_from_env() {

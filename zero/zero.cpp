@@ -1,6 +1,5 @@
 #include "zero/zero.h"
 
-#include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -36,15 +35,17 @@ int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
-// Drops a buffer's bytes but keeps the tensor and every view of it (FSDP's "free the
-// unsharded flat parameter"): the parameters that view it keep their shapes, and
-// autograd's saved references see the values again once the bytes come back.
-void free_storage(const at::Tensor& t) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
-}
-void alloc_storage(const at::Tensor& t) {
-  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (t.storage().nbytes() != bytes) at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+// Points a buffer's storage at `bytes` (or at nothing) and keeps the tensor and every view
+// of it (FSDP's "free the unsharded flat parameter"): the parameters that view it keep
+// their shapes, and autograd's saved references see the values again once the bytes come
+// back. The bytes come from a pool that outlives the views' use: a gather into the same
+// memory as last time costs nothing to map, where fresh memory made each all-gather 10x
+// slower here (both ranks faulting in, and Open MPI's shared-memory path attaching, new
+// pages on every op).
+void point_storage(const at::Tensor& t, void* bytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr(at::DataPtr(bytes, at::Device(at::kCPU)));  // not owning: the pool frees it
+  s->set_nbytes(bytes ? static_cast<size_t>(t.numel()) * t.element_size() : 0);
 }
 
 class Zero;
@@ -141,6 +142,7 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
     at::Tensor full_grad;      // stage 1: the whole unit's gradients (.grad views)
     Held held = Held::kGathered;
     WorkPtr work;              // stage 3: the gather in flight
+    at::Tensor gathered_in;    // stage 3: the pool buffer its bytes live in while gathered
     bool launched = false;     // its reduce-scatter was issued this step
   };
   // A few flat buffers that ops borrow in turn; borrowing waits for the oldest op.
@@ -199,6 +201,10 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   at::Tensor exp_avg_, exp_avg_sq_, momentum_;
   Pool grad_pool_;     // stages 2, 3: whole unit gradients on their way to the reduce-scatter
   Pool staging_pool_;  // stages 1, 2: a chunk on its way into or out of a collective
+  // Stage 3: buffers (of the largest unit) that gathered units borrow; grows to the most
+  // ever gathered at once (the running layer, its prefetches, one on its way back).
+  std::vector<at::Tensor> gather_free_;
+  int64_t gather_buffers_ = 0;
   int64_t steps_ = 0;
   double wait_s_ = 0;
 };
@@ -281,7 +287,9 @@ void Zero::attach(core::TrainState& state) {
     param_shard_ = at::empty({shard_numel_}, options);
     for (size_t u = 0; u < units_.size(); ++u) {
       param_chunk(static_cast<int>(u)).copy_(units_[u].full.narrow(0, rank_ * units_[u].chunk, units_[u].chunk));
-      free_storage(units_[u].full);
+      // Its own bytes go (the pool serves it from now on); its shape and views stay.
+      units_[u].full.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, at::Device(at::kCPU)));
+      units_[u].full.storage().unsafeGetStorageImpl()->set_nbytes(0);
       units_[u].held = Held::kFree;
     }
   }
@@ -340,7 +348,13 @@ void Zero::wrap_layers(core::TrainState& state, const std::vector<int>& unit_lay
 
 void Zero::issue_gather(int u) {
   Unit& un = units_[u];
-  alloc_storage(un.full);
+  if (gather_free_.empty()) {
+    gather_free_.push_back(at::empty({buckets_.max_padded()}, un.full.options()));
+    ++gather_buffers_;
+  }
+  un.gathered_in = gather_free_.back();
+  gather_free_.pop_back();
+  point_storage(un.full, un.gathered_in.data_ptr());
   at::Tensor mine = param_shard_.narrow(0, un.shard_offset, un.chunk);
   if (!gather_comm_) {
     un.full.copy_(mine);
@@ -372,7 +386,8 @@ void Zero::release(int u) {
     un.work->wait();
     un.work.reset();
   }
-  free_storage(un.full);
+  point_storage(un.full, nullptr);
+  gather_free_.push_back(std::move(un.gathered_in));
   un.held = Held::kFree;
 }
 
@@ -641,10 +656,7 @@ void Zero::gather_parameters(core::TensorMap& out) {
 core::ModelStateBytes Zero::memory() const {
   core::ModelStateBytes m;
   for (const auto& un : units_) {
-    if (opt_.stage < 3)
-      m.parameters += storage_bytes(un.full);
-    else
-      m.buffers += storage_bytes(un.full);  // gathered at the moment
+    if (opt_.stage < 3) m.parameters += storage_bytes(un.full);  // stage 3: the gather pool's bytes, below
     m.gradients += storage_bytes(un.full_grad);
   }
   m.parameters += storage_bytes(param_shard_);
@@ -652,6 +664,7 @@ core::ModelStateBytes Zero::memory() const {
   m.optimizer = storage_bytes(exp_avg_) + storage_bytes(exp_avg_sq_) + storage_bytes(momentum_);
   for (const Pool* p : {&grad_pool_, &staging_pool_})
     for (const auto& b : p->buffers) m.buffers += storage_bytes(b);
+  if (gather_buffers_ > 0) m.buffers += gather_buffers_ * buckets_.max_padded() * units_.front().full.element_size();
   return m;
 }
 
