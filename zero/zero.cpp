@@ -268,29 +268,30 @@ void Zero::attach(core::TrainState& state) {
   const auto options = at::TensorOptions().dtype(dtype);
 
   // The flat layout: every unit whole (parameters as views of it), this rank's chunks
-  // back to back in the shard buffers.
+  // back to back in the shard buffers. Stage 3 moves one unit at a time into its shard
+  // and drops the whole unit before the next, so attaching never holds the model twice.
   units_.resize(bks.size());
   for (size_t u = 0; u < bks.size(); ++u) {
+    units_[u].chunk = bks[u].padded / size_;
+    units_[u].shard_offset = shard_numel_;
+    shard_numel_ += units_[u].chunk;
+  }
+  if (opt_.stage == 3) param_shard_ = at::empty({shard_numel_}, options);
+  for (size_t u = 0; u < bks.size(); ++u) {
     Unit& un = units_[u];
-    un.chunk = bks[u].padded / size_;
-    un.shard_offset = shard_numel_;
-    shard_numel_ += un.chunk;
     un.full = at::zeros({bks[u].padded}, options);
     for (int s : bks[u].slots) {
       auto& sl = buckets_.slots()[s];
       at::Tensor view = un.full.narrow(0, sl.offset, sl.numel).view(sl.param.tensor.sizes());
       view.copy_(sl.param.tensor.detach());
-      sl.param.tensor.set_data(view);
+      sl.param.tensor.set_data(view);  // the parameter's own storage goes
     }
-  }
-  if (opt_.stage == 3) {
-    param_shard_ = at::empty({shard_numel_}, options);
-    for (size_t u = 0; u < units_.size(); ++u) {
-      param_chunk(static_cast<int>(u)).copy_(units_[u].full.narrow(0, rank_ * units_[u].chunk, units_[u].chunk));
-      // Its own bytes go (the pool serves it from now on); its shape and views stay.
-      units_[u].full.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, at::Device(at::kCPU)));
-      units_[u].full.storage().unsafeGetStorageImpl()->set_nbytes(0);
-      units_[u].held = Held::kFree;
+    if (opt_.stage == 3) {
+      param_chunk(static_cast<int>(u)).copy_(un.full.narrow(0, rank_ * un.chunk, un.chunk));
+      // Its own bytes go (the gather pool serves it from now on); its shape and views stay.
+      un.full.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, at::Device(at::kCPU)));
+      un.full.storage().unsafeGetStorageImpl()->set_nbytes(0);
+      un.held = Held::kFree;
     }
   }
   if (opt_.stage == 1) {
