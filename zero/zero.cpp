@@ -185,7 +185,11 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
     int64_t begin, count, chunk_pos;
   };
   std::vector<Piece> pieces(int u) const;
-  std::vector<std::pair<std::string, at::Tensor*>> slot_tensors();
+  // The optimizer state's flat shard buffers by their checkpoint suffix (undefined when
+  // the optimizer keeps no such slot).
+  std::vector<std::pair<std::string, at::Tensor>> optimizer_slots() const {
+    return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"momentum", momentum_}};
+  }
 
   Options opt_;
   const core::JobSpec* spec_ = nullptr;
@@ -570,8 +574,7 @@ std::vector<Zero::Piece> Zero::pieces(int u) const {
 
 void Zero::save_state(core::Checkpoint& ckpt) {
   at::NoGradGuard no_grad;
-  const std::vector<std::pair<std::string, at::Tensor>> state = {
-      {"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"momentum", momentum_}};
+  const auto state = optimizer_slots();
   for (size_t k = 0; k < units_.size(); ++k) {
     const int u = static_cast<int>(k);
     const Unit& un = units_[u];
@@ -603,8 +606,7 @@ void Zero::load_state(const core::CheckpointReader& reader) {
   };
   int64_t steps = 0;
   if (reader.contains("optim/__step__")) steps = reader.read("optim/__step__").item<int64_t>();
-  const std::vector<std::pair<std::string, at::Tensor>> state = {
-      {"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"momentum", momentum_}};
+  const auto state = optimizer_slots();
   for (const auto& sl : buckets_.slots()) {
     check("model/" + sl.param.name, sl.param.tensor, "model parameter " + sl.param.name);
     if (steps > 0 && sl.param.tensor.requires_grad())
