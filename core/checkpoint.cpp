@@ -509,6 +509,16 @@ std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
 }
 at::ScalarType CheckpointReader::dtype(const std::string& name) const { return find(name).dtype; }
 int64_t CheckpointReader::numel(const std::string& name) const { return find(name).numel; }
+
+void CheckpointReader::expect_shape(const std::string& name, at::IntArrayRef shape, const std::string& what) const {
+  if (!contains(name))
+    throw ConfigError("checkpoint " + folder_ + " has no tensor " + name + " for " + what +
+                      " (is it from another model or optimizer?)");
+  const std::vector<int64_t> there = this->shape(name);
+  if (!shape.equals(there))
+    throw ConfigError("checkpoint " + folder_ + ": tensor " + name + " has shape " + shape_str(there) + " there and " +
+                      shape_str(shape.vec()) + " in this model");
+}
 const std::vector<Part>& CheckpointReader::parts(const std::string& name) const {
   return find(name).parts;
 }

@@ -108,6 +108,10 @@ class CheckpointReader {
   bool contains(const std::string& name) const { return index_.count(name) != 0; }
   std::vector<int64_t> shape(const std::string& name) const;
   at::ScalarType dtype(const std::string& name) const;
+  // Before a resume changes anything: a tetra::ConfigError naming this checkpoint, the
+  // tensor and both shapes when `name` is missing or its shape is not `shape`. `what`
+  // says what the tensor is for ("model parameter 3.weight").
+  void expect_shape(const std::string& name, at::IntArrayRef shape, const std::string& what) const;
   int64_t numel(const std::string& name) const;
 
   torch::Tensor read(const std::string& name) const;  // the whole tensor, assembled from its parts

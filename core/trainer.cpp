@@ -386,13 +386,7 @@ void Trainer::restore(const std::string& path) {
   // Every tensor is checked before any is changed: a checkpoint that does not fit the
   // model leaves it as it was.
   auto check = [&](const std::string& name, const torch::Tensor& t) {
-    if (!ckpt.contains("model/" + name))
-      throw ConfigError("checkpoint " + ckpt.folder() + " has no tensor for model parameter " + name +
-                        " (is it from another model?)");
-    const auto shape = ckpt.shape("model/" + name);
-    if (!t.sizes().equals(shape))
-      throw ConfigError("checkpoint " + ckpt.folder() + ": model tensor " + name + " has shape " +
-                        c10::str(at::IntArrayRef(shape)) + " there and " + c10::str(t.sizes()) + " in this model");
+    ckpt.expect_shape("model/" + name, t.sizes(), "model tensor " + name);
   };
   auto buffers = model_->named_buffers();
   for (auto& b : buffers) check(b.key(), b.value());

@@ -595,23 +595,16 @@ void Zero::save_state(core::Checkpoint& ckpt) {
 void Zero::load_state(const core::CheckpointReader& reader) {
   at::NoGradGuard no_grad;
   // Every check first: a mismatch changes nothing.
-  auto check = [&](const std::string& key, const at::Tensor& like, const std::string& what) {
-    if (!reader.contains(key))
-      throw ConfigError("checkpoint " + reader.folder() + " has no tensor " + key + " for " + what +
-                        " (is it from another model or optimizer?)");
-    const auto shape = reader.shape(key);
-    if (!like.sizes().equals(shape))
-      throw ConfigError("checkpoint " + reader.folder() + ": tensor " + key + " has shape " + c10::str(at::IntArrayRef(shape)) +
-                        " there and " + c10::str(like.sizes()) + " in this model");
-  };
   int64_t steps = 0;
   if (reader.contains("optim/__step__")) steps = reader.read("optim/__step__").item<int64_t>();
   const auto state = optimizer_slots();
   for (const auto& sl : buckets_.slots()) {
-    check("model/" + sl.param.name, sl.param.tensor, "model parameter " + sl.param.name);
+    reader.expect_shape("model/" + sl.param.name, sl.param.tensor.sizes(), "model parameter " + sl.param.name);
     if (steps > 0 && sl.param.tensor.requires_grad())
       for (const auto& [key, t] : state)
-        if (t.defined()) check("optim/" + sl.param.name + "." + key, sl.param.tensor, "the optimizer state of " + sl.param.name);
+        if (t.defined())
+          reader.expect_shape("optim/" + sl.param.name + "." + key, sl.param.tensor.sizes(),
+                              "the optimizer state of " + sl.param.name);
   }
   for (size_t k = 0; k < units_.size(); ++k) {
     const int u = static_cast<int>(k);

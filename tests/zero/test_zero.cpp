@@ -203,13 +203,17 @@ TEST(Zero, ModelStatePerRankMatchesTheFormulas) {
         EXPECT_NEAR(state, expect[stage], 0.05 * expect[stage])
             << "stage " << stage << " on " << n << " ranks, rank " << rank << ": parameters " << m.parameters
             << " gradients " << m.gradients << " optimizer " << m.optimizer;
-        if (stage == 0) EXPECT_EQ(m.buffers, 0);
+        if (stage == 0) {
+          EXPECT_EQ(m.buffers, 0);
+        }
         // Buffers, in units of the largest unit (the first layer, 784 x 256 + 256 elements):
         // stage 1 two chunks, stage 2 two units of gradients and two chunks, stage 3 two
         // units of gradients and the gather pool (the running layer, one prefetched, one
         // on its way back).
         const int64_t unit = (784 * 256 + 256 + 4096) * 4;
-        if (stage >= 1) EXPECT_LE(m.buffers, (stage == 3 ? 5 : 3) * unit) << "stage " << stage;
+        if (stage >= 1) {
+          EXPECT_LE(m.buffers, (stage == 3 ? 5 : 3) * unit) << "stage " << stage;
+        }
         // Every rank holds exactly the same bytes (balanced shards).
         EXPECT_EQ(m.total(), r.memory[0].total()) << "stage " << stage << " rank " << rank;
       }
