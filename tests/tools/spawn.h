@@ -36,9 +36,10 @@ struct Outcome {
   std::string out, err;
 };
 
-// Runs `exe args...` to its end; its output lands in dir/stdout.txt and dir/stderr.txt.
-inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir, const std::vector<std::string>& args) {
-  const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+// Starts `exe args...` with stdout going to `out` and stderr to `err` (to `out` as well
+// when `err` is empty); returns its pid.
+inline pid_t spawn_tool(const std::string& exe, const std::vector<std::string>& args, const std::filesystem::path& out,
+                        const std::filesystem::path& err = {}) {
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(exe.c_str()));
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -46,15 +47,30 @@ inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (err.empty())
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  else
+    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   pid_t pid = -1;
-  Outcome r;
   EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ), 0);
   posix_spawn_file_actions_destroy(&fa);
-  if (pid <= 0) return r;
+  return pid;
+}
+
+// The exit status of a spawned process, or 128 + the signal that ended it.
+inline int wait_status(pid_t pid) {
   int st = 0;
   waitpid(pid, &st, 0);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// Runs `exe args...` to its end; its output lands in dir/stdout.txt and dir/stderr.txt.
+inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir, const std::vector<std::string>& args) {
+  const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  Outcome r;
+  const pid_t pid = spawn_tool(exe, args, out, err);
+  if (pid <= 0) return r;
+  r.status = wait_status(pid);
   r.out = slurp(out);
   r.err = slurp(err);
   return r;

@@ -3,9 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,8 +16,8 @@
 #include <thread>
 
 #include "collectives/build_config.h"
+#include "tests/tools/spawn.h"
 
-extern char** environ;
 namespace fs = std::filesystem;
 
 namespace {
@@ -40,35 +38,19 @@ struct Outcome {
 
 // Starts `exe args...` with stdout and stderr both going to `log`.
 pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, const fs::path& log) {
-  std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(exe.c_str()));
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&fa);
-  return pid;
+  return tetra::testing_tools::spawn_tool(exe, args, log);
 }
 
 pid_t spawn(const std::vector<std::string>& args, const fs::path& log) { return spawn_program(kTrain, args, log); }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using tetra::testing_tools::slurp;
 
 // Runs `exe args...` to its end; its exit status and everything it printed.
 Outcome run_program(const std::string& exe, const std::vector<std::string>& args) {
   fs::path log = fs::path(testing::TempDir()) / ("tetra_cli_" + std::to_string(::getpid()) + ".log");
   pid_t pid = spawn_program(exe, args, log);
-  int st = 0;
-  waitpid(pid, &st, 0);
   Outcome r;
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.status = tetra::testing_tools::wait_status(pid);
   r.out = slurp(log);
   return r;
 }
