@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -452,6 +453,132 @@ inline void check_split(Communicator& c, const Config& cfg = {}) {
   }
   {
     SCOPED_TRACE(label(c, "parent after split"));
+    at::Tensor t = at::ones({4}, at::kFloat);
+    if (wait_ok(c.allreduce(t, ao))) expect_tensor_eq(t, at::full({4}, s, at::kFloat));
+  }
+}
+
+// `sub`, from `parent.split`, must be the group of `members` (parent ranks, in their new
+// rank order; empty: this rank joins none and gets nullptr), with the parent's backend.
+inline void expect_split_group(Communicator& parent, const CommunicatorPtr& sub, const std::vector<int>& members,
+                               const Config& cfg) {
+  if (members.empty()) {
+    EXPECT_EQ(sub, nullptr);
+    return;
+  }
+  ASSERT_TRUE(sub) << "no communicator for a rank that joins a group";
+  const int n = static_cast<int>(members.size());
+  EXPECT_EQ(sub->backend(), parent.backend());
+  EXPECT_EQ(sub->size(), n);
+  if (sub->rank() >= 0 && sub->rank() < n)
+    EXPECT_EQ(members[static_cast<size_t>(sub->rank())], parent.rank()) << "new rank " << sub->rank();
+  else
+    ADD_FAILURE() << "new rank " << sub->rank() << " outside a group of " << n;
+  // Every member in its place, seen from every member.
+  AllgatherOptions go;
+  go.timeout = cfg.timeout;
+  at::Tensor order = at::zeros({n}, at::kInt);
+  if (wait_ok(sub->allgather(at::full({1}, parent.rank(), at::kInt), order, go)))
+    expect_tensor_eq(order, at::tensor(members, at::kInt));
+  BroadcastOptions bo;
+  bo.root = n - 1;
+  bo.timeout = cfg.timeout;
+  at::Tensor last = at::full({2}, parent.rank(), at::kLong);
+  if (wait_ok(sub->broadcast(last, bo))) expect_tensor_eq(last, at::full({2}, members.back(), at::kLong));
+  AllreduceOptions ao;
+  ao.timeout = cfg.timeout;
+  int64_t sum = 0;
+  for (int m : members) sum += m + 1;
+  at::Tensor t = at::full({3}, parent.rank() + 1, at::kLong);
+  if (wait_ok(sub->allreduce(t, ao))) expect_tensor_eq(t, at::full({3}, sum, at::kLong));
+}
+
+// split on a group laid out as `procs` blocks of size()/procs consecutive ranks (processes
+// of replicas: rank = p * R + q), with colors and keys that keep each new group a
+// rectangle of blocks x positions taken block by block — the splits a hierarchical
+// communicator can make (check_split's even/odd and "all but rank 0" groups are not
+// rectangles when R > 1 and procs > 1). What data parallelism (per host, across hosts) and
+// ZeRO-3 (a dup) ask for are among them. A flat group of any backend passes it too.
+inline void check_split_rectangles(Communicator& c, int procs, const Config& cfg = {}) {
+  const int s = c.size(), R = s / procs, g = c.rank(), p = g / R, q = g % R;
+  ASSERT_EQ(procs * R, s) << "a layout of " << procs << " blocks does not divide " << s << " ranks";
+  auto split = [&](int color, int key, const char* what) -> CommunicatorPtr {
+    try {
+      return c.split(color, key, what, cfg.timeout);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << what << ": split failed: " << e.what();
+      return nullptr;
+    }
+  };
+  auto ranks = [&](auto&& in_group) {  // the members, in flat (rank) order
+    std::vector<int> m;
+    for (int k = 0; k < s; ++k)
+      if (in_group(k / R, k % R)) m.push_back(k);
+    return m;
+  };
+  {
+    SCOPED_TRACE(label(c, "split per process (per host)"));
+    expect_split_group(c, split(p, g, "per process"), ranks([&](int kp, int) { return kp == p; }), cfg);
+  }
+  {
+    SCOPED_TRACE(label(c, "split per replica index (across hosts, as data parallelism does)"));
+    expect_split_group(c, split(q, p, "per replica index"), ranks([&](int, int kq) { return kq == q; }), cfg);
+  }
+  {
+    SCOPED_TRACE(label(c, "split a dup (as ZeRO-3 does)"));
+    expect_split_group(c, split(0, g, "dup"), ranks([](int, int) { return true; }), cfg);
+  }
+  {
+    SCOPED_TRACE(label(c, "split reversed by key"));
+    std::vector<int> m = ranks([](int, int) { return true; });
+    std::reverse(m.begin(), m.end());
+    expect_split_group(c, split(0, s - g, "reversed"), m, cfg);
+  }
+  {
+    SCOPED_TRACE(label(c, "split with the positions reversed in each block"));
+    std::vector<int> m;
+    for (int kp = 0; kp < procs; ++kp)
+      for (int kq = R - 1; kq >= 0; --kq) m.push_back(kp * R + kq);
+    expect_split_group(c, split(0, p * R + (R - 1 - q), "positions reversed"), m, cfg);
+  }
+  CommunicatorPtr parity;
+  {
+    SCOPED_TRACE(label(c, "split by position parity"));
+    parity = split(q % 2, g, "position parity");
+    expect_split_group(c, parity, ranks([&](int, int kq) { return kq % 2 == q % 2; }), cfg);
+  }
+  if (parity) {
+    SCOPED_TRACE(label(c, "split of a split (position parity, then per process)"));
+    CommunicatorPtr sub;
+    try {
+      sub = parity->split(p, parity->rank(), "parity per process", cfg.timeout);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "split failed: " << e.what();
+    }
+    // The parity group's ranks are its members' old ranks in order: map them back.
+    const std::vector<int> parity_members = ranks([&](int, int kq) { return kq % 2 == q % 2; });
+    std::vector<int> m;
+    for (int k = 0; k < static_cast<int>(parity_members.size()); ++k)
+      if (parity_members[static_cast<size_t>(k)] / R == p) m.push_back(k);
+    expect_split_group(*parity, sub, m, cfg);
+  }
+  {
+    SCOPED_TRACE(label(c, "split by block parity"));
+    expect_split_group(c, split(p % 2, g, "block parity"), ranks([&](int kp, int) { return kp % 2 == p % 2; }), cfg);
+  }
+  {
+    // color < 0: the whole first block (or, with one block, the first position of it).
+    SCOPED_TRACE(label(c, "split with color < 0"));
+    const bool out = procs > 1 ? p == 0 : q == 0;
+    expect_split_group(c, split(out ? -1 : 1, g, "rest"),
+                       out ? std::vector<int>{}
+                           : ranks([&](int kp, int kq) { return !(procs > 1 ? kp == 0 : kq == 0); }),
+                       cfg);
+  }
+  {
+    SCOPED_TRACE(label(c, "parent after split"));
+    AllreduceOptions ao;
+    ao.timeout = cfg.timeout;
     at::Tensor t = at::ones({4}, at::kFloat);
     if (wait_ok(c.allreduce(t, ao))) expect_tensor_eq(t, at::full({4}, s, at::kFloat));
   }
