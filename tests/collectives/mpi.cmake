@@ -11,3 +11,10 @@ foreach(np 2 3 4)
   tetra_add_mpi_test(collectives_mpi_np${np} TARGET collectives_test_mpi NP ${np} TIMEOUT 120
                      LABELS collectives)
 endforeach()
+
+# The hierarchical communicator with an MPI outer: 2 processes x 3 replica threads.
+add_executable(collectives_test_mpi_hierarchical ${CMAKE_CURRENT_SOURCE_DIR}/test_mpi_hierarchical.cpp)
+target_link_libraries(collectives_test_mpi_hierarchical PRIVATE tetra::collectives GTest::gtest MPI::MPI_C
+                                                                tetra_warnings)
+tetra_add_mpi_test(collectives_mpi_hierarchical_np2 TARGET collectives_test_mpi_hierarchical NP 2 TIMEOUT 120
+                   LABELS collectives)
