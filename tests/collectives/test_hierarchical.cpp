@@ -78,55 +78,50 @@ void run_grid(const Shape& s, const std::function<void(Communicator&, int d, int
 
 // ---- the conformance suite in every shape ---------------------------------------------
 
-class HierarchicalShape : public ::testing::TestWithParam<Shape> {
- protected:
-  void run(void (*check)(Communicator&, const conf::Config&), int64_t large = 0, HierarchicalOptions options = {}) {
-    conf::Config cfg;
-    cfg.timeout = 30s;
-    cfg.large_numel = large;
-    run_grid(GetParam(), [&](Communicator& c, int, int) { check(c, cfg); }, options);
-  }
-};
+// One test per shape, running every check in order on the same group (as the flat
+// RunAllInOrder does): each ctest case is a process of its own, and start-up, not the
+// checks, would dominate a test per check.
+class HierarchicalShape : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(HierarchicalShape, Basics) {
+TEST_P(HierarchicalShape, Conformance) {
   const Shape s = GetParam();
+  conf::Config cfg;
+  cfg.timeout = 30s;
+  cfg.large_numel = 0;
   run_grid(s, [&](Communicator& c, int d, int r) {
+    SCOPED_TRACE(shape_name(s));
     EXPECT_EQ(c.backend(), "hierarchical");
     EXPECT_EQ(c.name(), "hier");
     EXPECT_EQ(c.size(), s.D * s.R);
     EXPECT_EQ(c.rank(), d * s.R + r) << "a process's replicas are contiguous";
+    conf::check_allreduce(c, cfg);
+    // 192 KiB of f32 (above the default threshold): 3 * 2^14 elements split evenly for
+    // every R here, one more is padded for every R > 1.
+    for (int64_t n : {int64_t{3} << 14, (int64_t{3} << 14) + 1}) {
+      conf::Config large = cfg;
+      large.large_numel = n;
+      conf::check_allreduce_large(c, large);
+    }
+    conf::check_reduce_scatter(c, cfg);
+    conf::check_allgather(c, cfg);
+    conf::check_broadcast(c, cfg);
+    conf::check_awaited(c, cfg);
+    conf::check_barrier(c, cfg);
+    conf::check_split_rectangles(c, s.D, cfg);
+    // The flat suite's split: its groups are rectangles only with one process or one
+    // replica per process (HierarchicalSplit.NonRectangleIsACommErrorOnEveryRank covers
+    // the others).
+    if (s.D == 1 || s.R == 1) conf::check_split(c, cfg);
+    conf::check_validation(c, cfg);
   });
-}
-TEST_P(HierarchicalShape, Allreduce) { run(conf::check_allreduce); }
-// Every sum through reduce_scatter -> outer allreduce -> allgather, padded when R does
-// not divide the size (the default threshold sends only the large ones that way).
-TEST_P(HierarchicalShape, AllreduceByChunks) {
-  HierarchicalOptions o;
-  o.split_min_bytes = 0;
-  run(conf::check_allreduce, 0, o);
-}
-// 192 KiB of f32 (above the default threshold): 3 * 2^14 elements split evenly for every
-// R here, one more is padded for every R > 1.
-TEST_P(HierarchicalShape, AllreduceLarge) { run(conf::check_allreduce_large, 3 << 14); }
-TEST_P(HierarchicalShape, AllreduceLargeUneven) { run(conf::check_allreduce_large, (3 << 14) + 1); }
-TEST_P(HierarchicalShape, ReduceScatter) { run(conf::check_reduce_scatter); }
-TEST_P(HierarchicalShape, Allgather) { run(conf::check_allgather); }
-TEST_P(HierarchicalShape, Broadcast) { run(conf::check_broadcast); }
-TEST_P(HierarchicalShape, Awaited) { run(conf::check_awaited); }
-TEST_P(HierarchicalShape, Barrier) { run(conf::check_barrier); }
-TEST_P(HierarchicalShape, Validation) { run(conf::check_validation); }
-TEST_P(HierarchicalShape, SplitRectangles) {
-  const Shape s = GetParam();
-  conf::Config cfg;
-  cfg.timeout = 30s;
-  run_grid(s, [&](Communicator& c, int, int) { conf::check_split_rectangles(c, s.D, cfg); });
-}
-// The flat suite's split: its groups are rectangles only with one process or one replica
-// per process (HierarchicalSplit.NonRectangleIsACommErrorOnEveryRank covers the others).
-TEST_P(HierarchicalShape, FlatSplit) {
-  const Shape s = GetParam();
-  if (s.D > 1 && s.R > 1) GTEST_SKIP() << "even/odd and all-but-rank-0 are not rectangles of " << shape_name(s);
-  run(conf::check_split);
+  // Every sum through reduce_scatter -> outer allreduce -> allgather, padded when R does
+  // not divide the size (the default threshold sends only the large ones that way).
+  HierarchicalOptions chunked;
+  chunked.split_min_bytes = 0;
+  run_grid(s, [&](Communicator& c, int, int) {
+    SCOPED_TRACE(shape_name(s) + ", every sum by chunks");
+    conf::check_allreduce(c, cfg);
+  }, chunked);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, HierarchicalShape,
@@ -224,9 +219,10 @@ TEST(HierarchicalSplit, NonRectangleIsACommErrorOnEveryRank) {
 
 // ---- failures name the group and the stage, within the op's timeout --------------------
 
-TEST(HierarchicalErrors, AbsentReplicaIsATimeoutOfTheInnerStage) {
+// Replica 1 of process 0 never comes (inner stage), then process 1 never comes (outer).
+TEST(HierarchicalErrors, AbsentPeersAreTimeoutsNamingTheStage) {
   run_grid({2, 2}, [&](Communicator& c, int d, int r) {
-    if (c.rank() != 0) return;  // replica 1 of process 0 never comes
+    if (c.rank() != 0) return;
     const auto t0 = Clock::now();
     std::string e = error_of(c.allreduce(at::ones({4}), {ReduceOp::kSum, 300ms}));
     EXPECT_LT(Clock::now() - t0, 3s);
@@ -238,12 +234,9 @@ TEST(HierarchicalErrors, AbsentReplicaIsATimeoutOfTheInnerStage) {
     } catch (const CommError& e) {
       EXPECT_TRUE(contains(e.what(), "an earlier op on this communicator failed")) << e.what();
     }
-  }, {}, "hier");
-}
-
-TEST(HierarchicalErrors, AbsentProcessIsATimeoutOfTheOuterStage) {
+  });
   run_grid({2, 2}, [&](Communicator& c, int d, int r) {
-    if (d != 0) return;  // process 1 never comes
+    if (d != 0) return;
     const auto t0 = Clock::now();
     WorkPtr w = c.allreduce(at::ones({4}), {ReduceOp::kMax, 300ms});
     try {
@@ -262,7 +255,7 @@ TEST(HierarchicalErrors, AbsentProcessIsATimeoutOfTheOuterStage) {
 
 // ---- the factory --------------------------------------------------------------------
 
-TEST(HierarchicalFactory, NullOrSameCommunicatorIsACommError) {
+TEST(HierarchicalFactory, NullSameOrAbsent) {
   auto one = make_local_group(1);
   try {
     make_hierarchical(nullptr, one[0], "h");
@@ -272,56 +265,48 @@ TEST(HierarchicalFactory, NullOrSameCommunicatorIsACommError) {
   }
   EXPECT_THROW(make_hierarchical(one[0], nullptr, "h"), CommError);
   EXPECT_THROW(make_hierarchical(one[0], one[0], "h"), CommError);
-}
-
-// Outer groups that pair replica 0 of one process with replica 1 of another.
-TEST(HierarchicalFactory, OuterGroupOfMixedReplicaIndicesIsACommError) {
-  Groups g = make_groups({2, 2});
-  auto a = make_local_group(2, "a"), b = make_local_group(2, "b");
-  CommunicatorPtr outer_of[2][2] = {{a[0], b[0]}, {b[1], a[1]}};  // [d][r]
-  std::vector<std::string> errors(4);
-  std::vector<std::thread> threads;
-  for (int d = 0; d < 2; ++d)
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, d, r] {
-        try {
-          make_hierarchical(g.inner[d][r], outer_of[d][r], "mixed", {0, 10s});
-        } catch (const CommError& e) {
-          errors[d * 2 + r] = e.what();
-        }
-      });
-  for (auto& t : threads) t.join();
-  for (const std::string& e : errors) {
-    EXPECT_TRUE(contains(e, "make_hierarchical(mixed): the outer group")) << e;
-    EXPECT_TRUE(contains(e, "must join the replicas with one index")) << e;
-  }
-}
-
-// An outer group that ranks the processes differently for replica 1 than for replica 0.
-TEST(HierarchicalFactory, ReplicasThatDisagreeOnTheProcessIndexAreACommError) {
-  Groups g = make_groups({2, 2});
-  std::swap(g.outer[1][0], g.outer[1][1]);  // replica 1: process 0 gets outer rank 1
-  std::vector<std::string> errors(4);
-  std::vector<std::thread> threads;
-  for (int d = 0; d < 2; ++d)
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, d, r] {
-        try {
-          make_hierarchical(g.inner[d][r], g.outer[r][d], "swapped", {0, 10s});
-        } catch (const CommError& e) {
-          errors[d * 2 + r] = e.what();
-        }
-      });
-  for (auto& t : threads) t.join();
-  for (const std::string& e : errors)
-    EXPECT_TRUE(contains(e, "every replica of a process must have the process's index")) << e;
-}
-
-TEST(HierarchicalFactory, AbsentMemberIsATimeout) {
+  // Replica 1 never calls: the handshake times out instead of waiting forever.
   Groups g = make_groups({1, 2});
   const auto t0 = Clock::now();
   EXPECT_THROW(make_hierarchical(g.inner[0][0], g.outer[0][0], "alone", {0, 200ms}), TimeoutError);
   EXPECT_LT(Clock::now() - t0, 3s);
+}
+
+// The factory's error on each of the 4 ranks of 2 x 2, given each rank's outer group.
+std::vector<std::string> factory_errors(const Groups& g, CommunicatorPtr (&outer_of)[2][2], const std::string& name) {
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> threads;
+  for (int d = 0; d < 2; ++d)
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, d, r] {
+        try {
+          make_hierarchical(g.inner[d][r], outer_of[d][r], name, {0, 10s});
+        } catch (const CommError& e) {
+          errors[static_cast<size_t>(d * 2 + r)] = e.what();
+        }
+      });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+TEST(HierarchicalFactory, ChecksTheShapeOverInnerAndOuter) {
+  {
+    // Outer groups that pair replica 0 of one process with replica 1 of the other.
+    Groups g = make_groups({2, 2});
+    auto a = make_local_group(2, "a"), b = make_local_group(2, "b");
+    CommunicatorPtr outer_of[2][2] = {{a[0], b[0]}, {b[1], a[1]}};  // [d][r]
+    for (const std::string& e : factory_errors(g, outer_of, "mixed")) {
+      EXPECT_TRUE(contains(e, "make_hierarchical(mixed): the outer group")) << e;
+      EXPECT_TRUE(contains(e, "must join the replicas with one index")) << e;
+    }
+  }
+  {
+    // Replica 1's outer group ranks the processes the other way round.
+    Groups g = make_groups({2, 2});
+    CommunicatorPtr outer_of[2][2] = {{g.outer[0][0], g.outer[1][1]}, {g.outer[0][1], g.outer[1][0]}};
+    for (const std::string& e : factory_errors(g, outer_of, "swapped"))
+      EXPECT_TRUE(contains(e, "every replica of a process must have the process's index")) << e;
+  }
 }
 
 }  // namespace
