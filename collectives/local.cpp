@@ -466,6 +466,10 @@ std::vector<CommunicatorPtr> make_local_group(int n, const std::string& name) {
   return comms;
 }
 
+void abort_local_group(Communicator& comm, const std::string& reason) {
+  if (auto* local = dynamic_cast<LocalCommunicator*>(&comm)) local->shared().abort(comm.rank(), reason);
+}
+
 void run_local_ranks(int n, const std::function<void(int rank, Communicator& comm)>& fn) {
   auto comms = make_local_group(n);
   std::mutex mu;
@@ -488,7 +492,7 @@ void run_local_ranks(int n, const std::function<void(int rank, Communicator& com
           std::lock_guard<std::mutex> lock(mu);
           if (!first) first = std::current_exception();
         }
-        static_cast<LocalCommunicator&>(*comms[static_cast<size_t>(r)]).shared().abort(r, "run_local_ranks: " + what);
+        abort_local_group(*comms[static_cast<size_t>(r)], "run_local_ranks: " + what);
       }
     });
   }

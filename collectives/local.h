@@ -46,4 +46,10 @@ std::vector<CommunicatorPtr> make_local_group(int n, const std::string& name = "
 // their timeouts.
 void run_local_ranks(int n, const std::function<void(int rank, Communicator& comm)>& fn);
 
+// Aborts the shared-memory group `comm` (a communicator make_local_group made) on behalf
+// of its rank: peers blocked in its collectives or receives are released with a
+// CommError carrying `reason`, and later ops fail at once. For a runner of thread-ranks
+// whose rank failed outside a collective. A communicator of another backend is left alone.
+void abort_local_group(Communicator& comm, const std::string& reason);
+
 }  // namespace tetra::collectives

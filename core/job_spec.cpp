@@ -11,6 +11,7 @@
 #include <set>
 
 #include "collectives/error.h"
+#include "core/plan.h"
 #include "core/text.h"
 
 namespace tetra::core {
@@ -288,19 +289,11 @@ CollectivesSpec parse_collectives(Section& c) {
 }
 
 // The rules that tie sections together. Each error points at the key to change.
-void check_cross_fields(const JobSpec& spec, Section& model, Section& data, Section& train) {
+// The rules within core's sections; the rules across the composition (how the batch
+// splits over ranks and micro-batches, ...) are the plan's (core/plan.h).
+void check_cross_fields(const JobSpec& spec, Section& model, Section& data) {
   const ModelSpec& m = spec.model;
   const DataSpec& d = spec.data;
-  if (d.batch_size % spec.train.accumulation_steps != 0) {
-    char micro[32];
-    std::snprintf(
-        micro, sizeof micro, "%.2f",
-        static_cast<double>(d.batch_size) / static_cast<double>(spec.train.accumulation_steps));
-    train.error("accumulation_steps", std::to_string(spec.train.accumulation_steps) +
-                                          " does not divide data.batch_size " +
-                                          std::to_string(d.batch_size) + " (micro-batch would be " +
-                                          micro + ")");
-  }
   if (m.type == "gpt" && d.type != "text") {
     model.error("type", "model type gpt needs data.type text, got data.type " + d.type);
   } else if (m.type != "gpt" && d.type == "text") {
@@ -370,7 +363,7 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   spec.mesh = parse_mesh(mesh);
   Section collectives = root.section("collectives");
   spec.collectives = parse_collectives(collectives);
-  check_cross_fields(spec, model, data, train);
+  check_cross_fields(spec, model, data);
 
   // d_ff: 0 means 4 * d_model; print what will be built.
   if (spec.model.type == "gpt") {
@@ -394,6 +387,14 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
     if (a.size > 1 && plugins.owner_of_axis(a.name).empty())
       mesh.error(a.name, std::to_string(a.size) + " ranks on the " + a.name +
                              " axis need its strategy plugin, which this build does not have");
+  // The composition's rules, once the sections they read are sound, each at the line of
+  // the setting to change.
+  if (diag.ok())
+    for (const PlanIssue& issue : Plan::issues(spec)) {
+      const size_t dot = issue.key.find('.');
+      Section at = dot == std::string::npos ? root : root.section(issue.key.substr(0, dot));
+      at.error(dot == std::string::npos ? issue.key : issue.key.substr(dot + 1), issue.message);
+    }
   root.finish();
   diag.throw_if_errors();
   out.resolved = doc.resolved();

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "collectives/hierarchical.h"
 
 namespace tetra::core {
 
@@ -106,8 +107,8 @@ std::string MeshLayout::table() const {
   return os.str();
 }
 
-Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec)
-    : world_(std::move(world)), layout_(std::move(spec)) {
+Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::CommunicatorPtr replica)
+    : world_(std::move(world)), layout_(std::move(spec)), replica_(std::move(replica)) {
   check_mesh_fits(layout_.spec(), world_->size(), world_->backend() + " world");
   const int rank = world_->rank();
   // Every rank makes the same splits in the same order (they are collective): one per
@@ -128,7 +129,22 @@ Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec)
     const int color = layout_.rank_of(c);
     groups_.emplace_back(a.name, world_->split(color, key, a.name + " (of mesh " + layout_.spec().str() + ")"));
   }
+  // Replicas: the data group is this process's replicas (shared memory) inside, the data
+  // processes of this replica index outside — data processes x R ranks in one group.
+  if (replica_ && replica_->size() > 1) {
+    for (auto& [name, group] : groups_)
+      if (name == "data")
+        // Its own duplicate of the replica group: a hierarchical group owns its inner group.
+        group = collectives::make_hierarchical(
+            replica_->split(0, replica_->rank(), replica_->name() + " / data"), group,
+            "data (of mesh " + layout_.spec().str() + " x replica=" + std::to_string(replica_->size()) + ")");
+    groups_.emplace_back("replica", replica_);
+  } else {
+    groups_.emplace_back("replica", world_->split(rank, 0, "replica (one per process)"));
+  }
 }
+
+int Mesh::size(const std::string& axis) const { return this->axis(axis)->size(); }
 
 collectives::CommunicatorPtr Mesh::axis(const std::string& name) const {
   for (const auto& [n, g] : groups_)

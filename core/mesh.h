@@ -63,18 +63,24 @@ class MeshLayout {
 class Mesh {
  public:
   // Collective over `world`: checks the fit, then splits one sub-communicator per axis.
-  Mesh(collectives::CommunicatorPtr world, MeshSpec spec);
+  // `replica` (optional): this thread's group of the process's replica threads; the data
+  // axis then spans data processes x replicas (collectives/hierarchical.h) and `world` is
+  // this replica index's communicator over the processes.
+  Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::CommunicatorPtr replica = nullptr);
   const MeshLayout& layout() const { return layout_; }
   int rank() const { return world_->rank(); }
   int coord(const std::string& axis) const { return layout_.coord(world_->rank(), axis); }
-  int size(const std::string& axis) const { return layout_.spec().size(axis); }
+  // Ranks in the group along `axis` (data: processes x replicas; replica: R).
+  int size(const std::string& axis) const;
   // The group along `axis` (a group of one when the job leaves a known axis out).
   collectives::CommunicatorPtr axis(const std::string& name) const;
   const collectives::CommunicatorPtr& world() const { return world_; }
+  int replicas() const { return replica_ ? replica_->size() : 1; }
 
  private:
   collectives::CommunicatorPtr world_;
   MeshLayout layout_;
+  collectives::CommunicatorPtr replica_;
   std::vector<std::pair<std::string, collectives::CommunicatorPtr>> groups_;
 };
 

@@ -1,5 +1,7 @@
 #include "core/runtime.h"
 
+#include <algorithm>
+
 #include <dlfcn.h>
 #include <malloc.h>
 #include <unistd.h>
@@ -73,13 +75,13 @@ int local_ranks_from_env() {
   return 1;
 }
 
-int default_threads() {
-  int n = hardware::usable_cores() / local_ranks_from_env();
+int default_threads(int ranks_per_process) {
+  int n = hardware::usable_cores() / (local_ranks_from_env() * std::max(1, ranks_per_process));
   return n < 1 ? 1 : n;
 }
 
-int set_threads(int threads) {
-  if (threads <= 0) threads = default_threads();
+int set_threads(int threads, int ranks_per_process) {
+  if (threads <= 0) threads = default_threads(ranks_per_process);
   at::set_num_threads(threads);
   using SetFn = void (*)(int);
   if (auto fn = find_symbol<SetFn>("openblas_set_num_threads")) fn(threads);

@@ -38,12 +38,13 @@ void prepare_process(int argc, char** argv);
 // Raises glibc malloc's mmap and trim thresholds (Note [Allocator thresholds]).
 void tune_allocator();
 
-// Intra-op threads for LibTorch (OpenMP) and OpenBLAS. 0 picks default_threads().
-// Returns the count set.
-int set_threads(int threads);
+// Intra-op threads for LibTorch (OpenMP) and OpenBLAS, per rank. 0 picks
+// default_threads(ranks_per_process). Returns the count set.
+int set_threads(int threads, int ranks_per_process = 1);
 
-// Usable cores divided by the ranks this launcher put on this host (at least 1).
-int default_threads();
+// Usable cores divided by the ranks on this host: the processes the launcher put here
+// times the ranks each runs as threads (replicas); at least 1.
+int default_threads(int ranks_per_process = 1);
 
 // Ranks on this host according to the launcher's variables (1 when none).
 int local_ranks_from_env();

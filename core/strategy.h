@@ -18,11 +18,12 @@
 //
 // On each mesh axis exactly one strategy synchronises gradients (gradient_axis()). When
 // two do, the one that owns the model state (ModelStateOwner: ZeRO, which reduce-scatters
-// into its shards) takes the axis and the trainer drops the other (the data-parallel
-// allreduce); two owners, or two plain synchronisers, are a ConfigError.
+// into its shards) takes the axis and the plan leaves the other (the data-parallel
+// allreduce) out; two owners, or two plain synchronisers, are a ConfigError (core/plan.h).
 //
-// Strategies attach in the mesh's axis order, outermost first (kAxisOrder: pipeline,
-// then data), so that the data-parallel strategy sees the parameters the pipeline kept.
+// Strategies attach in the plan's composition order, outermost first (kCompositionOrder:
+// pipeline, replica, data), so that the data-parallel strategy sees the parameters the
+// pipeline kept.
 #pragma once
 
 #include <torch/torch.h>
@@ -38,6 +39,7 @@
 #include "core/job_spec.h"
 #include "core/mesh.h"
 #include "core/optim.h"
+#include "core/plan.h"
 #include "core/report.h"
 #include "core/safetensors.h"
 
@@ -155,6 +157,7 @@ void broadcast_from_first(collectives::Communicator& group, TrainState& state);
 
 // What `train --dry-run` shows a strategy.
 struct PlanInput {
+  const Plan& plan;
   const JobSpec& spec;
   torch::nn::Sequential& model;  // the whole model, built from the job's seed
   const Dataset& data;
@@ -163,6 +166,9 @@ struct PlanInput {
 // A plugin section that builds a strategy.
 struct StrategyConfig : PluginConfig {
   virtual std::unique_ptr<Strategy> build() const = 0;
+  // What the section does to the plan: its axis, its place, the ranks and batch pieces
+  // it adds (core/plan.h). `job` is the spec the section was parsed with.
+  virtual StrategyRole role(const JobSpec& job) const = 0;
   // Lines `train --dry-run` prints for this strategy ("" for none), computed on one
   // process without communicating.
   virtual std::string plan(const PlanInput& input) const { return ""; }

@@ -13,6 +13,7 @@
 
 #include "core/checkpoint.h"
 #include "collectives/error.h"
+#include "collectives/hierarchical.h"
 #include "core/models.h"
 #include "core/runtime.h"
 #include "core/torch_compat.h"
@@ -63,22 +64,21 @@ std::string fmt(const char* f, double v) {
 }  // namespace
 
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
-    : spec_(std::move(spec)), options_(std::move(options)) {
+    : plan_(std::move(spec)), spec_(plan_.spec()), options_(std::move(options)) {
   if (options_.world) {
-    mesh_ = std::make_unique<Mesh>(options_.world, spec_.mesh);
+    mesh_ = std::make_unique<Mesh>(options_.world, spec_.mesh, options_.replica);
+    // Every rank of the job, replicas included: checkpoints write a file per rank of it.
+    ranks_ = options_.replica && options_.replica->size() > 1
+                 ? collectives::make_hierarchical(options_.replica->split(0, options_.replica->rank()), options_.world,
+                                                  "every rank (processes x replicas)")
+                 : options_.world;
     data_group_ = mesh_->axis("data");
     data_rank_ = data_group_->rank();
     data_size_ = data_group_->size();
+  } else if (options_.replica && options_.replica->size() > 1) {
+    throw ConfigError("the trainer got a replica group of " + std::to_string(options_.replica->size()) +
+                      " but no world; replicas need the process world (a communicator of 1 for one process)");
   }
-  const int64_t split = data_size_ * spec_.train.accumulation_steps;
-  if (spec_.data.batch_size % split != 0)
-    throw ConfigError("data.batch_size " + std::to_string(spec_.data.batch_size) + " does not split into " +
-                      std::to_string(data_size_) + " data-parallel rank" + (data_size_ == 1 ? "" : "s") + " x " +
-                      std::to_string(spec_.train.accumulation_steps) + " micro-batch" +
-                      (spec_.train.accumulation_steps == 1 ? "" : "es") + " (" +
-                      std::to_string(spec_.data.batch_size) + " / " + std::to_string(split) + " = " +
-                      fmt("%.2f", static_cast<double>(spec_.data.batch_size) / static_cast<double>(split)) +
-                      "); make the global batch a multiple of " + std::to_string(split));
   data_ = make_dataset(spec_.data, spec_.train.seed);
   {
     std::lock_guard<std::mutex> lock(global_rng_mutex());
@@ -87,41 +87,17 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   }
   for (const auto& p : model_->named_parameters()) params_.push_back({p.key(), p.value()});
   model_parameters_ = parameter_count(*model_);
-  plan_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
+  batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
-                                       : spec_.train.epochs * plan_->steps_per_epoch();
+                                       : spec_.train.epochs * batches_->steps_per_epoch();
   schedule_ = std::make_unique<LrSchedule>(spec_.schedule, spec_.optimizer.lr, total_steps_);
-  // Strategies in the fixed order of the mesh's axes, outermost first: the pipeline
-  // keeps its stage's layers before the data-parallel strategy buckets their gradients.
-  if (!options_.dry_run) {
-    for (const auto& [name, cfg] : spec_.plugins)
-      if (auto sc = std::dynamic_pointer_cast<const StrategyConfig>(cfg))
-        if (auto s = sc->build()) strategies_.push_back(std::move(s));
-    auto order = [](const Strategy& s) {
-      auto it = std::find(kAxisOrder.begin(), kAxisOrder.end(), s.axis());
-      return static_cast<int>(it - kAxisOrder.begin());
-    };
-    std::stable_sort(strategies_.begin(), strategies_.end(),
-                     [&](const auto& a, const auto& b) { return order(*a) < order(*b); });
-  }
-  // On each axis one strategy synchronises gradients: the one that owns the model state
-  // (it reduce-scatters into its shards) takes the axis over a plain allreduce.
-  for (const auto& axis : kAxisOrder) {
-    std::vector<Strategy*> syncers;
-    for (auto& s : strategies_)
-      if (s->gradient_axis() == axis) syncers.push_back(s.get());
-    if (syncers.size() < 2) continue;
-    std::vector<Strategy*> owners;
-    for (Strategy* s : syncers)
-      if (dynamic_cast<ModelStateOwner*>(s)) owners.push_back(s);
-    if (owners.size() != 1)
-      throw ConfigError("strategies " + syncers[0]->name() + " and " + syncers[1]->name() +
-                        " both synchronise the gradients of the " + axis + " axis; a job can have one of them");
-    strategies_.erase(std::remove_if(strategies_.begin(), strategies_.end(),
-                                     [&](const auto& s) { return s->gradient_axis() == axis && s.get() != owners[0]; }),
-                      strategies_.end());
-  }
+  // The plan's active strategies, in its composition order (outermost first): the
+  // pipeline keeps its stage's layers before the data-parallel strategy buckets their
+  // gradients; the plan already left out a synchroniser whose axis another owns.
+  if (!options_.dry_run)
+    for (const auto& cfg : plan_.strategies())
+      if (auto s = cfg->build()) strategies_.push_back(std::move(s));
   state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get()});
   for (auto& s : strategies_) {
     s->attach(*state_);
@@ -170,9 +146,8 @@ TensorMap Trainer::weights() {
 
 std::string Trainer::plan() const {
   std::string out;
-  PlanInput in{spec_, const_cast<torch::nn::Sequential&>(model_), *data_};
-  for (const auto& [name, cfg] : spec_.plugins)
-    if (auto sc = std::dynamic_pointer_cast<const StrategyConfig>(cfg)) out += sc->plan(in);
+  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_};
+  for (const auto& cfg : plan_.strategies()) out += cfg->plan(in);
   return out;
 }
 
@@ -358,7 +333,7 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
     ckpt.tensors["rng/cpu"] = cpu_rng_state();
     ckpt.meta["job"] = spec_.name;
     ckpt.meta["batch_size"] = spec_.data.batch_size;
-    ckpt.meta["steps_per_epoch"] = plan_->steps_per_epoch();
+    ckpt.meta["steps_per_epoch"] = batches_->steps_per_epoch();
     ckpt.meta["optimizer"] = spec_.optimizer.type;
     ckpt.meta["mesh"] = spec_.mesh.str();  // informative: any layout resumes it
     ckpt.meta["data_parallel_ranks"] = data_size_;
@@ -367,7 +342,7 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
     ckpt.tensors.clear();  // replicated state: the writer's copy is the one written
   }
   CheckpointStore store(spec_.checkpoint.dir, spec_.checkpoint.keep);
-  std::string folder = store.save(ckpt, options_.world.get());
+  std::string folder = store.save(ckpt, ranks_.get());
   return writer() ? folder : "";
 }
 
@@ -380,7 +355,7 @@ void Trainer::restore(const std::string& path) {
                         ", this job has " + now.dump() + " (set checkpoint.resume: never to start afresh)");
   };
   expect("batch_size", spec_.data.batch_size);
-  expect("steps_per_epoch", plan_->steps_per_epoch());
+  expect("steps_per_epoch", batches_->steps_per_epoch());
   expect("optimizer", spec_.optimizer.type);
   torch::NoGradGuard no_grad;
   // Every tensor is checked before any is changed: a checkpoint that does not fit the
@@ -415,8 +390,8 @@ TrainResult Trainer::run() {
   const auto& ck = spec_.checkpoint;
   const bool checkpoints = !ck.dir.empty();
   const bool write = writer();  // rank 0 writes the replicated state and the logs
-  const int world_rank = options_.world ? options_.world->rank() : 0;
-  const int world_size = options_.world ? options_.world->size() : 1;
+  const int world_rank = ranks_ ? ranks_->rank() : 0;
+  const int world_size = ranks_ ? ranks_->size() : 1;
   // One trace per rank: trace.json -> trace.rank1.json beside it when there are several.
   std::string trace_path = spec_.log.trace;
   if (!trace_path.empty() && world_size > 1) {
@@ -439,7 +414,7 @@ TrainResult Trainer::run() {
     }
     // Rank 0 decides which checkpoint every rank resumes (the ranks could otherwise see
     // the folder at different moments of a save, or through different mounts).
-    if (options_.world && options_.world->size() > 1) from = broadcast_string(*options_.world, from);
+    if (ranks_ && ranks_->size() > 1) from = broadcast_string(*ranks_, from);
     if (!from.empty()) restore(from);
   }
 
@@ -451,7 +426,7 @@ TrainResult Trainer::run() {
 
   TrainResult result;
   result.resumed_from = resumed_from_;
-  const int64_t spe = plan_->steps_per_epoch();
+  const int64_t spe = batches_->steps_per_epoch();
   const int64_t epochs_shown = (total_steps_ + spe - 1) / spe;
   const int64_t eval_every = spec_.train.eval_every;
   double train_seconds = 0, interval_seconds = 0;
@@ -487,7 +462,7 @@ TrainResult Trainer::run() {
       step_in_epoch_ = 0;
     }
     const auto t0 = Clock::now();
-    torch::Tensor indices = plan_->global_batch(epoch_, step_in_epoch_);
+    torch::Tensor indices = batches_->global_batch(epoch_, step_in_epoch_);
     const double lr = schedule_->at(step_);
     const double loss = train_step(indices);
     if (!std::isfinite(loss))

@@ -14,6 +14,7 @@
 #include "core/data.h"
 #include "core/job_spec.h"
 #include "core/optim.h"
+#include "core/plan.h"
 #include "core/report.h"
 #include "core/strategy.h"
 #include "collectives/communicator.h"
@@ -53,6 +54,11 @@ struct TrainerOptions {
   // The world of this job (nullptr: one process). The trainer lays it out as the job's
   // mesh and hands the strategies their groups.
   collectives::CommunicatorPtr world;
+  // This thread's replica group when the job runs replicas as threads (replicate): the
+  // process's R replicas over shared memory, this one at rank() of it. `world` is then
+  // this replica's own communicator over the processes (one per replica index), and the
+  // data axis becomes data processes x R (Mesh). nullptr: one rank per process.
+  collectives::CommunicatorPtr replica;
   // Called after each optimizer step with (step, loss); tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
   // train --dry-run: build the data, the model and the plan, attach no strategy, never
@@ -74,11 +80,12 @@ class Trainer {
   int64_t model_parameters() const { return model_parameters_; }
   const Dataset& dataset() const { return *data_; }
   const JobSpec& spec() const { return spec_; }
+  const Plan& job_plan() const { return plan_; }
   int64_t total_steps() const { return total_steps_; }
   int data_rank() const { return data_rank_; }
   int data_size() const { return data_size_; }
-  // Rank 0 of the world prints, logs and writes checkpoints.
-  bool writer() const { return !options_.world || options_.world->rank() == 0; }
+  // Rank 0 of the world (its replica 0) prints, logs and writes checkpoints.
+  bool writer() const { return !ranks_ || ranks_->rank() == 0; }
   const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
   // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
   std::string plan() const;
@@ -94,20 +101,22 @@ class Trainer {
   std::string save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch);
   double train_step(const torch::Tensor& indices);
 
-  JobSpec spec_;
+  Plan plan_;  // validated on construction: a broken composition never starts
+  const JobSpec& spec_;  // plan_'s
   TrainerOptions options_;
   std::unique_ptr<Dataset> data_;
   torch::nn::Sequential model_{nullptr};
   std::vector<NamedParam> params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<LrSchedule> schedule_;
-  std::unique_ptr<BatchPlan> plan_;
+  std::unique_ptr<BatchPlan> batches_;
   int64_t total_steps_ = 0;
   int64_t step_ = 0, epoch_ = 0, step_in_epoch_ = 0;
   std::optional<double> best_accuracy_;
   std::string resumed_from_;
   Trace trace_;
   std::unique_ptr<Mesh> mesh_;
+  collectives::CommunicatorPtr ranks_;  // every rank: the world, x replicas (nullptr: one)
   collectives::CommunicatorPtr data_group_;  // the data axis (nullptr: one process)
   int data_rank_ = 0, data_size_ = 1;
   std::vector<std::unique_ptr<Strategy>> strategies_;

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
+#include <sstream>
 
 #include "collectives/error.h"
 #include "core/bucketer.h"
@@ -14,6 +16,16 @@
 namespace tetra::data_parallel {
 
 namespace {
+
+// A switch from the environment: 0 when unset; a value that is not a number is an error.
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 0) throw ConfigError(std::string(name) + "=" + v + ": expected a whole number >= 0");
+  return static_cast<int>(n);
+}
 
 using collectives::AllreduceOptions;
 using collectives::Communicator;
@@ -24,7 +36,9 @@ using Clock = std::chrono::steady_clock;
 
 class DataParallel final : public core::Strategy {
  public:
-  explicit DataParallel(Options o) : opt_(std::move(o)) {}
+  explicit DataParallel(Options o)
+      : opt_(std::move(o)), ranks_per_host_(env_int("TETRA_RANKS_PER_HOST")),
+        skip_allreduce_(env_int("TETRA_BENCH_SKIP_ALLREDUCE") != 0) {}
   std::string name() const override { return "data_parallel"; }
   std::string gradient_axis() const override { return "data"; }
 
@@ -52,7 +66,7 @@ class DataParallel final : public core::Strategy {
   void before_backward(bool last) override { sync_ = last; }
 
   void finish_gradients() override {
-    if (!comm_ || opt_.skip_allreduce) return;
+    if (!comm_ || skip_allreduce_) return;
     sync_ = false;
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < buckets_.size(); ++i) {
@@ -93,7 +107,7 @@ class DataParallel final : public core::Strategy {
 
   void setup_hierarchy() {
     const int n = comm_->size();
-    int per_host = opt_.ranks_per_host;
+    int per_host = ranks_per_host_;
     int64_t color = 0;
     if (per_host > 0) {
       color = comm_->rank() / per_host;
@@ -118,7 +132,7 @@ class DataParallel final : public core::Strategy {
       hier_ = true;
     }
     if (opt_.hierarchical == "off") hier_ = false;
-    if (opt_.hierarchical == "auto" && opt_.ranks_per_host > 0) hier_ = n / per_host > 1 && per_host > 1;
+    if (opt_.hierarchical == "auto" && ranks_per_host_ > 0) hier_ = n / per_host > 1 && per_host > 1;
     // Every rank splits (collective), even when the mode stays flat.
     intra_ = comm_->split(static_cast<int>(color), comm_->rank(), comm_->name() + " / host");
     inter_ = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
@@ -126,7 +140,7 @@ class DataParallel final : public core::Strategy {
 
   // After autograd accumulated slot i's gradient (hooked only with overlap).
   void on_ready(int i) {
-    if (!sync_ || opt_.skip_allreduce) return;  // accumulate-only micro-batch: no communication
+    if (!sync_ || skip_allreduce_) return;  // accumulate-only micro-batch: no communication
     at::NoGradGuard no_grad;
     Bucket& b = buckets_[grads_.slots()[i].bucket];
     if (b.launched) return;
@@ -190,6 +204,8 @@ class DataParallel final : public core::Strategy {
   }
 
   Options opt_;
+  int ranks_per_host_;   // TETRA_RANKS_PER_HOST (tests); 0 = ask the launcher
+  bool skip_allreduce_;  // TETRA_BENCH_SKIP_ALLREDUCE (benchmarks)
   CommunicatorPtr comm_, intra_, inter_;
   core::Trace* trace_ = nullptr;
   bool hier_ = false;
@@ -203,21 +219,30 @@ class DataParallel final : public core::Strategy {
 
 std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<DataParallel>(*this); }
 
+core::StrategyRole Options::role(const core::JobSpec&) const {
+  core::StrategyRole r;
+  r.axis = "data";
+  std::ostringstream mb;
+  mb << bucket_mb;
+  r.why = "averages the gradients over the data group (allreduce in " + mb.str() + " MiB buckets" +
+          (overlap ? ", during backward" : ", after backward") +
+          (compression == "none" ? std::string() : ", sent as " + compression) + ")";
+  r.syncs_gradients = true;
+  return r;
+}
+
 void register_data_parallel(core::SectionRegistry& registry) {
   registry.add(
       "data_parallel",
       [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
         auto o = std::make_shared<Options>();
-        const bool given = !s.keys().empty();
         o->bucket_mb = s.positive_number("bucket_mb", o->bucket_mb);
         o->overlap = s.boolean("overlap", o->overlap);
         o->compression = s.choice("compression", o->compression, {"none", "fp16", "bf16"});
         o->hierarchical = s.choice("hierarchical", o->hierarchical, {"auto", "on", "off"});
-        o->ranks_per_host = static_cast<int>(s.integer("ranks_per_host", 0, 0, 1 << 20));
-        o->skip_allreduce = s.boolean("skip_allreduce", false);
         s.finish();
-        if (!given && job.mesh.size("data") == 1) return nullptr;  // off: one data rank
-        return o;
+        (void)job;
+        return o;  // the plan leaves it out when the data group has one rank
       },
       "data");
 }

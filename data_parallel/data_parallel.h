@@ -41,15 +41,16 @@ struct Options : core::StrategyConfig {
   bool overlap = true;             // allreduce during backward
   std::string compression = "none";  // none | fp16 | bf16
   std::string hierarchical = "auto";  // auto | on | off
-  // For tests: how many consecutive data ranks count as one host (0 = ask the launcher).
-  int ranks_per_host = 0;
-  // For benchmarks only: skip the gradient allreduce (the compute-only ceiling of a run;
-  // the ranks' models then drift apart).
-  bool skip_allreduce = false;
   std::unique_ptr<core::Strategy> build() const override;
+  core::StrategyRole role(const core::JobSpec& job) const override;
 };
 
 // Registers the `data_parallel` section (owner of the `data` mesh axis).
+//
+// Two switches are not the user's and stay out of the job spec, in the environment:
+//   TETRA_RANKS_PER_HOST=N        (tests) count N consecutive data ranks as one host
+//   TETRA_BENCH_SKIP_ALLREDUCE=1  (benchmarks) skip the gradient allreduce: the
+//                                 compute-only ceiling of a run (the replicas drift apart)
 void register_data_parallel(core::SectionRegistry& registry);
 
 }  // namespace tetra::data_parallel

@@ -761,6 +761,16 @@ std::string Options::plan(const core::PlanInput& input) const {
   return os.str();
 }
 
+core::StrategyRole Options::role(const core::JobSpec&) const {
+  core::StrategyRole r;
+  r.axis = "pipeline";
+  r.why = "splits the model into " + std::to_string(stages * virtual_stages) + " stages (" + schedule + ", " +
+          std::to_string(micro_batches) + " micro-batches, balance " + balance + ")";
+  r.micro_batches = micro_batches;
+  r.micro_batches_key = "pipeline.micro_batches";
+  return r;
+}
+
 void register_pipeline(core::SectionRegistry& registry) {
   registry.add(
       "pipeline",
@@ -793,14 +803,6 @@ void register_pipeline(core::SectionRegistry& registry) {
         if (job.train.accumulation_steps != 1)
           s.error("micro_batches", "a pipeline splits the batch into micro_batches itself: set train.accumulation_steps to 1 (it is " +
                                        std::to_string(job.train.accumulation_steps) + ")");
-        const int64_t D = job.mesh.size("data");
-        const int64_t split = D * o->micro_batches;
-        if (job.data.batch_size % split != 0)
-          s.error("micro_batches", "data.batch_size " + std::to_string(job.data.batch_size) + " does not split into " +
-                                       std::to_string(D) + " data-parallel rank" + (D == 1 ? "" : "s") + " x " +
-                                       std::to_string(o->micro_batches) + " micro-batches (" +
-                                       fmt("%.2f", static_cast<double>(job.data.batch_size) / static_cast<double>(split)) +
-                                       " examples each); make the batch a multiple of " + std::to_string(split));
         return o;
       },
       "pipeline");

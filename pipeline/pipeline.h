@@ -54,6 +54,7 @@ struct Options : core::StrategyConfig {
   // it where communication has cores of its own (GPUs).
   int prefetch = 0;
   std::unique_ptr<core::Strategy> build() const override;
+  core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
 };
 

@@ -25,6 +25,7 @@
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
+#include "replicate/replicate.h"
 #include "zero/zero.h"
 #include "hardware/host.h"
 
@@ -79,25 +80,25 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
   if (!spec.log.trace.empty()) std::printf("  trace        %s\n", spec.log.trace.c_str());
 }
 
-void print_plan(const JobSpec& spec, const Trainer& trainer, int threads) {
+void print_plan(const Trainer& trainer, int threads) {
   Trainer& t = const_cast<Trainer&>(trainer);
+  const Plan& plan = trainer.job_plan();
+  const JobSpec& spec = plan.spec();
   const auto& info = trainer.dataset().info();
   const int64_t params = parameter_count(*t.model());
   const int64_t state_per_param = spec.optimizer.type == "sgd" ? (spec.optimizer.momentum > 0 ? 1 : 0) : 2;
   std::printf("job        %s (%s)\n", spec.name.c_str(), spec.source.c_str());
-  const int world = spec.mesh.world_size(), dp = spec.mesh.size("data");
-  if (world == 1)
-    std::printf("world      1 process, %d intra-op thread%s\n", threads, threads == 1 ? "" : "s");
+  const int world = plan.process_count(), R = plan.replicas();
+  const std::string per_rank = std::to_string(threads) + " intra-op thread" + (threads == 1 ? "" : "s");
+  if (world == 1 && R == 1)
+    std::printf("world      1 process, %s\n", per_rank.c_str());
+  else if (world == 1)
+    std::printf("world      1 process x %d replica threads, %s each\n", R, per_rank.c_str());
   else
-    std::printf("world      mesh %s = %d ranks (launch with mpirun -np %d), %d intra-op thread%s each\n",
-                spec.mesh.str().c_str(), world, world, threads, threads == 1 ? "" : "s");
+    std::printf("world      mesh %s = %d processes (launch with mpirun -np %d)%s, %s each\n", spec.mesh.str().c_str(), world,
+                world, R > 1 ? (" x " + std::to_string(R) + " replica threads").c_str() : "", per_rank.c_str());
   std::printf("data       %s\n", info.description.c_str());
-  const auto pp = spec.plugin<pipeline::Options>("pipeline");
-  const int64_t micro = pp ? pp->micro_batches : spec.train.accumulation_steps;
-  std::printf("batch      %lld global = %d data rank%s x %lld micro-batch%s x %lld%s\n",
-              static_cast<long long>(spec.data.batch_size), dp, dp == 1 ? "" : "s",
-              static_cast<long long>(micro), micro == 1 ? "" : "es",
-              static_cast<long long>(spec.data.batch_size / dp / micro), pp ? " (pipeline.micro_batches)" : "");
+  std::printf("batch      %s\n", plan.batch_equation().c_str());
   std::printf("steps      %lld (%s)\n", static_cast<long long>(trainer.total_steps()),
               spec.train.max_steps ? "train.max_steps" : "train.epochs x steps per epoch");
   std::printf("model      %s, %lld parameters\n%s", spec.model.type.c_str(),
@@ -107,6 +108,7 @@ void print_plan(const JobSpec& spec, const Trainer& trainer, int threads) {
               human_bytes(bytes).c_str(), human_bytes(bytes).c_str(),
               human_bytes(bytes * state_per_param).c_str(),
               human_bytes(bytes * (2 + state_per_param)).c_str());
+  std::printf("%s", plan.describe_composition().c_str());
   std::printf("%s", t.plan().c_str());
 }
 
@@ -141,6 +143,7 @@ int main(int argc, char** argv) {
     data_parallel::register_data_parallel(plugins);
     pipeline::register_pipeline(plugins);
     zero::register_zero(plugins);
+    replicate::register_replicate(plugins);
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
     if (check) {
@@ -152,11 +155,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (dry_run) {  // the plan, on one process, whatever the mesh: nothing communicates
-      const int threads = set_threads(spec.train.threads);
       TrainerOptions topts;
       topts.dry_run = true;
       Trainer trainer(spec, topts);
-      if (speak) print_plan(spec, trainer, threads);
+      const int threads = set_threads(spec.train.threads, trainer.job_plan().replicas());
+      if (speak) print_plan(trainer, threads);
       return 0;
     }
     // The mesh must fit the launch before any rank communicates.

@@ -682,8 +682,8 @@ core::ModelStateBytes estimate_memory(const core::JobSpec& spec, int stage, int 
 std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<Zero>(*this); }
 
 std::string Options::plan(const core::PlanInput& input) const {
-  const int n = input.spec.mesh.size("data");
-  const int pp = input.spec.mesh.size("pipeline");
+  const int n = input.plan.data_ranks();
+  const int pp = input.plan.pipeline_stages();
   const int64_t psi = core::parameter_count(*input.model);
   std::ostringstream os;
   os << "zero: stage " << stage << " over " << n << " data rank" << (n == 1 ? "" : "s");
@@ -702,6 +702,18 @@ std::string Options::plan(const core::PlanInput& input) const {
   os << "  plus communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "2 units (gradients on their way) + 2 chunks")
      << (stage == 3 ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
   return os.str();
+}
+
+core::StrategyRole Options::role(const core::JobSpec&) const {
+  core::StrategyRole r;
+  r.axis = "data";
+  r.why = std::string("shards the optimizer state") + (stage >= 2 ? ", the gradients" : "") +
+          (stage >= 3 ? ", the parameters" : "") + " over the data group (stage " + std::to_string(stage) + ")";
+  r.syncs_gradients = true;
+  r.owns_model_state = true;
+  r.needs_group = true;
+  r.needs_group_key = "zero.stage";
+  return r;
 }
 
 void register_zero(core::SectionRegistry& registry) {

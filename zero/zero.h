@@ -54,6 +54,7 @@ struct Options : core::StrategyConfig {
   bool overlap = true;      // reduce-scatter each unit as backward produces it
   int prefetch = 1;         // stage 3: layers gathered ahead of the one running
   std::unique_ptr<core::Strategy> build() const override;
+  core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
 };
 

@@ -344,8 +344,9 @@ TEST(ConfigFile, ErrorsNameTheFileAndNameDefaultsToItsStem) {
 
 TEST(ConfigRules, AccumulationStepsMustDivideTheBatch) {
   EXPECT_EQ(errors_of("data:\n  batch_size: 256\ntrain:\n  accumulation_steps: 3\n"),
-            "job.yaml:4:3: error: train.accumulation_steps: 3 does not divide data.batch_size 256 "
-            "(micro-batch would be 85.33)");
+            "job.yaml:4:3: error: train.accumulation_steps: data.batch_size 256 does not split into 1 "
+            "data-parallel rank x 3 micro-batches (train.accumulation_steps): 256 / 3 = 85.33 samples each; "
+            "make the global batch a multiple of 3");
   EXPECT_EQ(
       parse("data:\n  batch_size: 256\ntrain:\n  accumulation_steps: 4\n").train.accumulation_steps,
       4);

@@ -176,12 +176,17 @@ TEST(Zero, GptAtStageThreeFollowsOneProcess) {
   sets.push_back("zero.stage=3");
   expect_follows(ref, parallel(2, sets), 1e-5, "gpt stage 3");
   // Evaluation switches the wrapped blocks to eval mode (their dropout is their own
-  // flag, not a child's): two evaluations agree. One process: ZeRO-3 over one data rank.
+  // flag, not a child's): two evaluations agree.
   sets.push_back("model.dropout=0.2");
+  sets.push_back("mesh.data=2");
   set_threads(1);
-  Trainer t(job(sets));
-  t.run();
-  EXPECT_EQ(t.evaluate().test_loss, t.evaluate().test_loss);
+  collectives::run_local_ranks(2, [&](int, collectives::Communicator& world) {
+    TrainerOptions o;
+    o.world = world.shared_from_this();
+    Trainer t(job(sets), o);
+    t.run();
+    EXPECT_EQ(t.evaluate().test_loss, t.evaluate().test_loss);
+  });
   base_job = kJob;
 }
 
