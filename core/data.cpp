@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/random.h"
 #include "core/text.h"
 
 namespace tetra::core {
@@ -25,14 +26,6 @@ namespace {
 at::Generator make_cpu_generator(uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
 
 const char* split_name(Split split) { return split == Split::kTrain ? "train" : "test"; }
 
