@@ -22,7 +22,7 @@ using tetra::detail::concat;
 namespace {
 
 // A generator of its own, so that reading data never moves the global torch RNG (which
-// seeds model initialisation and dropout).
+// initialises the model's parameters).
 at::Generator make_cpu_generator(uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
@@ -344,7 +344,9 @@ torch::Tensor BatchPlan::slice(const torch::Tensor& indices, int64_t part, int64
   TETRA_CHECK(parts >= 1 && 0 <= part && part < parts, "slice part ", part, " of ", parts);
   TETRA_CHECK(indices.dim() == 1, "slice needs 1-D indices");
   const int64_t n = indices.size(0);
-  return indices.slice(0, part * n / parts, (part + 1) * n / parts);
+  return indices.slice(0, slice_begin(n, part, parts), slice_begin(n, part + 1, parts));
 }
+
+int64_t BatchPlan::slice_begin(int64_t n, int64_t part, int64_t parts) { return part * n / parts; }
 
 }  // namespace tetra::core

@@ -15,6 +15,7 @@
 #include "collectives/error.h"
 #include "core/data.h"
 #include "core/models.h"
+#include "core/random.h"
 #include "core/report.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
@@ -91,7 +92,8 @@ struct Boundary {
 class UntouchedModel {
  public:
   explicit UntouchedModel(torch::nn::Sequential& model)
-      : lock_(core::global_rng_mutex()), model_(model), rng_(at::detail::getDefaultCPUGenerator().get_state()) {
+      : lock_(core::global_rng_mutex()), random_(0, 0, 0), model_(model),
+        rng_(at::detail::getDefaultCPUGenerator().get_state()) {
     for (const auto& b : model->named_buffers()) buffers_.push_back({b.value(), b.value().clone()});
   }
   ~UntouchedModel() {
@@ -109,6 +111,9 @@ class UntouchedModel {
 
  private:
   std::lock_guard<std::mutex> lock_;  // first: taken before the state is read
+  // tetra's Dropout needs a key in training mode; the masks of layers run to be measured
+  // are never used, so any key does.
+  core::RandomContext::Scope random_;
   torch::nn::Sequential& model_;
   at::Tensor rng_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
@@ -478,7 +483,10 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
     if (first(chunk)) s.input = b.inputs;
     s.targets = b.targets;
   };
+  // A micro-batch's dropout draws by its rows' places in the global batch: its forward and
+  // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
   auto run_forward = [&](int i, int chunk, Slot& s) {
+    core::RandomContext::Scope random(step.random.offset(core::BatchPlan::slice_begin(n, i, m)));
     core::compat::CpuAutocast autocast(step.bf16);
     s.output = chunks_[chunk]->forward(s.input);
     if (last(chunk)) {

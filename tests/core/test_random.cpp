@@ -11,10 +11,31 @@
 #include <thread>
 
 #include "collectives/error.h"
+#include "core/models.h"
 
 using namespace tetra::core;
 
 namespace {
+
+DataInfo text_info(int64_t seq_len) {
+  DataInfo d;
+  d.input_shape = {seq_len};
+  d.num_classes = 256;
+  d.language_model = true;
+  d.seq_len = seq_len;
+  d.description = "text";
+  return d;
+}
+
+ModelSpec gpt_spec(double dropout) {
+  ModelSpec s;
+  s.type = "gpt";
+  s.layers = 2;
+  s.heads = 2;
+  s.d_model = 16;
+  s.dropout = dropout;
+  return s;
+}
 
 // The mask a Dropout applied: its output over its input (x has no zeros).
 torch::Tensor kept(const torch::Tensor& out) { return out.ne(0); }
@@ -69,6 +90,27 @@ TEST(Dropout, TwoPiecesOfABatchDrawTheRowsOfTheWholeBatch) {
   auto [a, a_grad] = run(0, 3);
   auto [b, b_grad] = run(3, 8);
   EXPECT_TRUE(torch::equal(torch::cat({a, b}), whole));
+}
+
+TEST(Dropout, GptSplitIntoTwoForwardsFollowsTheWholeBatch) {
+  // Every dropout of the GPT (embedding, attention, both residuals of each block) keys by
+  // the global row, so two half-batch forwards compute the rows of the whole one.
+  torch::manual_seed(3);
+  torch::nn::Sequential gpt = build_model(gpt_spec(0.3), text_info(8));
+  gpt->train();
+  const torch::Tensor tokens = torch::randint(0, 256, {8, 8}, torch::kLong);
+  auto forward = [&](int64_t begin, int64_t end) {
+    RandomContext::Scope scope(1, 9, begin);
+    return gpt->forward(tokens.slice(0, begin, end));
+  };
+  const torch::Tensor whole = forward(0, 8);
+  torch::Tensor halves = torch::cat({forward(0, 4), forward(4, 8)});
+  EXPECT_TRUE(torch::allclose(halves, whole, 1e-5, 1e-6)) << (halves - whole).abs().max();
+  // And it does drop: another step differs, eval differs from training.
+  RandomContext::Scope next(1, 10, 0);
+  EXPECT_FALSE(torch::allclose(gpt->forward(tokens), whole));
+  gpt->eval();
+  EXPECT_FALSE(torch::allclose(gpt->forward(tokens), whole));
 }
 
 TEST(Dropout, MasksDifferAcrossStepsLayersSamplesAndSeeds) {
@@ -157,4 +199,34 @@ TEST(Dropout, ScopesNestAndEachThreadHasItsOwn) {
     EXPECT_EQ(RandomContext::current().first_sample, 5);
   }
   EXPECT_FALSE(RandomContext::current().active);
+}
+
+TEST(Dropout, BuiltModelsNumberTheirDropoutsAndClonesKeepTheIds) {
+  torch::nn::Sequential gpt = build_model(gpt_spec(0.1), text_info(8));
+  std::vector<int64_t> ids;
+  for (const auto& m : gpt->modules())
+    if (auto* d = m->as<DropoutImpl>()) ids.push_back(d->layer());
+  // Embedding, then attention, projection and MLP dropouts of each of the 2 blocks.
+  EXPECT_EQ(ids, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(gpt->clone());
+  ASSERT_TRUE(copy);
+  const torch::Tensor tokens = torch::randint(0, 256, {2, 8}, torch::kLong);
+  RandomContext::Scope scope(1, 0, 0);
+  EXPECT_TRUE(torch::equal(copy->forward(tokens), gpt->forward(tokens)));
+
+  ModelSpec mlp;
+  mlp.type = "mlp";
+  mlp.hidden = {8, 8, 8};
+  mlp.dropout = 0.2;
+  DataInfo flat;
+  flat.input_shape = {5};
+  flat.num_classes = 2;
+  ids.clear();
+  for (const auto& m : build_model(mlp, flat)->modules())
+    if (auto* d = m->as<DropoutImpl>()) ids.push_back(d->layer());
+  EXPECT_EQ(ids, (std::vector<int64_t>{0, 1, 2}));
+  // A Sequential of one's own.
+  torch::nn::Sequential own(torch::nn::Linear(5, 5), Dropout(0.1), torch::nn::Linear(5, 5), Dropout(0.1));
+  EXPECT_EQ(number_dropout_layers(*own, 10), 12);
+  EXPECT_EQ(own[3]->as<DropoutImpl>()->layer(), 11);
 }
