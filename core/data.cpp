@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/random.h"
 #include "core/text.h"
 
 namespace tetra::core {
@@ -21,18 +22,10 @@ using tetra::detail::concat;
 namespace {
 
 // A generator of its own, so that reading data never moves the global torch RNG (which
-// seeds model initialisation and dropout).
+// initialises the model's parameters).
 at::Generator make_cpu_generator(uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
 
 const char* split_name(Split split) { return split == Split::kTrain ? "train" : "test"; }
 
@@ -351,7 +344,9 @@ torch::Tensor BatchPlan::slice(const torch::Tensor& indices, int64_t part, int64
   TETRA_CHECK(parts >= 1 && 0 <= part && part < parts, "slice part ", part, " of ", parts);
   TETRA_CHECK(indices.dim() == 1, "slice needs 1-D indices");
   const int64_t n = indices.size(0);
-  return indices.slice(0, part * n / parts, (part + 1) * n / parts);
+  return indices.slice(0, slice_begin(n, part, parts), slice_begin(n, part + 1, parts));
 }
+
+int64_t BatchPlan::slice_begin(int64_t n, int64_t part, int64_t parts) { return part * n / parts; }
 
 }  // namespace tetra::core

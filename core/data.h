@@ -66,6 +66,9 @@ class BatchPlan {
   torch::Tensor global_batch(int64_t epoch, int64_t step);
   // Slice [part * n / parts, (part + 1) * n / parts) of a batch's indices.
   static torch::Tensor slice(const torch::Tensor& indices, int64_t part, int64_t parts);
+  // Where that slice of n rows begins: its offset in the sliced batch (the dropout key of
+  // its first row, Note [Layout-invariant dropout]).
+  static int64_t slice_begin(int64_t n, int64_t part, int64_t parts);
 
  private:
   int64_t examples_, global_batch_, seed_, steps_per_epoch_;

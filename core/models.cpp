@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/random.h"
 #include "core/text.h"
 
 namespace tetra::core {
@@ -26,15 +27,14 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl> {
   void reset() override {
     tok = register_module("tok", torch::nn::Embedding(vocab_, d_model_));
     pos = register_parameter("pos", torch::zeros({seq_len_, d_model_}));
+    drop = register_module("drop", Dropout(dropout_));
   }
   torch::Tensor forward(torch::Tensor tokens) {
     TETRA_CHECK(tokens.dim() == 2, "GptEmbedding expects int64 tokens [n, T], got ",
                 tokens.dim(), " dims");
     const int64_t T = tokens.size(1);
     TETRA_CHECK(T <= seq_len_, "sequence of ", T, " tokens is longer than the context ", seq_len_);
-    torch::Tensor x = tok(tokens) + pos.slice(0, 0, T).unsqueeze(0);
-    if (dropout_ > 0) x = torch::dropout(x, dropout_, is_training());
-    return x;
+    return drop(tok(tokens) + pos.slice(0, 0, T).unsqueeze(0));
   }
   void pretty_print(std::ostream& os) const override {
     os << "GptEmbedding(vocab=" << vocab_ << ", seq_len=" << seq_len_ << ", d_model=" << d_model_
@@ -43,6 +43,7 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl> {
 
   torch::nn::Embedding tok{nullptr};
   torch::Tensor pos;
+  Dropout drop{nullptr};
 
  private:
   int64_t vocab_, seq_len_, d_model_;
@@ -64,6 +65,10 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
     fc1 = register_module("fc1", torch::nn::Linear(d_model_, d_ff_));
     fc2 = register_module("fc2", torch::nn::Linear(d_ff_, d_model_));
+    // One dropout per place it is used: each is its own layer of the mask key.
+    attn_drop = register_module("attn_drop", Dropout(dropout_));
+    proj_drop = register_module("proj_drop", Dropout(dropout_));
+    mlp_drop = register_module("mlp_drop", Dropout(dropout_));
   }
   torch::Tensor forward(torch::Tensor x) {
     TETRA_CHECK(x.dim() == 3 && x.size(2) == d_model_, "GptBlock expects [n, T, ", d_model_,
@@ -77,14 +82,10 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     torch::Tensor future =
         torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
     att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-    if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());
+    att = attn_drop(att);
     torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({n, T, d_model_});
-    y = proj(y);
-    if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
-    x = x + y;
-    torch::Tensor m = fc2(torch::gelu(fc1(ln2(x))));
-    if (dropout_ > 0) m = torch::dropout(m, dropout_, is_training());
-    return x + m;
+    x = x + proj_drop(proj(y));
+    return x + mlp_drop(fc2(torch::gelu(fc1(ln2(x)))));
   }
   void pretty_print(std::ostream& os) const override {
     os << "GptBlock(d_model=" << d_model_ << ", heads=" << heads_ << ", d_ff=" << d_ff_
@@ -93,6 +94,7 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+  Dropout attn_drop{nullptr}, proj_drop{nullptr}, mlp_drop{nullptr};
 
  private:
   int64_t d_model_, heads_, d_ff_;
@@ -149,7 +151,7 @@ void push_dense(torch::nn::Sequential& seq, const ModelSpec& spec, int64_t in, i
   for (int64_t width : spec.hidden) {
     seq->push_back(torch::nn::Linear(in, width));
     push_activation(seq, spec.activation);
-    if (spec.dropout > 0) seq->push_back(torch::nn::Dropout(spec.dropout));
+    if (spec.dropout > 0) seq->push_back(Dropout(spec.dropout));
     in = width;
   }
   seq->push_back(torch::nn::Linear(in, classes));
@@ -236,9 +238,7 @@ std::string data_name(const DataInfo& data) {
   return data.language_model ? "a language-model dataset" : "a classification dataset";
 }
 
-}  // namespace
-
-torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data) {
+torch::nn::Sequential build_layers(const ModelSpec& spec, const DataInfo& data) {
   const bool known = spec.type == "mlp" || spec.type == "cnn" || spec.type == "gpt";
   if (!known)
     throw ConfigError(concat("unknown model.type '", spec.type, "' (known: mlp, cnn, gpt)"));
@@ -257,6 +257,16 @@ torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data) {
                              "the data is ",
                              data_name(data), " (use model.type gpt)"));
   return spec.type == "mlp" ? build_mlp(spec, data) : build_cnn(spec, data);
+}
+
+}  // namespace
+
+torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data) {
+  torch::nn::Sequential model = build_layers(spec, data);
+  // Ids from the model's structure alone: every process and pipeline stage builds the whole
+  // model, so a dropout has the same id wherever it runs (Note [Layout-invariant dropout]).
+  number_dropout_layers(*model);
+  return model;
 }
 
 torch::Tensor model_loss(const torch::Tensor& output, const torch::Tensor& targets) {

@@ -13,7 +13,9 @@
 namespace tetra::core {
 
 // Builds model.type for the data it will see (input shape, classes or vocabulary).
-// Parameters are initialised from the current torch RNG state: seed it first.
+// Parameters are initialised from the current torch RNG state: seed it first. Its
+// dropouts are tetra::core::Dropout, numbered in order (number_dropout_layers): in training
+// mode they draw from the key a RandomContext::Scope sets (Note [Layout-invariant dropout]).
 // Incompatible pairs (gpt on images, mlp on text) are ConfigErrors.
 torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data);
 

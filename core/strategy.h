@@ -40,6 +40,7 @@
 #include "core/mesh.h"
 #include "core/optim.h"
 #include "core/plan.h"
+#include "core/random.h"
 #include "core/report.h"
 #include "core/safetensors.h"
 
@@ -64,6 +65,9 @@ struct StepInput {
   // with last = true before the step's last backward on this rank.
   std::function<void(bool last)> before_backward;
   bool bf16 = false;  // CPU autocast for the forward
+  // The dropout key of row 0 of `indices` (Note [Layout-invariant dropout]): a forward of
+  // the rows from r on runs under random.offset(r).
+  RandomContext random;
 };
 
 // What it reports back: the mean loss over `indices`, the same on every rank of its

@@ -15,6 +15,7 @@
 #include "collectives/error.h"
 #include "collectives/hierarchical.h"
 #include "core/models.h"
+#include "core/random.h"
 #include "core/runtime.h"
 #include "core/torch_compat.h"
 #include "hardware/host.h"
@@ -168,6 +169,13 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   const torch::Tensor indices =
       data_size_ == 1 ? global_indices : BatchPlan::slice(global_indices, data_rank_, data_size_);
   const int64_t n = indices.size(0);
+  // Dropout draws by each row's place in the global batch, so every split draws what one
+  // process draws (Note [Layout-invariant dropout]).
+  RandomContext random;
+  random.seed = static_cast<uint64_t>(spec_.train.seed);
+  random.step = step_;
+  random.first_sample = BatchPlan::slice_begin(global_indices.size(0), data_rank_, data_size_);
+  random.active = true;
   const bool bf16 = spec_.train.precision == "bf16";
   if (owner_)
     owner_->zero_grad();
@@ -184,6 +192,7 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
         if (s.get() != stepper_) s->before_backward(last);
     };
     in.bf16 = bf16;
+    in.random = random;
     StepOutput out = stepper_->forward_backward(in);
     loss_sum = out.loss;
     phases_.data += out.data_s;
@@ -192,6 +201,7 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   }
   for (int64_t m = 0; m < (stepper_ ? 0 : micro); ++m) {
     torch::Tensor idx = micro == 1 ? indices : BatchPlan::slice(indices, m, micro);
+    RandomContext::Scope random_scope(random.offset(BatchPlan::slice_begin(n, m, micro)));
     Batch batch;
     auto t = Clock::now();
     auto lap = [&t](double& into) {

@@ -15,6 +15,7 @@
 #include "collectives/error.h"
 #include "core/data.h"
 #include "core/models.h"
+#include "core/random.h"
 #include "core/report.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
@@ -82,16 +83,19 @@ struct Boundary {
   }
 };
 
-// Running layers to learn about them must leave no trace: a dropout draws from the
-// generator every rank shares with the single-process run, a batch norm updates its
-// running statistics. This puts both back as they were. It holds the process's generator
-// lock all along: thread-ranks share the generator, and putting it back while another
-// thread-rank seeds it and draws its initial parameters would hand that rank other
-// weights (a race CI once lost: a stage began from parameters one process never had).
+// Running layers to learn about them must leave no trace: a batch norm updates its
+// running statistics, and a layer from outside tetra's zoo may draw from torch's generator
+// (torch::nn::Dropout, RReLU), which every thread-rank shares and which seeds each one's
+// initial parameters. This puts both back as they were. It holds the process's generator
+// lock all along: putting the generator back while another thread-rank seeds it and draws
+// its initial parameters would hand that rank other weights (a race CI once lost: a stage
+// began from parameters one process never had). tetra's own Dropout draws nothing from
+// the generator (Note [Layout-invariant dropout]).
 class UntouchedModel {
  public:
   explicit UntouchedModel(torch::nn::Sequential& model)
-      : lock_(core::global_rng_mutex()), model_(model), rng_(at::detail::getDefaultCPUGenerator().get_state()) {
+      : lock_(core::global_rng_mutex()), random_(0, 0, 0), model_(model),
+        rng_(at::detail::getDefaultCPUGenerator().get_state()) {
     for (const auto& b : model->named_buffers()) buffers_.push_back({b.value(), b.value().clone()});
   }
   ~UntouchedModel() {
@@ -109,6 +113,9 @@ class UntouchedModel {
 
  private:
   std::lock_guard<std::mutex> lock_;  // first: taken before the state is read
+  // tetra's Dropout needs a key in training mode; the masks of layers run to be measured
+  // are never used, so any key does.
+  core::RandomContext::Scope random_;
   torch::nn::Sequential& model_;
   at::Tensor rng_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
@@ -187,7 +194,6 @@ class Pipeline final : public PipelineStrategy {
     data_size_ = state.mesh ? state.mesh->size("data") : 1;
     data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
     bf16_ = state.spec.train.precision == "bf16";
-    draws_random_ = state.spec.model.dropout > 0;
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
     sched_ = make_schedule(opt_.schedule, P, opt_.micro_batches, v);
     micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches;
@@ -265,7 +271,6 @@ class Pipeline final : public PipelineStrategy {
   const core::Dataset* data_ = nullptr;
   int rank_ = 0, data_size_ = 1, data_coord_ = 0;
   bool bf16_ = false;
-  bool draws_random_ = false;  // the model's forward draws from the generator (dropout)
   int64_t micro_size_ = 1;
   collectives::Duration timeout_ = collectives::kDefaultTimeout;
   Schedule sched_;
@@ -437,7 +442,6 @@ struct Slot {
   at::Tensor loss;    // last stage: the micro-batch's weighted loss
   at::Tensor targets;
   at::Tensor out_grad;
-  at::Tensor rng;     // the CPU generator before a checkpointed forward (dropout replays)
 };
 
 }  // namespace
@@ -478,7 +482,10 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
     if (first(chunk)) s.input = b.inputs;
     s.targets = b.targets;
   };
+  // A micro-batch's dropout draws by its rows' places in the global batch: its forward and
+  // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
   auto run_forward = [&](int i, int chunk, Slot& s) {
+    core::RandomContext::Scope random(step.random.offset(core::BatchPlan::slice_begin(n, i, m)));
     core::compat::CpuAutocast autocast(step.bf16);
     s.output = chunks_[chunk]->forward(s.input);
     if (last(chunk)) {
@@ -524,12 +531,6 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
         }
         auto t0 = Clock::now();
         if (checkpointed(in.micro)) {
-          // A forward that draws (dropout) keeps the generator to itself from the state
-          // it records to its last draw, so its replay draws the same masks even when
-          // thread-ranks share the generator.
-          std::unique_lock<std::mutex> rng_lock;
-          if (draws_random_) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
-          s.rng = at::detail::getDefaultCPUGenerator().get_state();
           torch::NoGradGuard no_grad;
           run_forward(in.micro, in.chunk, s);
         } else {
@@ -553,15 +554,8 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
         }
         auto t0 = Clock::now();
         if (checkpointed(in.micro)) {
-          // Re-materialise (GPipe): the forward again, now with its graph, under the
-          // random state it first ran with.
-          std::unique_lock<std::mutex> rng_lock;
-          if (draws_random_) rng_lock = std::unique_lock<std::mutex>(core::global_rng_mutex());
-          auto gen = at::detail::getDefaultCPUGenerator();
-          at::Tensor now = gen.get_state();
-          gen.set_state(s.rng);
+          // Re-materialise (GPipe): the forward again, now with its graph.
           run_forward(in.micro, in.chunk, s);
-          gen.set_state(now);
         }
         // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
         if (last(in.chunk)) {

@@ -18,6 +18,7 @@
 #include "core/data.h"
 #include "core/job_spec.h"
 #include "core/models.h"
+#include "core/random.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
 
@@ -47,6 +48,7 @@ double bare_loop(const JobSpec& spec, const Dataset& data, int64_t steps) {
   for (int64_t s = 0; s < steps; ++s) {
     int64_t start = (s * b) % (n - b + 1);
     Batch batch = data.get(Split::kTrain, order.slice(0, start, start + b));
+    RandomContext::Scope random(static_cast<uint64_t>(spec.train.seed), s, 0);  // what the trainer keys dropout by
     opt.zero_grad();
     torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(batch.inputs), batch.targets);
     loss.backward();

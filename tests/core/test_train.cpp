@@ -83,7 +83,7 @@ TEST(Trainer, StoppedAndResumedRunFollowsTheUninterruptedOne) {
   fs::path d = fresh_dir("resume");
   const std::string yaml = std::string(kMlp) + "checkpoint: {every_steps: 10}\n";
   std::vector<std::string> common = {"train.max_steps=40", "data.eval_samples=500",
-                                     "model.dropout=0.1"};  // dropout: the RNG must resume too
+                                     "model.dropout=0.1"};  // dropout: the masks must resume too
   auto with = [&](const std::string& dir) {
     auto s = common;
     s.push_back("checkpoint.dir=" + (d / dir).string());
