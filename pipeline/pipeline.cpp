@@ -688,8 +688,8 @@ std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique
 
 std::string Options::plan(const core::PlanInput& input) const {
   const int P = stages, v = virtual_stages, K = P * v;
-  const int D = input.spec.mesh.size("data");
-  const int64_t micro = input.spec.data.batch_size / D / micro_batches;
+  const int D = input.plan.data_ranks();  // data processes x replicas
+  const int64_t micro = input.plan.micro_batch_size();
   const bool bf16 = input.spec.train.precision == "bf16";
   std::ostringstream os;
   const int L = static_cast<int>(input.model->size());
@@ -705,7 +705,7 @@ std::string Options::plan(const core::PlanInput& input) const {
   os << "pipeline: " << P << " rank" << (P == 1 ? "" : "s");
   if (v > 1) os << " x " << v << " virtual stages = " << K << " stages";
   os << ", schedule " << schedule << ", " << micro_batches << " micro-batches of " << micro << " (batch "
-     << input.spec.data.batch_size << (D > 1 ? " / data " + std::to_string(D) : "") << ")"
+     << input.spec.data.batch_size << (D > 1 ? " / " + std::to_string(D) + " data ranks" : "") << ")"
      << ", balance " << (balance == "explicit" ? "explicit" : balance) << " " << part.str()
      << ", checkpoint " << checkpoint << "\n";
   // Memory: parameters with their gradients and optimizer state, and the activations of

@@ -35,9 +35,11 @@ std::string Options::plan(const core::PlanInput& input) const {
   os << "replicate: " << replicas << " replica threads per process x " << procs << " process" << (procs == 1 ? "" : "es")
      << " = " << replicas * procs << " replicas; inside a process they reduce over shared memory, across processes "
      << "each replica index allreduces over its own communicator\n";
-  const std::vector<Placement> where = place_replicas(replicas, input.spec.train.threads);
+  // On one host: --dry-run runs before any launch, so it plans for all processes here.
+  const std::vector<Placement> where = place_replicas(replicas, input.spec.train.threads, procs);
+  os << "  each process" << (procs > 1 ? " (all " + std::to_string(procs) + " on this host)" : std::string()) << ":\n";
   for (size_t r = 0; r < where.size(); ++r) {
-    os << "  replica " << r << ": " << where[r].threads << " thread" << (where[r].threads == 1 ? "" : "s");
+    os << "    replica " << r << ": " << where[r].threads << " thread" << (where[r].threads == 1 ? "" : "s");
     if (where[r].cpus.empty())
       os << ", not pinned (" << where[r].why << ")";
     else
@@ -72,10 +74,12 @@ void register_replicate(core::SectionRegistry& registry) {
 // and a NUMA node). The replica thread pins itself once, when it starts; the OpenMP
 // threads it starts inherit the mask. With fewer cores than replicas nobody is pinned: the
 // scheduler spreads them better than a fixed overlap would.
-std::vector<Placement> place_replicas(int replicas, int threads) {
+std::vector<Placement> place_replicas(int replicas, int threads, int local_processes) {
   replicas = std::max(1, replicas);
+  if (local_processes <= 0) local_processes = core::local_ranks_from_env();
   std::vector<Placement> out(static_cast<size_t>(replicas));
-  const int per = threads > 0 ? threads : core::default_threads(replicas);
+  const int per = threads > 0 ? threads
+                              : std::max(1, hardware::usable_cores() / (local_processes * replicas));
   for (auto& p : out) p.threads = per;
 
   const std::vector<int> allowed = hardware::parse_cpu_list(hardware::affinity_cpus());
@@ -89,7 +93,6 @@ std::vector<Placement> place_replicas(int replicas, int threads) {
   }
   if (cores.empty())  // no hwloc: a PU is a core
     for (int pu : allowed) cores.push_back({pu});
-  const int local_processes = core::local_ranks_from_env();
   std::string why;
   if (local_processes > 1 && allowed.size() >= static_cast<size_t>(hardware::host_cores()))
     why = std::to_string(local_processes) + " processes on this host share its CPUs (bind them, e.g. mpirun --bind-to socket)";

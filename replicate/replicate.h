@@ -60,8 +60,9 @@ struct Placement {
 };
 // The placement of `replicas` replica threads in this process, from the CPUs it may use
 // (sched_getaffinity) grouped into cores (hwloc), and the processes the launcher put on
-// this host. `threads` > 0 overrides the threads per replica (train.threads).
-std::vector<Placement> place_replicas(int replicas, int threads = 0);
+// this host (`local_processes`; 0 = as the launcher says). `threads` > 0 overrides the
+// threads per replica (train.threads).
+std::vector<Placement> place_replicas(int replicas, int threads = 0, int local_processes = 0);
 
 // The replica threads of one process and their communicators.
 class ReplicaSet {

@@ -111,6 +111,19 @@ TEST(Replicate, GptAndCnnFollowOneProcess) {
   expect_follows(run_single(kCnn), run_parallel(kCnn, 1, {"replicate.replicas=3"}), 1e-5, "cnn: 3 replicas");
 }
 
+// Dropout masks are keyed by (seed, step, global sample, layer), so replicas, data ranks
+// and micro-batches draw the same masks as one process (core/random.h).
+TEST(Replicate, DropoutFollowsOneProcess) {
+  const std::vector<std::string> mlp = {"model.dropout=0.3"};
+  expect_follows(run_single(kMlp, mlp),
+                 run_parallel(kMlp, 2, {"model.dropout=0.3", "mesh.data=2", "replicate.replicas=2", "train.accumulation_steps=2"}),
+                 1e-5, "mlp dropout 0.3: data 2 x 2 replicas x accumulation 2");
+  expect_follows(run_single(kGpt, {"model.dropout=0.2"}),
+                 run_parallel(kGpt, 2, {"model.dropout=0.2", "mesh.pipeline=2", "pipeline.micro_batches=2",
+                                        "pipeline.checkpoint=always", "replicate.replicas=2"}),
+                 1e-5, "gpt dropout 0.2: pipeline 2 (recomputed) x 2 replicas");
+}
+
 // bf16 autocast: each replica's matmuls reduce over its own slice of the batch in bf16,
 // so the order of the roundings differs from one process's; the tolerance is bf16's
 // (8 bits of mantissa: 2^-8 = 0.4% per rounding, a few of them per step).

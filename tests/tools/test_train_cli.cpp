@@ -266,6 +266,59 @@ TEST(TrainMpi, PipelineTimesZeroOnFourProcessesFollowsOneProcess) {
                               {"optimizer.clip_grad_norm=0.5"});
 }
 
+// Replicas as threads inside real processes: the data group is processes x replicas,
+// inside over shared memory, across over MPI. Plain SGD without clipping.
+TEST(TrainMpi, ReplicasTimesDataProcessesFollowOneProcessWithPlainSgd) {
+  expect_mpi_follows_single(2, "128", {"mesh.data=2", "replicate.replicas=2"}, {"optimizer.type=sgd", "optimizer.lr=0.05"});
+}
+// The composition the plan exists for: pipeline 2 x data 2 x ZeRO-1 x 2 replicas, 8
+// replicas in 4 processes.
+TEST(TrainMpi, EightReplicasInFourProcessesFollowOneProcess) {
+  expect_mpi_follows_single(4, "128", {"mesh.pipeline=2", "mesh.data=2", "pipeline.micro_batches=4", "zero.stage=1",
+                                       "replicate.replicas=2"});
+}
+
+// --check and --dry-run read the same plan as the trainer: a data-parallel batch that
+// does not split over mesh.data is an error before launch (it used to pass --check).
+TEST(TrainCli, CheckRejectsABatchThatDoesNotSplitOverTheDataGroup) {
+  fs::path d = fresh_dir("plancheck");
+  const std::string job = write_job(d, "job.yaml", "data: {batch_size: 96}\nmesh: {data: 5}\ntrain: {max_steps: 1}\n").string();
+  for (const char* mode : {"--check", "--dry-run"}) {
+    Outcome r = run({job, mode});
+    EXPECT_EQ(r.status, 2) << mode << "\n" << r.out;
+    EXPECT_NE(r.out.find("job.yaml:1:8: error: data.batch_size: data.batch_size 96 does not split into 5 data-parallel "
+                         "ranks x 1 micro-batch: 96 / 5 = 19.20 samples each; make the global batch a multiple of 5"),
+              std::string::npos)
+        << mode << "\n" << r.out;
+  }
+  Outcome z = run({job, "--check", "--set", "mesh.data=1", "--set", "zero.stage=1"});
+  EXPECT_EQ(z.status, 2) << z.out;
+  EXPECT_NE(z.out.find("zero.stage: zero shards the optimizer state over the data group (stage 1), so it needs more than "
+                       "one rank on the data axis"),
+            std::string::npos)
+      << z.out;
+}
+
+TEST(TrainCli, ThreeDAndReplicaConfigsAreValidAndTheDryRunShowsTheComposition) {
+  for (const char* cfg : {"3d.yaml", "replicas.yaml"}) {
+    Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
+    EXPECT_EQ(r.status, 0) << cfg << "\n" << r.out;
+  }
+  Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/3d.yaml", "--dry-run", "--set", "replicate.replicas=2"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* want : {"world      mesh pipeline=2 x data=2 = 4 processes (launch with mpirun -np 4) x 2 replica threads",
+                           "batch      32 global = 4 data-parallel ranks (mesh.data 2 x replicate.replicas 2) x 4 "
+                           "micro-batches (pipeline.micro_batches) x 2",
+                           "composition (outermost first)", "1. pipeline", "2. replicate", "3. data_parallel", "4. zero",
+                           "data_parallel  data      x4   off: zero synchronises the data axis's gradients instead",
+                           "zero: stage 1 over 4 data ranks"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  Outcome one = run({std::string(TETRA_SOURCE_DIR) + "/configs/replicas.yaml", "--dry-run"});
+  ASSERT_EQ(one.status, 0) << one.out;
+  EXPECT_NE(one.out.find("world      1 process x 2 replica threads"), std::string::npos) << one.out;
+  EXPECT_NE(one.out.find("    replica 1: "), std::string::npos) << one.out;
+}
+
 TEST(TrainCli, ZeroConfigsAreValidAndTheDryRunShowsTheShardedState) {
   for (const char* cfg : {"zero.yaml", "zero3-gpt.yaml"}) {
     Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
