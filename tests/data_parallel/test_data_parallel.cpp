@@ -13,6 +13,7 @@
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
+#include "tests/common/numerics.h"
 
 using namespace tetra;
 using namespace tetra::core;
@@ -29,29 +30,16 @@ checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
 
-JobSpec job(std::vector<std::string> sets) {
-  SectionRegistry plugins;
-  data_parallel::register_data_parallel(plugins);
-  return parse_job_string(kJob, "dp", sets, plugins).spec;
-}
+JobSpec job(std::vector<std::string> sets) { return numerics::job(kJob, sets, "dp"); }
 
-TrainResult single(std::vector<std::string> sets = {}) {
-  set_threads(1);
-  return Trainer(job(sets)).run();
-}
+// The shared harness (tests/common/numerics.h): losses and the final evaluation here
+// (AdamW with clipping); parameters too in the plain-SGD test below.
+TrainResult single(std::vector<std::string> sets = {}) { return numerics::run_single(kJob, sets).result; }
 
 // Runs the job on n thread-ranks; returns rank 0's result (and checks all ranks agree).
 TrainResult parallel(int n, std::vector<std::string> sets) {
-  set_threads(1);
   sets.push_back("mesh.data=" + std::to_string(n));
-  std::vector<TrainResult> results(n);
-  collectives::run_local_ranks(n, [&](int rank, collectives::Communicator& world) {
-    TrainerOptions o;
-    o.world = world.shared_from_this();
-    results[rank] = Trainer(job(sets), o).run();
-  });
-  for (int r = 1; r < n; ++r) EXPECT_EQ(results[r].losses, results[0].losses) << "rank " << r;
-  return results[0];
+  return numerics::run_parallel(kJob, n, sets).result;
 }
 
 void expect_follows(const TrainResult& ref, const TrainResult& got, double rel) {
@@ -63,6 +51,19 @@ void expect_follows(const TrainResult& ref, const TrainResult& got, double rel) 
 }
 
 }  // namespace
+
+// Plain SGD without clipping, parameters compared: gradients summed instead of averaged
+// would double every update.
+TEST(DataParallel, PlainSgdFollowsOneProcessParametersToo) {
+  const std::vector<std::string> sgd = {"optimizer.type=sgd", "optimizer.lr=0.05", "optimizer.weight_decay=0",
+                                        "optimizer.clip_grad_norm=0"};
+  const numerics::Outcome ref = numerics::run_single(kJob, sgd);
+  for (int n : {2, 3}) {
+    auto sets = sgd;
+    sets.push_back("mesh.data=" + std::to_string(n));
+    numerics::expect_follows(ref, numerics::run_parallel(kJob, n, sets), 1e-5, std::to_string(n) + " ranks, sgd");
+  }
+}
 
 TEST(DataParallel, TwoRanksFollowOneProcess) {
   TrainResult ref = single();

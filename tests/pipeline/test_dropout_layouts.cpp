@@ -14,6 +14,7 @@
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
+#include "tests/common/numerics.h"
 
 using namespace tetra;
 using namespace tetra::core;
@@ -47,54 +48,20 @@ std::string text_file() {
   return path;
 }
 
-struct Outcome {
-  TrainResult result;
-  TensorMap weights;  // the whole model under its single-process names
-};
+using numerics::Outcome;
 
-// Runs `yaml` on pipeline x data thread-ranks (one process when both are 1); rank 0's
-// outcome, after checking that every rank saw the same losses.
+// The shared harness (tests/common/numerics.h) on pipeline x data thread-ranks (one
+// process when both are 1).
 Outcome run(const char* yaml, int stages, int data, std::vector<std::string> sets) {
-  SectionRegistry plugins;
-  data_parallel::register_data_parallel(plugins);
-  pipeline::register_pipeline(plugins);
+  if (stages * data == 1) return numerics::run_single(yaml, sets);
   sets.push_back("mesh.pipeline=" + std::to_string(stages));
   sets.push_back("mesh.data=" + std::to_string(data));
-  auto job = [&] { return parse_job_string(yaml, "dropout", sets, plugins).spec; };
-  set_threads(1);
-  const int n = stages * data;
-  std::vector<Outcome> out(n);
-  auto one = [&](int rank, TrainerOptions o) {
-    Trainer t(job(), o);
-    out[rank].result = t.run();
-    out[rank].weights = t.weights();  // collective: gathered on rank 0
-  };
-  if (n == 1) {
-    one(0, {});
-  } else {
-    collectives::run_local_ranks(n, [&](int rank, collectives::Communicator& world) {
-      TrainerOptions o;
-      o.world = world.shared_from_this();
-      one(rank, o);
-    });
-  }
-  for (int r = 1; r < n; ++r) EXPECT_EQ(out[r].result.losses, out[0].result.losses) << "rank " << r;
-  return out[0];
+  return numerics::run_parallel(yaml, stages * data, sets);
 }
 
 void expect_follows(const Outcome& ref, const Outcome& got, const std::string& what) {
-  ASSERT_EQ(ref.result.losses.size(), got.result.losses.size()) << what;
-  for (size_t i = 0; i < ref.result.losses.size(); ++i)
-    EXPECT_NEAR(got.result.losses[i], ref.result.losses[i], 1e-5 * std::abs(ref.result.losses[i]))
-        << what << ", step " << i + 1;
   ASSERT_FALSE(ref.weights.empty());
-  ASSERT_EQ(got.weights.size(), ref.weights.size()) << what;
-  for (const auto& [name, w] : ref.weights) {
-    ASSERT_TRUE(got.weights.count(name)) << what << ": no " << name;
-    const torch::Tensor g = got.weights.at(name);
-    EXPECT_TRUE(torch::allclose(g, w, 1e-5, 1e-6))
-        << what << ": " << name << " differs by " << (g - w).abs().max().item<double>();
-  }
+  numerics::expect_follows(ref, got, 1e-5, what);
 }
 
 // Every layout of `yaml` (with the overrides `base`) against one process.

@@ -22,6 +22,7 @@
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
+#include "tests/common/numerics.h"
 
 using namespace tetra;
 using namespace tetra::core;
@@ -40,34 +41,18 @@ checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
 
-SectionRegistry registry() {
-  SectionRegistry plugins;
-  data_parallel::register_data_parallel(plugins);
-  pipeline::register_pipeline(plugins);
-  return plugins;
-}
+JobSpec job(std::vector<std::string> sets) { return numerics::job(kJob, sets, "pp"); }
 
-JobSpec job(std::vector<std::string> sets) { return parse_job_string(kJob, "pp", sets, registry()).spec; }
-
-TrainResult single(std::vector<std::string> sets = {}) {
-  set_threads(1);
-  return Trainer(job(sets)).run();
-}
+// The shared harness (tests/common/numerics.h); this file compares losses and the final
+// evaluation (AdamW with clipping here; the plain-SGD parameter comparison of every
+// layout is tests/pipeline/test_dropout_layouts.cpp's and the replicate tests').
+TrainResult single(std::vector<std::string> sets = {}) { return numerics::run_single(kJob, sets).result; }
 
 // Runs the job on pipeline x data thread-ranks; rank 0's result (all ranks must agree).
 TrainResult parallel(int stages, int data, std::vector<std::string> sets) {
-  set_threads(1);
   sets.push_back("mesh.pipeline=" + std::to_string(stages));
   sets.push_back("mesh.data=" + std::to_string(data));
-  const int n = stages * data;
-  std::vector<TrainResult> results(n);
-  collectives::run_local_ranks(n, [&](int rank, collectives::Communicator& world) {
-    TrainerOptions o;
-    o.world = world.shared_from_this();
-    results[rank] = Trainer(job(sets), o).run();
-  });
-  for (int r = 1; r < n; ++r) EXPECT_EQ(results[r].losses, results[0].losses) << "rank " << r;
-  return results[0];
+  return numerics::run_parallel(kJob, stages * data, sets).result;
 }
 
 void expect_follows(const TrainResult& ref, const TrainResult& got, const std::string& what) {

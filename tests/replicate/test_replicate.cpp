@@ -6,7 +6,10 @@
 // model: a loop of one's own, its cross-replica ops, and failures that end as errors.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -130,6 +133,36 @@ TEST(Replicate, DropoutFollowsOneProcess) {
 TEST(Replicate, Bf16FollowsOneProcessBf16WithinItsTolerance) {
   const Outcome ref = run_single(kMlp, {"train.precision=bf16"});
   expect_follows(ref, run_parallel(kMlp, 1, {"train.precision=bf16", "replicate.replicas=2"}), 2e-2, "bf16, 2 replicas");
+}
+
+// A checkpoint holds the whole model under one process's names (a file per rank of the
+// job: processes x replicas), so a run of replicas resumes on one process and the other
+// way round, and follows the uninterrupted run.
+TEST(Replicate, CheckpointsOfReplicasResumeOnOneProcessAndBack) {
+  const Outcome whole = run_single(kMlp);
+  const std::string dir = ::testing::TempDir() + "/tetra_replicate_ckpt_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> ck = {"checkpoint.dir=" + dir, "checkpoint.every_steps=6"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), ck.begin(), ck.end());
+    return more;
+  };
+  run_parallel(kMlp, 2, with({"mesh.data=2", "replicate.replicas=2", "train.max_steps=6"}));
+  const Outcome resumed = run_single(kMlp, with({}));  // steps 7..12 on one process
+  ASSERT_EQ(resumed.result.losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_NEAR(resumed.result.losses[i], whole.result.losses[6 + i], 1e-5 * whole.result.losses[6 + i]) << "step " << 7 + i;
+  std::filesystem::remove_all(dir);
+  run_single(kMlp, with({"train.max_steps=6"}));
+  const Outcome back = run_parallel(kMlp, 1, with({"replicate.replicas=3"}));  // steps 7..12 on 3 replicas
+  ASSERT_EQ(back.result.losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_NEAR(back.result.losses[i], whole.result.losses[6 + i], 1e-5 * whole.result.losses[6 + i]) << "step " << 7 + i;
+  Outcome end_whole = whole, end_back = back;  // the parameters at step 12 (the losses are above)
+  end_whole.result.losses.clear();
+  end_back.result.losses.clear();
+  expect_follows(end_whole, end_back, 1e-5, "resumed on 3 replicas: parameters");
+  std::filesystem::remove_all(dir);
 }
 
 // ---- the plan ------------------------------------------------------------------------------

@@ -354,7 +354,8 @@ log: {metrics: ""}
 
 TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
   fs::path d = fresh_dir("mpifit");
-  const std::string job = write_job(d, "job.yaml", "mesh: {data: 3}\ntrain: {max_steps: 1}\n").string();
+  // A batch that splits over 3 data ranks: the mesh is the only mistake.
+  const std::string job = write_job(d, "job.yaml", "data: {batch_size: 192}\nmesh: {data: 3}\ntrain: {max_steps: 1}\n").string();
   Outcome r = run_mpi(2, {job});
   EXPECT_NE(r.out.find("mesh data=3 = 3 ranks, but the world has 2"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;  // no crash

@@ -17,6 +17,7 @@
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
+#include "tests/common/numerics.h"
 #include "zero/zero.h"
 
 using namespace tetra;
@@ -49,65 +50,18 @@ log: {metrics: "", progress: off}
 // The job the helpers below build (the MLP unless a test switches it).
 const char* base_job = kJob;
 
-JobSpec job(std::vector<std::string> sets) {
-  SectionRegistry plugins;
-  data_parallel::register_data_parallel(plugins);
-  pipeline::register_pipeline(plugins);
-  zero::register_zero(plugins);
-  return parse_job_string(base_job, "zero", sets, plugins).spec;
-}
+JobSpec job(std::vector<std::string> sets) { return numerics::job(base_job, sets, "zero"); }
 
-struct Outcome {
-  TrainResult result;
-  TensorMap weights;  // the whole model, gathered on the writer
-  std::vector<ModelStateBytes> memory;  // per world rank
-};
+// The shared numerics harness (tests/common/numerics.h) over this file's job.
+using numerics::expect_follows;
+using numerics::Outcome;
 
-Outcome single(std::vector<std::string> sets = {}) {
-  set_threads(1);
-  Trainer t(job(sets));
-  Outcome r;
-  r.result = t.run();
-  r.weights = t.weights();
-  r.memory = {r.result.memory};
-  return r;
-}
+Outcome single(std::vector<std::string> sets = {}) { return numerics::run_single(base_job, sets); }
 
 // Runs the job on n thread-ranks (the mesh in `sets`, data = n by default).
 Outcome parallel(int n, std::vector<std::string> sets, bool set_data_axis = true) {
-  set_threads(1);
   if (set_data_axis) sets.push_back("mesh.data=" + std::to_string(n));
-  std::vector<TrainResult> results(n);
-  std::vector<TensorMap> weights(n);
-  collectives::run_local_ranks(n, [&](int rank, collectives::Communicator& world) {
-    TrainerOptions o;
-    o.world = world.shared_from_this();
-    Trainer t(job(sets), o);
-    results[rank] = t.run();
-    weights[rank] = t.weights();
-  });
-  for (int r = 1; r < n; ++r) EXPECT_EQ(results[r].losses, results[0].losses) << "rank " << r;
-  Outcome out;
-  out.result = results[0];
-  out.weights = weights[0];
-  for (auto& r : results) out.memory.push_back(r.memory);
-  return out;
-}
-
-void expect_follows(const Outcome& ref, const Outcome& got, double rel, const std::string& what) {
-  ASSERT_EQ(ref.result.losses.size(), got.result.losses.size()) << what;
-  for (size_t i = 0; i < ref.result.losses.size(); ++i)
-    EXPECT_NEAR(got.result.losses[i], ref.result.losses[i], rel * std::abs(ref.result.losses[i]))
-        << what << ": step " << i + 1;
-  ASSERT_EQ(ref.weights.size(), got.weights.size()) << what;
-  for (const auto& [name, w] : ref.weights) {
-    auto it = got.weights.find(name);
-    ASSERT_NE(it, got.weights.end()) << what << ": " << name;
-    ASSERT_TRUE(it->second.sizes().equals(w.sizes())) << what << ": " << name;
-    const double diff = (it->second - w).abs().max().item<double>();
-    const double scale = w.abs().max().item<double>();
-    EXPECT_LE(diff, 1e-5 * std::max(1.0, scale)) << what << ": parameter " << name << " differs by " << diff;
-  }
+  return numerics::run_parallel(base_job, n, sets);
 }
 
 }  // namespace
