@@ -34,6 +34,7 @@ std::vector<PlanStep> roles_of(const JobSpec& spec) {
 
 struct Widths {
   int replicas = 1;
+  std::string replicas_key;
   int64_t micro = 1;
   std::string micro_key = "train.accumulation_steps";
 };
@@ -43,6 +44,7 @@ Widths widths_of(const JobSpec& spec, const std::vector<PlanStep>& steps) {
   w.micro = spec.train.accumulation_steps;
   for (const PlanStep& s : steps) {
     w.replicas *= std::max(1, s.role.replicas);
+    if (s.role.replicas > 1) w.replicas_key = s.role.replicas_key;
     if (s.role.micro_batches > 0) {
       w.micro = s.role.micro_batches;
       w.micro_key = s.role.micro_batches_key;
@@ -51,13 +53,18 @@ Widths widths_of(const JobSpec& spec, const std::vector<PlanStep>& steps) {
   return w;
 }
 
+// "(mesh.data 1 x replicate.replicas 2)": the data group's width as its settings.
+std::string data_width_text(const JobSpec& spec, const Widths& w) {
+  return "(mesh.data " + std::to_string(spec.mesh.size("data")) +
+         (w.replicas > 1 ? " x " + w.replicas_key + " " + std::to_string(w.replicas) : std::string()) + ")";
+}
+
 // "2 data-parallel ranks (mesh.data 1 x replicate.replicas 2)"; the parenthesis only
 // when replicas widen the group.
-std::string data_ranks_text(const JobSpec& spec, int replicas) {
+std::string data_ranks_text(const JobSpec& spec, const Widths& w) {
   const int d = spec.mesh.size("data");
-  std::string s = plural(static_cast<int64_t>(d) * replicas, "data-parallel rank", "data-parallel ranks");
-  if (replicas > 1)
-    s += " (mesh.data " + std::to_string(d) + " x replicate.replicas " + std::to_string(replicas) + ")";
+  std::string s = plural(static_cast<int64_t>(d) * w.replicas, "data-parallel rank", "data-parallel ranks");
+  if (w.replicas > 1) s += " " + data_width_text(spec, w);
   return s;
 }
 
@@ -89,7 +96,7 @@ std::vector<PlanIssue> Plan::issues(const JobSpec& spec) {
                             : w.micro > 1                             ? w.micro_key
                                                                       : std::string("data.batch_size");
     out.push_back({key, "data.batch_size " + std::to_string(spec.data.batch_size) + " does not split into " +
-                            data_ranks_text(spec, w.replicas) + " x " +
+                            data_ranks_text(spec, w) + " x " +
                             plural(w.micro, "micro-batch", "micro-batches") +
                             (w.micro > 1 ? " (" + w.micro_key + ")" : "") + ": " +
                             std::to_string(spec.data.batch_size) + " / " + std::to_string(split) + " = " +
@@ -103,7 +110,7 @@ std::vector<PlanIssue> Plan::issues(const JobSpec& spec) {
     if (width > 1) continue;
     std::string msg = s.section + " " + s.role.why + ", so it needs more than one rank on the " + s.role.axis +
                       " axis, but there is 1";
-    if (s.role.axis == "data") msg += " (mesh.data 1 x replicate.replicas " + std::to_string(w.replicas) + ")";
+    if (s.role.axis == "data") msg += " " + data_width_text(spec, w);
     msg += "; widen the group or remove the " + s.section + " section";
     out.push_back({s.role.needs_group_key.empty() ? s.section : s.role.needs_group_key, msg});
   }
@@ -167,7 +174,7 @@ std::vector<std::shared_ptr<const StrategyConfig>> Plan::strategies() const {
 
 std::string Plan::batch_equation() const {
   std::ostringstream os;
-  os << spec_.data.batch_size << " global = " << data_ranks_text(spec_, replicas_) << " x "
+  os << spec_.data.batch_size << " global = " << data_ranks_text(spec_, widths_of(spec_, steps_)) << " x "
      << plural(micro_batches_, "micro-batch", "micro-batches");
   if (micro_batches_ > 1) os << " (" << micro_batches_key_ << ")";
   os << " x " << micro_batch_size();

@@ -48,8 +48,10 @@ struct StrategyRole {
   // setting that asks for it, for the message.
   bool needs_group = false;
   std::string needs_group_key;
-  // Replica threads per process (replicate): each is a data rank.
+  // Replica threads per process (replicate): each is a data rank; `replicas_key` names
+  // the setting in messages ("replicate.replicas").
   int replicas = 1;
+  std::string replicas_key;
   // Pieces each data rank's batch is split into, and the key that sets it (the pipeline's
   // micro_batches); 0 = this strategy does not split the batch (train.accumulation_steps
   // then does).

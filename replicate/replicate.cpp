@@ -26,6 +26,7 @@ core::StrategyRole Options::role(const core::JobSpec&) const {
   r.axis = "replica";
   r.why = "runs " + std::to_string(replicas) + " replicas of it as threads of each process, each a data rank";
   r.replicas = replicas;
+  r.replicas_key = "replicate.replicas";
   return r;
 }
 
