@@ -5,6 +5,7 @@
 // Exit status: 0 done; 2 the job, a file it names or the command line is wrong (every
 // problem is printed, compiler-style); 1 the run failed (the message says why).
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +21,7 @@
 #include "collectives/launch.h"
 #include "core/job_spec.h"
 #include "core/models.h"
+#include "core/plan.h"
 #include "core/report.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
@@ -28,6 +30,7 @@
 #include "replicate/replicate.h"
 #include "zero/zero.h"
 #include "hardware/host.h"
+#include "hardware/topology.h"
 
 namespace {
 
@@ -80,6 +83,90 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
   if (!spec.log.trace.empty()) std::printf("  trace        %s\n", spec.log.trace.c_str());
 }
 
+// Rank -> (pipeline, data, replica) and where it runs, for --dry-run with a world size.
+// Every process is taken to run on this host (the one --dry-run runs on) unless a
+// launcher says how many share it.
+struct RankRow {
+  int rank, process, replica;
+  std::vector<int> coords;  // per axis of the process mesh
+  int threads;
+  std::string cpus;  // "" = not pinned
+  std::string why;
+};
+
+std::vector<RankRow> rank_rows(const Plan& plan, int local_processes) {
+  const MeshLayout layout(plan.processes());
+  const int R = plan.replicas();
+  std::vector<replicate::Placement> where =
+      R > 1 ? replicate::place_replicas(R, plan.spec().train.threads, local_processes)
+            : std::vector<replicate::Placement>(1);
+  if (R == 1) {
+    where[0].threads = plan.spec().train.threads > 0 ? plan.spec().train.threads
+                                                     : std::max(1, hardware::usable_cores() / local_processes);
+    where[0].why = "one rank per process, placed by the launcher (mpirun --bind-to)";
+  }
+  std::vector<RankRow> rows;
+  for (int p = 0; p < plan.process_count(); ++p)
+    for (int r = 0; r < R; ++r) {
+      const replicate::Placement& w = where[static_cast<size_t>(r)];
+      rows.push_back({p * R + r, p, r, layout.coords(p), w.threads,
+                      w.cpus.empty() ? "" : hardware::format_cpu_list(w.cpus), w.why});
+    }
+  return rows;
+}
+
+std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows) {
+  std::string out = "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) +
+                    " process" + (plan.process_count() == 1 ? "" : "es") +
+                    (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) +
+                    ") on " + hardware::hostname() + "\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "  %-5s %-8s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "pipeline", "data",
+                "replica", "threads", "cpus");
+  out += line;
+  const auto& axes = plan.processes().axes;
+  for (const RankRow& r : rows) {
+    auto coord = [&](const std::string& axis) {
+      for (size_t i = 0; i < axes.size(); ++i)
+        if (axes[i].name == axis) return r.coords[i];
+      return 0;
+    };
+    std::snprintf(line, sizeof line, "  %-5d %-8d %-9d %-5d %-8d %-8d %s\n", r.rank, r.process, coord("pipeline"),
+                  coord("data"), r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
+    out += line;
+  }
+  return out;
+}
+
+nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& rows) {
+  const Plan& plan = trainer.job_plan();
+  nlohmann::json j;
+  j["job"] = plan.spec().name;
+  j["processes"] = plan.process_count();
+  j["replicas_per_process"] = plan.replicas();
+  j["mesh"] = nlohmann::json::object();
+  for (const std::string& axis : kAxisOrder) j["mesh"][axis] = plan.processes().size(axis);
+  j["mesh"]["replica"] = plan.replicas();
+  j["batch"] = {{"global", plan.spec().data.batch_size}, {"data_ranks", plan.data_ranks()},
+                {"micro_batches", plan.micro_batches()}, {"micro_batch_size", plan.micro_batch_size()}};
+  j["steps"] = trainer.total_steps();
+  j["parameters"] = trainer.model_parameters();
+  j["composition"] = nlohmann::json::array();
+  for (const PlanStep& s : plan.composition())
+    j["composition"].push_back({{"section", s.section}, {"axis", s.role.axis}, {"active", s.active},
+                                {"what", s.active ? s.role.why : s.note}});
+  j["ranks"] = nlohmann::json::array();
+  const auto& axes = plan.processes().axes;
+  for (const RankRow& r : rows) {
+    nlohmann::json row = {{"rank", r.rank}, {"process", r.process}, {"replica", r.replica}, {"threads", r.threads}};
+    for (size_t i = 0; i < axes.size(); ++i) row[axes[i].name] = r.coords[i];
+    if (!r.cpus.empty()) row["cpus"] = r.cpus;
+    if (r.cpus.empty()) row["not_pinned"] = r.why;
+    j["ranks"].push_back(row);
+  }
+  return j;
+}
+
 void print_plan(const Trainer& trainer, int threads) {
   Trainer& t = const_cast<Trainer&>(trainer);
   const Plan& plan = trainer.job_plan();
@@ -120,13 +207,18 @@ int main(int argc, char** argv) {
   CLI::App app{"train: runs a tetra job spec (YAML)", "train"};
   std::string job;
   std::vector<std::string> sets;
-  bool check = false, print_config = false, dry_run = false;
+  bool check = false, print_config = false, dry_run = false, json = false;
+  int np = 0;
   app.add_option("job", job, "the job file (YAML)")->required();
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_flag("--check", check, "validate the job and exit (0 valid, 2 not)");
   app.add_flag("--print-config", print_config, "print the resolved job with every default, and exit");
   app.add_flag("--dry-run", dry_run, "build the plan (data, model, batch, memory) and exit");
+  app.add_option("--np", np, "with --dry-run: the processes the job will be launched on (default: this launch's, "
+                             "else the mesh's); checks the mesh fits and lays out every rank")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -159,7 +251,19 @@ int main(int argc, char** argv) {
       topts.dry_run = true;
       Trainer trainer(spec, topts);
       const int threads = set_threads(spec.train.threads, trainer.job_plan().replicas());
-      if (speak) print_plan(trainer, threads);
+      const Plan& plan = trainer.job_plan();
+      // The world the plan is for: --np, else the launch this runs in, else the mesh's.
+      const int world_size = np > 0 ? np : launch.multi_process() ? launch.world_size : 0;
+      if (world_size > 0)
+        plan.check_world(world_size, np > 0 ? "--np " + std::to_string(np) : launch.launcher + ": " + launch.evidence);
+      const int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
+      const std::vector<RankRow> rows = rank_rows(plan, local);
+      if (speak && json) {
+        std::printf("%s\n", plan_json(trainer, rows).dump(2).c_str());
+      } else if (speak) {
+        print_plan(trainer, threads);
+        std::printf("%s", rank_table(plan, rows).c_str());
+      }
       return 0;
     }
     // The mesh must fit the launch before any rank communicates.

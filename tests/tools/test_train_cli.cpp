@@ -319,6 +319,34 @@ TEST(TrainCli, ThreeDAndReplicaConfigsAreValidAndTheDryRunShowsTheComposition) {
   EXPECT_NE(one.out.find("    replica 1: "), std::string::npos) << one.out;
 }
 
+// --dry-run --np N lays out every rank without communicating, and checks the mesh fits
+// N; --json is the same plan for tools.
+TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
+  const std::string cfg = std::string(TETRA_SOURCE_DIR) + "/configs/3d.yaml";
+  Outcome r = run({cfg, "--dry-run", "--np", "4", "--set", "replicate.replicas=2"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("ranks      8 (4 processes x 2 replicas)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  7     3        1         1     1        1        "), std::string::npos) << r.out;
+  Outcome bad = run({cfg, "--dry-run", "--np", "3"});
+  EXPECT_EQ(bad.status, 2) << bad.out;
+  EXPECT_NE(bad.out.find("mesh pipeline=2 x data=2 = 4 ranks, but the world has 3 (--np 3)"), std::string::npos) << bad.out;
+  Outcome j = run({cfg, "--dry-run", "--json", "--np", "4", "--set", "replicate.replicas=2"});
+  ASSERT_EQ(j.status, 0) << j.out;
+  const nlohmann::json plan = nlohmann::json::parse(j.out.substr(j.out.find('{')));
+  EXPECT_EQ(plan["processes"], 4);
+  EXPECT_EQ(plan["mesh"]["pipeline"], 2);
+  EXPECT_EQ(plan["mesh"]["replica"], 2);
+  EXPECT_EQ(plan["batch"]["data_ranks"], 4);
+  EXPECT_EQ(plan["batch"]["micro_batch_size"], 2);
+  ASSERT_EQ(plan["ranks"].size(), 8u);
+  EXPECT_EQ(plan["ranks"][5]["pipeline"], 1);
+  EXPECT_EQ(plan["ranks"][5]["data"], 0);
+  EXPECT_EQ(plan["ranks"][5]["replica"], 1);
+  ASSERT_EQ(plan["composition"].size(), 4u);
+  EXPECT_EQ(plan["composition"][0]["section"], "pipeline");
+  EXPECT_EQ(plan["composition"][2]["active"], false);
+}
+
 TEST(TrainCli, ZeroConfigsAreValidAndTheDryRunShowsTheShardedState) {
   for (const char* cfg : {"zero.yaml", "zero3-gpt.yaml"}) {
     Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
