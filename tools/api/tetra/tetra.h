@@ -1,0 +1,37 @@
+// tetra in one include, for programs built on it: #include "tetra/tetra.h" and link
+// tetra::tetra (find_package(tetra CONFIG REQUIRED); README.md, "Using tetra from your own
+// CMake project").
+//
+// Every layer's public headers, as a program spells them ("core/trainer.h"), and the
+// registration of the built-in strategy plugins that a job file may name.
+#pragma once
+
+#include "collectives/backends.h"
+#include "collectives/communicator.h"
+#include "collectives/launch.h"
+#include "collectives/local.h"
+#include "core/data.h"
+#include "core/job_spec.h"
+#include "core/models.h"
+#include "core/plan.h"
+#include "core/runtime.h"
+#include "core/trainer.h"
+#include "data_parallel/data_parallel.h"
+#include "hardware/topology.h"
+#include "pipeline/pipeline.h"
+#include "replicate/replicate.h"
+#include "zero/zero.h"
+
+namespace tetra {
+
+// Registers the sections of the built-in strategy plugins (data_parallel, pipeline, zero,
+// replicate) in `registry`, as the train binary does. Registration is explicit: core names
+// no plugin, and static registrar objects would be dropped from the static libraries.
+inline void register_builtin_plugins(core::SectionRegistry& registry) {
+  data_parallel::register_data_parallel(registry);
+  pipeline::register_pipeline(registry);
+  zero::register_zero(registry);
+  replicate::register_replicate(registry);
+}
+
+}  // namespace tetra
