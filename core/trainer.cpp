@@ -80,7 +80,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     throw ConfigError("the trainer got a replica group of " + std::to_string(options_.replica->size()) +
                       " but no world; replicas need the process world (a communicator of 1 for one process)");
   }
-  data_ = make_dataset(spec_.data, spec_.train.seed);
+  data_ = options_.data ? options_.data : std::shared_ptr<const Dataset>(make_dataset(spec_.data, spec_.train.seed));
   {
     std::lock_guard<std::mutex> lock(global_rng_mutex());
     torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));

@@ -59,6 +59,9 @@ struct TrainerOptions {
   // this replica's own communicator over the processes (one per replica index), and the
   // data axis becomes data processes x R (Mesh). nullptr: one rank per process.
   collectives::CommunicatorPtr replica;
+  // The job's data, when it is built elsewhere: one copy shared by a process's replicas
+  // (its methods are const and keep no state). nullptr: the trainer reads data.* itself.
+  std::shared_ptr<const Dataset> data;
   // Called after each optimizer step with (step, loss); tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
   // train --dry-run: build the data, the model and the plan, attach no strategy, never
@@ -104,7 +107,7 @@ class Trainer {
   Plan plan_;  // validated on construction: a broken composition never starts
   const JobSpec& spec_;  // plan_'s
   TrainerOptions options_;
-  std::unique_ptr<Dataset> data_;
+  std::shared_ptr<const Dataset> data_;
   torch::nn::Sequential model_{nullptr};
   std::vector<NamedParam> params_;
   std::unique_ptr<Optimizer> optimizer_;
