@@ -27,6 +27,7 @@
 #include "collectives/local.h"
 #include "collectives/mpi.h"
 #include "tests/collectives/conformance.h"
+#include "tests/collectives/mpi_gtest.h"
 
 using namespace std::chrono_literals;
 using namespace tetra::collectives;
@@ -127,25 +128,6 @@ TEST(MpiHierarchical, SendRecvWithinAndAcross) {
   });
 }
 
-// Ranks other than 0 print only their failures, tagged with the rank.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestStart(const ::testing::TestInfo& info) override {
-    test_ = std::string(info.test_suite_name()) + "." + info.name();
-  }
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s: %s:%d: Failure\n%s\n", rank_, test_.c_str(),
-                 r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
-    std::fflush(stderr);
-  }
-
- private:
-  int rank_;
-  std::string test_ = "?";
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -160,17 +142,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "test_mpi_hierarchical: cannot set up the groups: %s\n", e.what());
     return 1;
   }
-  const int rank = g_world->rank();
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new FailurePrinter(rank));
-  }
-  const int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  // Combine on MPI_COMM_WORLD itself: the tetra groups may be broken by a failed test.
-  int any = failed;
-  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (rank == 0 && any && !failed) std::fprintf(stderr, "test_mpi_hierarchical: another rank failed (see its output)\n");
+  const int any = mpi_gtest::run_all_tests(g_world->rank(), "test_mpi_hierarchical");
   g_hier.clear();
   g_chunked.clear();
   g_world.reset();
