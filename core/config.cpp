@@ -332,16 +332,32 @@ void Diagnostics::error(SourceLocation where, std::string message) {
   entries_.push_back(Diagnostic{std::move(where), std::move(message)});
 }
 
+namespace {
+// File diagnostics in (line, column) order, then the --set ones in theirs.
+bool document_order(const Diagnostic* a, const Diagnostic* b) {
+  bool a_set = !a->where.origin.empty(), b_set = !b->where.origin.empty();
+  if (a_set != b_set) return b_set;  // file diagnostics first
+  if (a_set) return false;           // --set ones keep their order
+  if (a->where.line != b->where.line) return a->where.line < b->where.line;
+  return a->where.column < b->where.column;
+}
+}  // namespace
+
+void Diagnostics::relocate(const std::function<std::string(int line)>& name_of) {
+  std::vector<const Diagnostic*> sorted;
+  for (const Diagnostic& d : entries_) sorted.push_back(&d);
+  std::stable_sort(sorted.begin(), sorted.end(), document_order);
+  std::vector<Diagnostic> moved;
+  for (const Diagnostic* d : sorted) moved.push_back(*d);
+  for (Diagnostic& d : moved)
+    if (d.where.origin.empty() && d.where.line > 0) d.where.origin = name_of(d.where.line);
+  entries_ = std::move(moved);
+}
+
 std::string Diagnostics::str() const {
   std::vector<const Diagnostic*> sorted;
   for (const Diagnostic& d : entries_) sorted.push_back(&d);
-  std::stable_sort(sorted.begin(), sorted.end(), [](const Diagnostic* a, const Diagnostic* b) {
-    bool a_set = !a->where.origin.empty(), b_set = !b->where.origin.empty();
-    if (a_set != b_set) return b_set;  // file diagnostics first
-    if (a_set) return false;           // --set ones keep their order
-    if (a->where.line != b->where.line) return a->where.line < b->where.line;
-    return a->where.column < b->where.column;
-  });
+  std::stable_sort(sorted.begin(), sorted.end(), document_order);
   std::string out;
   for (size_t i = 0; i < sorted.size(); ++i) {
     if (i) out += "\n";

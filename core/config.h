@@ -21,6 +21,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -53,6 +54,10 @@ class Diagnostics {
   std::string str() const;
   // Throws tetra::ConfigError(str()) when there is any error.
   void throw_if_errors() const;
+  // For a document a program wrote (the C++ Plan builder): each diagnostic with a line
+  // gets origin = name_of(line) — the call that wrote that line — instead of file:line:col.
+  // The order stays the document's.
+  void relocate(const std::function<std::string(int line)>& name_of);
 
  private:
   std::vector<Diagnostic> entries_;
@@ -120,6 +125,15 @@ class Section {
   // One of `allowed`; otherwise an error listing them (and the nearest one).
   std::string choice(const std::string& key, const std::string& def,
                      const std::vector<std::string>& allowed);
+  // One word of `names`, read into the enum whose values are the list's indices (the
+  // value is parsed once; the code then compares enums, never strings).
+  template <typename E>
+  E word(const std::string& key, E def, const std::vector<std::string>& names) {
+    const std::string w = choice(key, names.at(static_cast<size_t>(def)), names);
+    for (size_t i = 0; i < names.size(); ++i)
+      if (names[i] == w) return static_cast<E>(i);
+    return def;
+  }
   // A list of integers, each >= min. A scalar is an error ("expected a list").
   std::vector<int64_t> integers(const std::string& key, const std::vector<int64_t>& def,
                                 int64_t min = kNoMin);

@@ -237,7 +237,7 @@ TrainSpec parse_train(Section& t) {
   spec.seed = t.integer("seed", def.seed);
   spec.threads =
       static_cast<int>(t.integer("threads", def.threads, 0, std::numeric_limits<int>::max()));
-  spec.precision = t.choice("precision", def.precision, {"fp32", "bf16"});
+  spec.precision = t.word("precision", def.precision, precision_names());
   spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1);
   t.finish();
   return spec;
@@ -329,7 +329,8 @@ std::string stem_of(const std::string& name) {
 
 ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::string& source,
                          const std::vector<std::string>& overrides,
-                         const SectionRegistry& plugins) {
+                         const SectionRegistry& plugins,
+                         const std::function<std::string(int)>& origin_of_line = {}) {
   bool loaded = diag.ok();
   for (const std::string& o : overrides) doc.apply_override(o, diag);
   ParsedJob out;
@@ -396,6 +397,7 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
       at.error(dot == std::string::npos ? issue.key : issue.key.substr(dot + 1), issue.message);
     }
   root.finish();
+  if (origin_of_line) diag.relocate(origin_of_line);
   diag.throw_if_errors();
   out.resolved = doc.resolved();
   return out;
@@ -417,6 +419,137 @@ ParsedJob guarded(const std::string& where, F&& body) {
 }
 
 }  // namespace
+
+const std::vector<std::string>& precision_names() {
+  static const std::vector<std::string> names = {"fp32", "bf16"};
+  return names;
+}
+const std::string& to_string(Precision precision) { return precision_names().at(static_cast<size_t>(precision)); }
+
+// ---- writing a spec back (the C++ Plan builder) ----------------------------------------
+
+namespace {
+// Writes `key: value` unless value is the parser's default.
+template <typename T>
+void put(YAML::Node& node, const std::string& key, const T& value, const T& def) {
+  if (!(value == def)) node[key] = value;
+}
+}  // namespace
+
+YAML::Node to_yaml(const ModelSpec& m) {
+  YAML::Node n(YAML::NodeType::Map);
+  const ModelSpec def;
+  n["type"] = m.type;
+  put(n, "dropout", m.dropout, def.dropout);
+  if (m.type != "gpt") {
+    put(n, "hidden", m.hidden, def.hidden);
+    put(n, "activation", m.activation, def.activation);
+  }
+  if (m.type == "cnn") put(n, "channels", m.channels, def.channels);
+  if (m.type == "gpt") {
+    put(n, "layers", m.layers, def.layers);
+    put(n, "heads", m.heads, def.heads);
+    put(n, "d_model", m.d_model, def.d_model);
+    put(n, "d_ff", m.d_ff, m.d_ff == 4 * m.d_model ? m.d_ff : def.d_ff);
+  }
+  return n;
+}
+
+YAML::Node to_yaml(const DataSpec& d) {
+  YAML::Node n(YAML::NodeType::Map);
+  const DataSpec def;
+  n["type"] = d.type;
+  put(n, "batch_size", d.batch_size, def.batch_size);
+  put(n, "eval_batch_size", d.eval_batch_size, def.eval_batch_size);
+  put(n, "eval_samples", d.eval_samples, def.eval_samples);
+  put(n, "shuffle", d.shuffle, def.shuffle);
+  if (d.type == "fashion-mnist") put(n, "path", d.path, def.path);
+  if (d.type == "text") {
+    n["path"] = d.path;
+    put(n, "seq_len", d.seq_len, def.seq_len);
+    put(n, "test_fraction", d.test_fraction, def.test_fraction);
+  }
+  if (d.type == "synthetic") {
+    put(n, "shape", d.shape, def.shape);
+    put(n, "classes", d.classes, def.classes);
+    put(n, "train_samples", d.train_samples, def.train_samples);
+    put(n, "test_samples", d.test_samples, def.test_samples);
+  }
+  return n;
+}
+
+YAML::Node to_yaml(const OptimizerSpec& o) {
+  YAML::Node n(YAML::NodeType::Map);
+  const OptimizerSpec def;
+  n["type"] = o.type;
+  put(n, "lr", o.lr, def.lr);
+  put(n, "weight_decay", o.weight_decay, def.weight_decay);
+  put(n, "clip_grad_norm", o.clip_grad_norm, def.clip_grad_norm);
+  if (o.type == "sgd") {
+    put(n, "momentum", o.momentum, def.momentum);
+    put(n, "nesterov", o.nesterov, def.nesterov);
+  } else {
+    put(n, "betas", std::vector<double>{o.beta1, o.beta2}, std::vector<double>{def.beta1, def.beta2});
+    put(n, "eps", o.eps, def.eps);
+  }
+  return n;
+}
+
+YAML::Node to_yaml(const ScheduleSpec& s) {
+  YAML::Node n(YAML::NodeType::Map);
+  const ScheduleSpec def;
+  n["type"] = s.type;
+  put(n, "warmup_steps", s.warmup_steps, def.warmup_steps);
+  if (s.type != "constant") {
+    put(n, "min_lr", s.min_lr, def.min_lr);
+    put(n, "decay_steps", s.decay_steps, def.decay_steps);
+  }
+  return n;
+}
+
+YAML::Node to_yaml(const TrainSpec& t) {
+  YAML::Node n(YAML::NodeType::Map);
+  const TrainSpec def;
+  put(n, "epochs", t.epochs, def.epochs);
+  if (t.max_steps) n["max_steps"] = *t.max_steps;
+  put(n, "eval_every", t.eval_every, def.eval_every);
+  put(n, "seed", t.seed, def.seed);
+  put(n, "threads", t.threads, def.threads);
+  if (t.precision != def.precision) n["precision"] = to_string(t.precision);
+  put(n, "accumulation_steps", t.accumulation_steps, def.accumulation_steps);
+  return n;
+}
+
+// The paths are written even when empty: "" turns checkpoints (metrics) off, while an
+// absent key means the default under runs/<name>/.
+YAML::Node to_yaml(const CheckpointSpec& c) {
+  YAML::Node n(YAML::NodeType::Map);
+  const CheckpointSpec def;
+  n["dir"] = c.dir;
+  put(n, "every_steps", c.every_steps, def.every_steps);
+  put(n, "keep", c.keep, def.keep);
+  put(n, "resume", c.resume, def.resume);
+  put(n, "safetensors", c.safetensors, def.safetensors);
+  return n;
+}
+
+YAML::Node to_yaml(const LogSpec& l) {
+  YAML::Node n(YAML::NodeType::Map);
+  const LogSpec def;
+  n["metrics"] = l.metrics;
+  put(n, "every", l.every, def.every);
+  put(n, "trace", l.trace, def.trace);
+  put(n, "progress", l.progress, def.progress);
+  return n;
+}
+
+YAML::Node to_yaml(const CollectivesSpec& c) {
+  YAML::Node n(YAML::NodeType::Map);
+  const CollectivesSpec def;
+  put(n, "backend", c.backend, def.backend);
+  put(n, "timeout_s", c.timeout_s, def.timeout_s);
+  return n;
+}
 
 // ---- the registry ---------------------------------------------------------------------
 
@@ -470,11 +603,12 @@ ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>
 
 ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
                            const std::vector<std::string>& overrides,
-                           const SectionRegistry& plugins) {
+                           const SectionRegistry& plugins,
+                           const std::function<std::string(int line)>& origin_of_line) {
   return guarded(name, [&] {
     Diagnostics diag;
     ConfigDocument doc = ConfigDocument::from_string(yaml, name, diag);
-    return parse_document(doc, diag, "", overrides, plugins);
+    return parse_document(doc, diag, "", overrides, plugins, origin_of_line);
   });
 }
 

@@ -72,13 +72,18 @@ struct ScheduleSpec {
   int64_t decay_steps = 0;        // steps of decay after warmup; 0 = until the last step
 };
 
+// train.precision: fp32, or bf16 under CPU autocast.
+enum class Precision { kFp32, kBf16 };
+const std::vector<std::string>& precision_names();  // fp32 bf16
+const std::string& to_string(Precision precision);
+
 struct TrainSpec {
   int64_t epochs = 1;
   std::optional<int64_t> max_steps;  // when set, training stops after this many steps
   int64_t eval_every = 0;            // steps between evaluations; 0 = at each epoch's end
   int64_t seed = 1;
   int threads = 0;                   // intra-op threads per process; 0 = cores / local ranks
-  std::string precision = "fp32";    // fp32 | bf16 (CPU autocast)
+  Precision precision = Precision::kFp32;
   int64_t accumulation_steps = 1;    // micro-batches per optimizer step; divides batch_size
 };
 
@@ -162,9 +167,24 @@ struct ParsedJob {
 // cross-field rules. Throws tetra::ConfigError carrying every diagnostic at once.
 ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
                          const SectionRegistry& plugins);
+// `origin_of_line`, for a document a program wrote: names the call that wrote each line,
+// which the diagnostics then carry instead of name:line:col (the C++ Plan builder).
 ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
                            const std::vector<std::string>& overrides,
-                           const SectionRegistry& plugins);
+                           const SectionRegistry& plugins,
+                           const std::function<std::string(int line)>& origin_of_line = {});
+
+// A core section as the keys its parser reads, leaving out those at their defaults (the
+// keys a type does not read are never written): what the C++ Plan builder writes before it
+// parses the job like a file. Plugins write theirs with StrategyConfig::to_yaml.
+YAML::Node to_yaml(const ModelSpec& spec);
+YAML::Node to_yaml(const DataSpec& spec);
+YAML::Node to_yaml(const OptimizerSpec& spec);
+YAML::Node to_yaml(const ScheduleSpec& spec);
+YAML::Node to_yaml(const TrainSpec& spec);
+YAML::Node to_yaml(const CheckpointSpec& spec);
+YAML::Node to_yaml(const LogSpec& spec);
+YAML::Node to_yaml(const CollectivesSpec& spec);
 
 // The resolved config as YAML text, sections in a fixed order.
 std::string resolved_yaml(const YAML::Node& resolved);

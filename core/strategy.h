@@ -176,6 +176,10 @@ struct StrategyConfig : PluginConfig {
   // Lines `train --dry-run` prints for this strategy ("" for none), computed on one
   // process without communicating.
   virtual std::string plan(const PlanInput& input) const { return ""; }
+  // The section as the keys its parser reads, leaving out those at their defaults: the C++
+  // Plan builder writes it and parses it back, so a job built in code passes the same
+  // checks, with the same messages, as a file.
+  virtual YAML::Node to_yaml() const = 0;
 };
 
 }  // namespace tetra::core

@@ -66,6 +66,13 @@ std::string fmt(const char* f, double v) {
 
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
     : plan_(std::move(spec)), spec_(plan_.spec()), options_(std::move(options)) {
+  // A Trainer is one rank: the replica threads of `replicate` are made by whoever starts
+  // the job (tetra::run, replicate::train), never silently dropped.
+  const int group = options_.replica ? options_.replica->size() : 1;
+  if (!options_.dry_run && group != plan_.replicas())
+    throw ConfigError("the job runs " + std::to_string(plan_.replicas()) + " replica thread" +
+                      (plan_.replicas() == 1 ? "" : "s") + " per process (replicate.replicas) but this trainer got a replica group of " +
+                      std::to_string(group) + "; start the job with tetra::run or replicate::train, which make the replicas");
   if (options_.world) {
     mesh_ = std::make_unique<Mesh>(options_.world, spec_.mesh, options_.replica);
     // Every rank of the job, replicas included: checkpoints write a file per rank of it.
@@ -84,8 +91,10 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   {
     std::lock_guard<std::mutex> lock(global_rng_mutex());
     torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
-    model_ = build_model(spec_.model, data_->info());
+    model_ = options_.model ? options_.model(data_->info()) : build_model(spec_.model, data_->info());
   }
+  if (!model_ || model_->size() == 0)
+    throw ConfigError("the model the program gave the trainer (TrainerOptions::model) is empty: it needs at least one layer");
   for (const auto& p : model_->named_parameters()) params_.push_back({p.key(), p.value()});
   model_parameters_ = parameter_count(*model_);
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
@@ -176,7 +185,7 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   random.step = step_;
   random.first_sample = BatchPlan::slice_begin(global_indices.size(0), data_rank_, data_size_);
   random.active = true;
-  const bool bf16 = spec_.train.precision == "bf16";
+  const bool bf16 = spec_.train.precision == Precision::kBf16;
   if (owner_)
     owner_->zero_grad();
   else
@@ -270,7 +279,7 @@ EvalResult Trainer::evaluate() {
   // Each data-parallel rank evaluates its own part; the sums are added up.
   const int64_t begin = total * data_rank_ / data_size_, end = total * (data_rank_ + 1) / data_size_;
   const bool lm = data_->info().language_model;
-  const bool bf16 = spec_.train.precision == "bf16";
+  const bool bf16 = spec_.train.precision == Precision::kBf16;
   double loss_sum = 0;
   int64_t correct = 0, predictions = 0;
   // Every data rank runs the same number of forwards: a strategy that owns the model
@@ -396,6 +405,7 @@ void Trainer::restore(const std::string& path) {
 }
 
 TrainResult Trainer::run() {
+  if (options_.on_start) options_.on_start(*this);
   const auto t_start = Clock::now();
   const auto& ck = spec_.checkpoint;
   const bool checkpoints = !ck.dir.empty();
@@ -536,7 +546,7 @@ TrainResult Trainer::run() {
     TensorMap weights = this->weights();  // collective
     if (write)
       save_safetensors(ck.safetensors, weights,
-                     {{"format", "pt"}, {"framework", "tetra"}, {"model", spec_.model.type},
+                     {{"format", "pt"}, {"framework", "tetra"}, {"model", options_.model ? "custom" : spec_.model.type},
                       {"step", std::to_string(step_)}});
   }
   if (!trace_path.empty()) trace_.write(trace_path);

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,6 +50,8 @@ struct TrainResult {
   ModelStateBytes memory;  // this rank's model state after the last step
 };
 
+class Trainer;
+
 struct TrainerOptions {
   std::FILE* out = stdout;  // progress and summary (rank 0's)
   // The world of this job (nullptr: one process). The trainer lays it out as the job's
@@ -62,6 +65,13 @@ struct TrainerOptions {
   // The job's data, when it is built elsewhere: one copy shared by a process's replicas
   // (its methods are const and keep no state). nullptr: the trainer reads data.* itself.
   std::shared_ptr<const Dataset> data;
+  // The model, when the program brings its own (the C++ API): called once per rank with
+  // the data's shape, after the torch generator is seeded with train.seed, so every rank
+  // builds the same initial weights. Its layers are what a pipeline cuts into stages and
+  // what ZeRO-3 gathers one at a time. nullptr: the trainer builds model.* itself.
+  std::function<torch::nn::Sequential(const DataInfo&)> model;
+  // Called once at the start of run(), on every rank (check writer() to print once).
+  std::function<void(const Trainer&)> on_start;
   // Called after each optimizer step with (step, loss); tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
   // train --dry-run: build the data, the model and the plan, attach no strategy, never

@@ -124,15 +124,15 @@ class DataParallel final : public core::Strategy {
       const int hosts_n = static_cast<int>(distinct.size());
       for (int64_t h : distinct)
         if (std::count(hosts.begin(), hosts.end(), h) != per_host) per_host = -1;  // uneven: flat only
-      if (opt_.hierarchical == "auto") hier_ = hosts_n > 1 && per_host > 1;
+      if (opt_.hierarchical == Hierarchy::kAuto) hier_ = hosts_n > 1 && per_host > 1;
     }
-    if (opt_.hierarchical == "on") {
+    if (opt_.hierarchical == Hierarchy::kOn) {
       if (per_host <= 1 || n % per_host != 0)
         throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on every host");
       hier_ = true;
     }
-    if (opt_.hierarchical == "off") hier_ = false;
-    if (opt_.hierarchical == "auto" && ranks_per_host_ > 0) hier_ = n / per_host > 1 && per_host > 1;
+    if (opt_.hierarchical == Hierarchy::kOff) hier_ = false;
+    if (opt_.hierarchical == Hierarchy::kAuto && ranks_per_host_ > 0) hier_ = n / per_host > 1 && per_host > 1;
     // Every rank splits (collective), even when the mode stays flat.
     intra_ = comm_->split(static_cast<int>(color), comm_->rank(), comm_->name() + " / host");
     inter_ = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
@@ -152,8 +152,8 @@ class DataParallel final : public core::Strategy {
     b.launched = true;
     b.issued_us = trace_->enabled() ? trace_->now_us() : 0;
     at::Tensor t = b.buffer;
-    if (opt_.compression != "none") {
-      b.wire = b.buffer.to(opt_.compression == "fp16" ? at::kHalf : at::kBFloat16);
+    if (opt_.compression != Compression::kNone) {
+      b.wire = b.buffer.to(opt_.compression == Compression::kFp16 ? at::kHalf : at::kBFloat16);
       t = b.wire;
     }
     if (!hier_) {
@@ -219,6 +219,25 @@ class DataParallel final : public core::Strategy {
 
 std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<DataParallel>(*this); }
 
+const std::vector<std::string>& compression_names() {
+  static const std::vector<std::string> names = {"none", "fp16", "bf16"};
+  return names;
+}
+const std::vector<std::string>& hierarchy_names() {
+  static const std::vector<std::string> names = {"auto", "on", "off"};
+  return names;
+}
+
+YAML::Node Options::to_yaml() const {
+  YAML::Node n(YAML::NodeType::Map);
+  const Options def;
+  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = bucket_mb;
+  if (overlap != def.overlap) n["overlap"] = overlap;
+  if (compression != def.compression) n["compression"] = compression_names()[static_cast<size_t>(compression)];
+  if (hierarchical != def.hierarchical) n["hierarchical"] = hierarchy_names()[static_cast<size_t>(hierarchical)];
+  return n;
+}
+
 core::StrategyRole Options::role(const core::JobSpec&) const {
   core::StrategyRole r;
   r.axis = "data";
@@ -226,7 +245,7 @@ core::StrategyRole Options::role(const core::JobSpec&) const {
   mb << bucket_mb;
   r.why = "averages the gradients over the data group (allreduce in " + mb.str() + " MiB buckets" +
           (overlap ? ", during backward" : ", after backward") +
-          (compression == "none" ? std::string() : ", sent as " + compression) + ")";
+          (compression == Compression::kNone ? std::string() : ", sent as " + compression_names()[static_cast<size_t>(compression)]) + ")";
   r.syncs_gradients = true;
   return r;
 }
@@ -238,8 +257,8 @@ void register_data_parallel(core::SectionRegistry& registry) {
         auto o = std::make_shared<Options>();
         o->bucket_mb = s.positive_number("bucket_mb", o->bucket_mb);
         o->overlap = s.boolean("overlap", o->overlap);
-        o->compression = s.choice("compression", o->compression, {"none", "fp16", "bf16"});
-        o->hierarchical = s.choice("hierarchical", o->hierarchical, {"auto", "on", "off"});
+        o->compression = s.word("compression", o->compression, compression_names());
+        o->hierarchical = s.word("hierarchical", o->hierarchical, hierarchy_names());
         s.finish();
         (void)job;
         return o;  // the plan leaves it out when the data group has one rank

@@ -30,19 +30,29 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/job_spec.h"
 #include "core/strategy.h"
 
 namespace tetra::data_parallel {
 
+// data_parallel.compression: the gradients' type on the wire.
+enum class Compression { kNone, kFp16, kBf16 };
+const std::vector<std::string>& compression_names();  // none fp16 bf16
+// data_parallel.hierarchical: reduce inside each host, allreduce across hosts, broadcast
+// inside (auto: when the data group spans hosts with several ranks each).
+enum class Hierarchy { kAuto, kOn, kOff };
+const std::vector<std::string>& hierarchy_names();  // auto on off
+
 struct Options : core::StrategyConfig {
   double bucket_mb = 25;           // bucket size in MiB; > 0
   bool overlap = true;             // allreduce during backward
-  std::string compression = "none";  // none | fp16 | bf16
-  std::string hierarchical = "auto";  // auto | on | off
+  Compression compression = Compression::kNone;
+  Hierarchy hierarchical = Hierarchy::kAuto;
   std::unique_ptr<core::Strategy> build() const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
+  YAML::Node to_yaml() const override;
 };
 
 // Registers the `data_parallel` section (owner of the `data` mesh axis).

@@ -146,13 +146,13 @@ std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& d
 Partition partition_for(const Options& opt, torch::nn::Sequential& model, const std::vector<LayerCost>& costs) {
   const int L = static_cast<int>(model->size());
   const int K = opt.stages * opt.virtual_stages;
-  if (opt.balance == "explicit") return partition_explicit(opt.balance_counts, L);
-  if (opt.balance == "by_params") {
+  if (opt.balance == Balance::kExplicit) return partition_explicit(opt.balance_counts, L);
+  if (opt.balance == Balance::kByParams) {
     std::vector<double> w;
     for (int i = 0; i < L; ++i) w.push_back(static_cast<double>(param_count(*layer(model, i).ptr())));
     return partition_min_max(w, K);
   }
-  if (opt.balance == "by_time") {
+  if (opt.balance == Balance::kByTime) {
     std::vector<double> w;
     for (const auto& c : costs) w.push_back(c.forward_s + c.backward_s);
     return partition_min_max(w, K);
@@ -193,9 +193,9 @@ class Pipeline final : public PipelineStrategy {
     rank_ = state.mesh ? state.mesh->coord("pipeline") : 0;
     data_size_ = state.mesh ? state.mesh->size("data") : 1;
     data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
-    bf16_ = state.spec.train.precision == "bf16";
+    bf16_ = state.spec.train.precision == core::Precision::kBf16;
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
-    sched_ = make_schedule(opt_.schedule, P, opt_.micro_batches, v);
+    sched_ = make_schedule(to_string(opt_.schedule), P, opt_.micro_batches, v);
     micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches;
 
     // Everything that can be wrong with the job is found here, on every rank alike,
@@ -208,7 +208,7 @@ class Pipeline final : public PipelineStrategy {
                         " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
                         ") that must each hold one");
     boundaries_ = probe(model, *data_, bf16_);
-    if (opt_.balance == "by_time") {
+    if (opt_.balance == Balance::kByTime) {
       partition_ = by_time_partition(model, state);
     } else {
       partition_ = partition_for(opt_, model, {});
@@ -255,7 +255,8 @@ class Pipeline final : public PipelineStrategy {
   const Boundary& input_of(int chunk) const { return boundaries_[partition_.first(stage(chunk)) - 1]; }
   const Boundary& output_of(int chunk) const { return boundaries_[partition_.end(stage(chunk)) - 1]; }
   bool checkpointed(int micro) const {
-    return opt_.checkpoint == "always" || (opt_.checkpoint == "except_last" && micro != opt_.micro_batches - 1);
+    return opt_.checkpoint == Recompute::kAlways ||
+           (opt_.checkpoint == Recompute::kExceptLast && micro != opt_.micro_batches - 1);
   }
   void broadcast_from_last(at::Tensor t) {
     if (!pp_ || pp_->size() == 1) return;
@@ -690,7 +691,7 @@ std::string Options::plan(const core::PlanInput& input) const {
   const int P = stages, v = virtual_stages, K = P * v;
   const int D = input.plan.data_ranks();  // data processes x replicas
   const int64_t micro = input.plan.micro_batch_size();
-  const bool bf16 = input.spec.train.precision == "bf16";
+  const bool bf16 = input.spec.train.precision == core::Precision::kBf16;
   std::ostringstream os;
   const int L = static_cast<int>(input.model->size());
   if (L < K)
@@ -700,14 +701,14 @@ std::string Options::plan(const core::PlanInput& input) const {
   std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true);
   Partition part = partition_for(*this, input.model, costs);
   std::vector<StageCost> sc = stage_costs(part, costs);
-  Schedule s = make_schedule(schedule, P, micro_batches, v);
+  Schedule s = make_schedule(to_string(schedule), P, micro_batches, v);
   Simulation sim = simulate(s);
   os << "pipeline: " << P << " rank" << (P == 1 ? "" : "s");
   if (v > 1) os << " x " << v << " virtual stages = " << K << " stages";
-  os << ", schedule " << schedule << ", " << micro_batches << " micro-batches of " << micro << " (batch "
+  os << ", schedule " << to_string(schedule) << ", " << micro_batches << " micro-batches of " << micro << " (batch "
      << input.spec.data.batch_size << (D > 1 ? " / " + std::to_string(D) + " data ranks" : "") << ")"
-     << ", balance " << (balance == "explicit" ? "explicit" : balance) << " " << part.str()
-     << ", checkpoint " << checkpoint << "\n";
+     << ", balance " << to_string(balance) << " " << part.str()
+     << ", checkpoint " << to_string(checkpoint) << "\n";
   // Memory: parameters with their gradients and optimizer state, and the activations of
   // the micro-batches in flight (under checkpointing: their inputs, and one at a time).
   const int64_t slots = input.spec.optimizer.type == "sgd" ? (input.spec.optimizer.momentum > 0 ? 1 : 0) : 2;
@@ -720,7 +721,7 @@ std::string Options::plan(const core::PlanInput& input) const {
     const int r = k % P;
     const int in_flight = sim.ok ? sim.peak_in_flight[r] : micro_batches;
     const int64_t in_bytes = k == 0 ? 0 : costs[part.first(k) - 1].activation_bytes;
-    int64_t act = checkpoint == "never" ? sc[k].activation_bytes * in_flight
+    int64_t act = checkpoint == Recompute::kNever ? sc[k].activation_bytes * in_flight
                                         : in_bytes * in_flight + sc[k].activation_bytes;
     const int64_t mem = sc[k].params * 4 * (2 + slots) + act;
     // "Flatten 3xLinear 3xReLU": the kinds of layer, in order of first appearance.
@@ -742,7 +743,7 @@ std::string Options::plan(const core::PlanInput& input) const {
     os << line;
   }
   os << "  memory = parameters x (weights, gradients, " << slots << " optimizer slot" << (slots == 1 ? "" : "s")
-     << ") + activations of the micro-batches in flight" << (checkpoint == "never" ? "" : " (their inputs, under checkpointing)")
+     << ") + activations of the micro-batches in flight" << (checkpoint == Recompute::kNever ? "" : " (their inputs, under checkpointing)")
      << "\n";
   if (sim.ok) {
     os << "  bubble " << fmt("%.1f%%", 100 * sim.bubble_fraction) << " (ideal (P-1)/(v*m+P-1) = "
@@ -755,11 +756,38 @@ std::string Options::plan(const core::PlanInput& input) const {
   return os.str();
 }
 
+const std::vector<std::string>& balance_names() {
+  static const std::vector<std::string> names = {"uniform", "by_params", "by_time", "explicit"};
+  return names;
+}
+const std::vector<std::string>& recompute_names() {
+  static const std::vector<std::string> names = {"never", "except_last", "always"};
+  return names;
+}
+const std::string& to_string(ScheduleKind kind) { return schedule_kinds().at(static_cast<size_t>(kind)); }
+const std::string& to_string(Balance balance) { return balance_names().at(static_cast<size_t>(balance)); }
+const std::string& to_string(Recompute recompute) { return recompute_names().at(static_cast<size_t>(recompute)); }
+
+YAML::Node Options::to_yaml() const {
+  YAML::Node n(YAML::NodeType::Map);
+  const Options def;
+  if (schedule != def.schedule) n["schedule"] = to_string(schedule);
+  if (micro_batches != 0) n["micro_batches"] = micro_batches;
+  if (virtual_stages != def.virtual_stages) n["virtual_stages"] = virtual_stages;
+  if (balance == Balance::kExplicit)
+    n["balance"] = balance_counts;
+  else if (balance != def.balance)
+    n["balance"] = to_string(balance);
+  if (checkpoint != def.checkpoint) n["checkpoint"] = to_string(checkpoint);
+  if (prefetch != def.prefetch) n["prefetch"] = prefetch;
+  return n;
+}
+
 core::StrategyRole Options::role(const core::JobSpec&) const {
   core::StrategyRole r;
   r.axis = "pipeline";
-  r.why = "splits the model into " + std::to_string(stages * virtual_stages) + " stages (" + schedule + ", " +
-          std::to_string(micro_batches) + " micro-batches, balance " + balance + ")";
+  r.why = "splits the model into " + std::to_string(stages * virtual_stages) + " stages (" + to_string(schedule) + ", " +
+          std::to_string(micro_batches) + " micro-batches, balance " + to_string(balance) + ")";
   r.micro_batches = micro_batches;
   r.micro_batches_key = "pipeline.micro_batches";
   return r;
@@ -773,11 +801,11 @@ void register_pipeline(core::SectionRegistry& registry) {
         const bool given = !s.keys().empty();
         o->stages = job.mesh.size("pipeline");
         const int P = o->stages;
-        o->schedule = s.choice("schedule", o->schedule, schedule_kinds());
+        o->schedule = s.word("schedule", o->schedule, schedule_kinds());
         o->micro_batches = static_cast<int>(s.integer("micro_batches", 4 * P, 1, 1 << 20));
         o->virtual_stages = static_cast<int>(s.integer("virtual_stages", 1, 1, 1024));
         if (s.is_list("balance")) {
-          o->balance = "explicit";
+          o->balance = Balance::kExplicit;
           o->balance_counts = s.integers("balance", {}, 1);
           const size_t K = static_cast<size_t>(P) * static_cast<size_t>(o->virtual_stages);
           if (o->balance_counts.size() != K)
@@ -785,15 +813,18 @@ void register_pipeline(core::SectionRegistry& registry) {
                                    std::to_string(K) + " stages (pipeline " + std::to_string(P) + " x virtual_stages " +
                                    std::to_string(o->virtual_stages) + ")");
         } else {
-          o->balance = s.choice("balance", o->balance, {"uniform", "by_params", "by_time"});
+          // A word: the three that are not a list.
+          const std::vector<std::string> words(balance_names().begin(), balance_names().end() - 1);
+          o->balance = s.word("balance", o->balance, words);
         }
-        o->checkpoint = s.choice("checkpoint", o->checkpoint, {"never", "except_last", "always"});
+        o->checkpoint = s.word("checkpoint", o->checkpoint, recompute_names());
         o->prefetch = static_cast<int>(s.integer("prefetch", o->prefetch, 0, 64));
         s.finish();
         if (!given && P == 1) return nullptr;  // off: no pipeline
-        const std::string problem = schedule_problem(o->schedule, P, o->micro_batches, o->virtual_stages);
+        const std::string problem = schedule_problem(to_string(o->schedule), P, o->micro_batches, o->virtual_stages);
         if (!problem.empty())
-          s.error(o->virtual_stages != 1 && o->schedule != "interleaved_1f1b" ? "virtual_stages" : "micro_batches", problem);
+          s.error(o->virtual_stages != 1 && o->schedule != ScheduleKind::kInterleaved1F1B ? "virtual_stages" : "micro_batches",
+                  problem);
         if (job.train.accumulation_steps != 1)
           s.error("micro_batches", "a pipeline splits the batch into micro_batches itself: set train.accumulation_steps to 1 (it is " +
                                        std::to_string(job.train.accumulation_steps) + ")");

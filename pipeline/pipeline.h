@@ -38,14 +38,26 @@
 
 namespace tetra::pipeline {
 
+// pipeline.schedule, in the order of schedule_kinds() (the words the job file takes).
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B };
+// pipeline.balance: how layers are cut into stages (a list in the file: kExplicit).
+enum class Balance { kUniform, kByParams, kByTime, kExplicit };
+const std::vector<std::string>& balance_names();  // uniform by_params by_time explicit
+// pipeline.checkpoint: which micro-batches recompute their forward in backward.
+enum class Recompute { kNever, kExceptLast, kAlways };
+const std::vector<std::string>& recompute_names();  // never except_last always
+const std::string& to_string(ScheduleKind kind);
+const std::string& to_string(Balance balance);
+const std::string& to_string(Recompute recompute);
+
 struct Options : core::StrategyConfig {
-  int stages = 1;                  // mesh.pipeline (P)
-  std::string schedule = "1f1b";   // gpipe | 1f1b | interleaved_1f1b
-  int micro_batches = 0;           // m; 0 in the file means 4 x P
+  int stages = 1;                  // mesh.pipeline (P); set from the mesh when parsed
+  ScheduleKind schedule = ScheduleKind::k1F1B;
+  int micro_batches = 0;           // m; 0 = 4 x P
   int virtual_stages = 1;          // v: chunks per rank (interleaved_1f1b)
-  std::string balance = "uniform"; // uniform | by_params | by_time | explicit
-  std::vector<int64_t> balance_counts;  // balance: [4, 3, ...] (P x v counts)
-  std::string checkpoint = "never";     // never | except_last | always
+  Balance balance = Balance::kUniform;
+  std::vector<int64_t> balance_counts;  // balance kExplicit: [4, 3, ...] (P x v counts)
+  Recompute checkpoint = Recompute::kNever;
   // Receives posted on each link before the schedule needs them. Posting ahead overlaps
   // a transfer with compute, but the link's progress thread then polls for it beside
   // the compute thread: on a CPU with a core per rank that cost more than it hid
@@ -56,6 +68,7 @@ struct Options : core::StrategyConfig {
   std::unique_ptr<core::Strategy> build() const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
+  YAML::Node to_yaml() const override;
 };
 
 // Registers the `pipeline` section (owner of the `pipeline` mesh axis).

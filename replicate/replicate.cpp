@@ -50,6 +50,12 @@ std::string Options::plan(const core::PlanInput& input) const {
   return os.str();
 }
 
+YAML::Node Options::to_yaml() const {
+  YAML::Node n(YAML::NodeType::Map);
+  n["replicas"] = replicas;
+  return n;
+}
+
 void register_replicate(core::SectionRegistry& registry) {
   registry.add(
       "replicate",

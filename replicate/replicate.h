@@ -46,6 +46,7 @@ struct Options : core::StrategyConfig {
   std::unique_ptr<core::Strategy> build() const override { return nullptr; }
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
+  YAML::Node to_yaml() const override;
 };
 
 // Registers the `replicate` section (owner of the `replica` axis).

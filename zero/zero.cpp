@@ -716,6 +716,16 @@ core::StrategyRole Options::role(const core::JobSpec&) const {
   return r;
 }
 
+YAML::Node Options::to_yaml() const {
+  YAML::Node n(YAML::NodeType::Map);
+  const Options def;
+  n["stage"] = stage;
+  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = bucket_mb;
+  if (overlap != def.overlap) n["overlap"] = overlap;
+  if (prefetch != def.prefetch) n["prefetch"] = prefetch;
+  return n;
+}
+
 void register_zero(core::SectionRegistry& registry) {
   registry.add("zero", [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
     auto o = std::make_shared<Options>();

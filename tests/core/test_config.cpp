@@ -535,7 +535,7 @@ SectionRegistry zero_registry() {
     auto cfg = std::make_shared<ZeroConfig>();
     cfg->stage = s.integer("stage", 1, 1, 3);
     cfg->offload = s.boolean("offload", false);
-    if (cfg->offload && job.train.precision == "bf16")
+    if (cfg->offload && job.train.precision == Precision::kBf16)
       s.error("offload", "cannot be used with train.precision bf16");
     s.finish();
     return present ? cfg : nullptr;
@@ -678,7 +678,7 @@ log:
   EXPECT_EQ(s.train.eval_every, 20);
   EXPECT_EQ(s.train.seed, -5);
   EXPECT_EQ(s.train.threads, 2);
-  EXPECT_EQ(s.train.precision, "bf16");
+  EXPECT_EQ(s.train.precision, Precision::kBf16);
   EXPECT_EQ(s.train.accumulation_steps, 2);
   EXPECT_EQ(s.checkpoint.dir, "out/ckpt");
   EXPECT_EQ(s.checkpoint.every_steps, 50);

@@ -2,8 +2,9 @@
 // tetra::tetra (find_package(tetra CONFIG REQUIRED); README.md, "Using tetra from your own
 // CMake project").
 //
-// Every layer's public headers, as a program spells them ("core/trainer.h"), and the
-// registration of the built-in strategy plugins that a job file may name.
+// Every layer's public headers, as a program spells them ("core/trainer.h"), the
+// registration of the built-in strategy plugins that a job file may name, the Plan builder
+// and tetra::run.
 #pragma once
 
 #include "collectives/backends.h"
@@ -35,3 +36,8 @@ inline void register_builtin_plugins(core::SectionRegistry& registry) {
 }
 
 }  // namespace tetra
+
+// The composition API (PlanBuilder) and running a job from a program (tetra::run,
+// tetra::dry_run).
+#include "tetra/builder.h"
+#include "tetra/run.h"

@@ -1,0 +1,53 @@
+// Running a job, and printing its plan, the way `train` does — for programs that bring
+// their own model and data.
+//
+//   core::JobSpec job = tetra::PlanBuilder("mine").mesh({2, 2}).zero({1}).build();
+//   tetra::RunOptions run;
+//   run.model = [](const core::DataInfo& data) { return my_model(data); };
+//   run.data = std::make_shared<MyDataset>(...);
+//   std::cout << tetra::dry_run(job, run);          // what train --dry-run prints
+//   core::TrainResult r = tetra::run(job, run);     // alone, or under mpirun / srun
+//
+// run() is what `train JOB.yaml` does after parsing: it finds the launcher (mpirun, srun,
+// or none), checks that the mesh fits the world before anything communicates, builds the
+// world over collectives.backend, starts the replica threads of `replicate` and trains.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "core/data.h"
+#include "core/job_spec.h"
+#include "core/trainer.h"
+
+namespace tetra {
+
+struct RunOptions {
+  // The program's own model, built on every rank from the job's seed (TrainerOptions::model);
+  // nullptr: the job's model.* section.
+  std::function<torch::nn::Sequential(const core::DataInfo&)> model;
+  // The program's own data, shared by a process's replicas (its methods are const);
+  // nullptr: the job's data.* section.
+  std::shared_ptr<const core::Dataset> data;
+  std::FILE* out = stdout;  // the banner and progress, from rank 0
+  // After each optimizer step, on every rank (and replica) with (step, loss).
+  std::function<void(int64_t, double)> on_step;
+};
+
+// What `train --dry-run` prints: the composition, the batch equation, each strategy's plan
+// (stages, schedule, memory) and every rank's place. `np`: the processes the job will be
+// launched on (0: the launch this runs in, else the mesh's); a mesh that does not fit them
+// is a ConfigError. `json`: one JSON object instead of text. Builds the data and the model
+// on this process and never communicates.
+std::string dry_run(const core::JobSpec& spec, const RunOptions& options = {}, int np = 0, bool json = false);
+
+// Trains the job in the launch this process runs in and returns this process's result
+// (its first replica's). Collective over the launch: every process calls it with the same
+// job. A job that does not fit the launch is a ConfigError before anything communicates.
+core::TrainResult run(const core::JobSpec& spec, const RunOptions& options = {});
+
+}  // namespace tetra
