@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <limits>
@@ -428,11 +429,33 @@ const std::string& to_string(Precision precision) { return precision_names().at(
 
 // ---- writing a spec back (the C++ Plan builder) ----------------------------------------
 
+YAML::Node yaml_number(double value) {
+  char text[64];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(text, sizeof text, "%.*g", digits, value);
+    if (std::strtod(text, nullptr) == value) break;
+  }
+  std::string s = text;
+  // A whole number stays a float in YAML's eyes only with a point or exponent.
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return YAML::Node(s);
+}
+
 namespace {
 // Writes `key: value` unless value is the parser's default.
 template <typename T>
 void put(YAML::Node& node, const std::string& key, const T& value, const T& def) {
   if (!(value == def)) node[key] = value;
+}
+void put(YAML::Node& node, const std::string& key, double value, double def) {
+  if (value != def) node[key] = yaml_number(value);
+}
+void put(YAML::Node& node, const std::string& key, const std::vector<double>& value, const std::vector<double>& def) {
+  if (value == def) return;
+  YAML::Node list(YAML::NodeType::Sequence);
+  for (double v : value) list.push_back(yaml_number(v));
+  list.SetStyle(YAML::EmitterStyle::Flow);
+  node[key] = list;
 }
 }  // namespace
 

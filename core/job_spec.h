@@ -177,6 +177,9 @@ ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
 // A core section as the keys its parser reads, leaving out those at their defaults (the
 // keys a type does not read are never written): what the C++ Plan builder writes before it
 // parses the job like a file. Plugins write theirs with StrategyConfig::to_yaml.
+// A number as the shortest text that reads back as the same double (0.05, not
+// 0.050000000000000003), for the sections' to_yaml.
+YAML::Node yaml_number(double value);
 YAML::Node to_yaml(const ModelSpec& spec);
 YAML::Node to_yaml(const DataSpec& spec);
 YAML::Node to_yaml(const OptimizerSpec& spec);

@@ -28,8 +28,8 @@ void MetricsWriter::write(const nlohmann::json& record) {
 }
 
 Progress::Progress(const std::string& mode, int64_t every, std::FILE* out) : every_(every), out_(out) {
-  bool tty = ::isatty(::fileno(out)) != 0;
-  off_ = mode == "off";
+  bool tty = out && ::isatty(::fileno(out)) != 0;
+  off_ = mode == "off" || !out;  // no stream: nothing to print on
   live_ = !off_ && (mode == "line" || (mode == "auto" && tty));
 }
 

@@ -231,7 +231,7 @@ const std::vector<std::string>& hierarchy_names() {
 YAML::Node Options::to_yaml() const {
   YAML::Node n(YAML::NodeType::Map);
   const Options def;
-  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = bucket_mb;
+  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = core::yaml_number(bucket_mb);
   if (overlap != def.overlap) n["overlap"] = overlap;
   if (compression != def.compression) n["compression"] = compression_names()[static_cast<size_t>(compression)];
   if (hierarchical != def.hierarchical) n["hierarchical"] = hierarchy_names()[static_cast<size_t>(hierarchical)];

@@ -720,7 +720,7 @@ YAML::Node Options::to_yaml() const {
   YAML::Node n(YAML::NodeType::Map);
   const Options def;
   n["stage"] = stage;
-  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = bucket_mb;
+  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = core::yaml_number(bucket_mb);
   if (overlap != def.overlap) n["overlap"] = overlap;
   if (prefetch != def.prefetch) n["prefetch"] = prefetch;
   return n;

@@ -49,10 +49,11 @@ struct Outcome {
   std::vector<int> data_ranks;                // per rank: the width of its data group
 };
 
-// One process, one rank, `threads` intra-op threads.
-inline Outcome run_single(const std::string& yaml, const std::vector<std::string>& sets = {}, int threads = 1) {
+// One process, one rank, `threads` intra-op threads. `base`: the program's own model and
+// data (TrainerOptions::model, ::data), when the job brings them.
+inline Outcome run_single(const core::JobSpec& spec, const core::TrainerOptions& base = {}, int threads = 1) {
   core::set_threads(threads);
-  core::Trainer t(job(yaml, sets));
+  core::Trainer t(spec, base);
   Outcome o;
   o.result = t.run();
   o.weights = t.weights();
@@ -60,13 +61,15 @@ inline Outcome run_single(const std::string& yaml, const std::vector<std::string
   o.data_ranks = {t.data_size()};
   return o;
 }
+inline Outcome run_single(const std::string& yaml, const std::vector<std::string>& sets = {}, int threads = 1) {
+  return run_single(job(yaml, sets), {}, threads);
+}
 
 // The job on `processes` thread-ranks (each a process of the mesh in `sets`; with a
 // replicate section each runs its replicas as threads). Returns rank 0's outcome and
 // checks that every rank saw the same losses.
-inline Outcome run_parallel(const std::string& yaml, int processes, const std::vector<std::string>& sets) {
+inline Outcome run_parallel(const core::JobSpec& spec, int processes, const core::TrainerOptions& base = {}) {
   core::set_threads(1);
-  const core::JobSpec spec = job(yaml, sets);
   const int R = core::Plan(spec).replicas();
   const size_t ranks = static_cast<size_t>(processes * R);
   std::vector<core::TrainResult> results(ranks);
@@ -79,7 +82,7 @@ inline Outcome run_parallel(const std::string& yaml, int processes, const std::v
     data_ranks[k] = t.data_size();
   };
   collectives::run_local_ranks(processes, [&](int p, collectives::Communicator& world) {
-    core::TrainerOptions o;
+    core::TrainerOptions o = base;
     o.world = world.shared_from_this();
     if (R > 1) {
       replicate::train(spec, o, [&](int r, core::Trainer& t, const core::TrainResult& res) { keep(p, r, t, res); });
@@ -95,6 +98,9 @@ inline Outcome run_parallel(const std::string& yaml, int processes, const std::v
   for (auto& r : results) out.memory.push_back(r.memory);
   out.data_ranks = data_ranks;
   return out;
+}
+inline Outcome run_parallel(const std::string& yaml, int processes, const std::vector<std::string>& sets) {
+  return run_parallel(job(yaml, sets), processes);
 }
 
 // `got` follows `ref`: the loss of every step within `rel` (relative), and every
