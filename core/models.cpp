@@ -291,17 +291,28 @@ int64_t parameter_count(const torch::nn::Module& model) {
   return n;
 }
 
+std::string layer_text(const torch::nn::Module& layer) {
+  std::ostringstream os;
+  layer.pretty_print(os);
+  std::string text = os.str();
+  const std::string anonymous = "(anonymous namespace)::";
+  for (size_t at; (at = text.find(anonymous)) != std::string::npos;) text.erase(at, anonymous.size());
+  // The type is what comes before the first '(' (its options follow).
+  const size_t open = text.find('(');
+  std::string type = text.substr(0, open);
+  const std::string rest = open == std::string::npos ? "" : text.substr(open);
+  if (type.rfind("::") != std::string::npos) type = type.substr(type.rfind("::") + 2);
+  if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
+  return type + rest;
+}
+
 std::string describe(const torch::nn::Sequential& model) {
   std::ostringstream os;
   const size_t n = model->size();
   const int width = static_cast<int>(std::to_string(n ? n - 1 : 0).size());
   for (size_t i = 0; i < n; ++i) {
     const auto layer = model->ptr(i);
-    std::ostringstream name;
-    layer->pretty_print(name);
-    std::string text = name.str();
-    if (text.rfind("torch::nn::", 0) == 0) text = text.substr(11);  // "Linear(...)"
-    os << std::setw(width) << i << "  " << text << "  " << parameter_count(*layer)
+    os << std::setw(width) << i << "  " << layer_text(*layer) << "  " << parameter_count(*layer)
        << " params\n";
   }
   os << "total " << parameter_count(*model) << " params\n";

@@ -29,6 +29,11 @@ int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets)
 
 int64_t parameter_count(const torch::nn::Module& model);
 
+// A layer's pretty print without the namespaces and the Impl of its type:
+// "Linear(in_features=784, ...)", "GptBlock(d_model=128, ...)", "Residual" for a program's
+// own "(anonymous namespace)::ResidualImpl".
+std::string layer_text(const torch::nn::Module& layer);
+
 // "Sequential(Flatten, Linear(784->1024), ReLU, ...)" one layer a line, with params.
 std::string describe(const torch::nn::Sequential& model);
 

@@ -45,13 +45,8 @@ torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(mode
 
 // "Linear(784 -> 512)" from a module's pretty print "torch::nn::Linear(in_features=784, ...)".
 std::string layer_name(const torch::nn::Module& m) {
-  std::ostringstream os;
-  m.pretty_print(os);
-  const std::string s = os.str();
-  // The type without its namespaces ("tetra::core::(anonymous namespace)::GptBlockImpl").
-  std::string base = s.substr(0, s.find('('));
-  if (base.rfind("::") != std::string::npos) base = base.substr(base.rfind("::") + 2);
-  if (base.size() > 4 && base.compare(base.size() - 4, 4, "Impl") == 0) base.resize(base.size() - 4);
+  const std::string s = core::layer_text(m);
+  const std::string base = s.substr(0, s.find('('));
   if (base == "Linear") {
     auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(&m);
     if (lin)

@@ -1,12 +1,13 @@
-# The installed package as a user's project meets it: installs the build into a fresh
-# prefix, configures tools/examples/replicator_loop against it alone
-# (find_package(tetra CONFIG REQUIRED) with CMAKE_PREFIX_PATH = the prefix), builds it, runs
-# it and checks what it printed. The prefix and the example's build live in WORK_DIR,
-# removed before and after.
+# The installed package as a user's projects meet it: installs the build into a fresh
+# prefix, configures tools/examples/replicator_loop and tools/examples/custom_model against
+# it alone (find_package(tetra CONFIG REQUIRED) with CMAKE_PREFIX_PATH = the prefix), builds
+# them, runs them (custom_model as pipeline 2 x data 2 x ZeRO-1 under mpirun -np 4) and
+# checks what they printed. The prefix and the examples' builds live in WORK_DIR, removed
+# before and after.
 #
 #   cmake -DSOURCE_DIR=. -DBUILD_DIR=build -DWORK_DIR=... -DLIBDIR=lib -DGENERATOR=...
-#         -DCXX_COMPILER=... -P tests/tools/install_example.cmake
-foreach(v SOURCE_DIR BUILD_DIR WORK_DIR LIBDIR GENERATOR CXX_COMPILER)
+#         -DCXX_COMPILER=... -DMPIEXEC=mpirun -P tests/tools/install_example.cmake
+foreach(v SOURCE_DIR BUILD_DIR WORK_DIR LIBDIR GENERATOR CXX_COMPILER MPIEXEC)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "install_example.cmake: -D${v}=... is required")
   endif()
@@ -15,6 +16,8 @@ endforeach()
 set(example ${SOURCE_DIR}/tools/examples/replicator_loop)
 set(prefix ${WORK_DIR}/prefix)
 set(example_build ${WORK_DIR}/build)
+set(custom ${SOURCE_DIR}/tools/examples/custom_model)
+set(custom_build ${WORK_DIR}/build-custom)
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
@@ -74,5 +77,22 @@ foreach(expect "steps  250-299   huber loss [0-9.]+\n"
     fail("the example's output lacks /${expect}/")
   endif()
 endforeach()
+
+# A model and a dataset of the program's own, built with tetra::PlanBuilder as pipeline 2 x
+# data 2 x ZeRO-1: alone it prints its plan, under mpirun -np 4 it trains and checks itself.
+run("configure the custom model" ${CMAKE_COMMAND} -S ${custom} -B ${custom_build} -G ${GENERATOR}
+    -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_PREFIX_PATH=${prefix})
+run("build the custom model" ${CMAKE_COMMAND} --build ${custom_build} -j2)
+run("print the custom model's plan" ${custom_build}/custom-model)
+foreach(expect "1. pipeline +pipeline +x2" "3. zero +data +x2" "Residual" "mpirun -np 4 custom-model")
+  if(NOT out MATCHES "${expect}")
+    fail("the custom model's plan lacks /${expect}/:\n${out}")
+  endif()
+endforeach()
+run("train the custom model on 4 processes" ${MPIEXEC} --oversubscribe --bind-to none -np 4 ${custom_build}/custom-model)
+message("${out}")
+if(NOT out MATCHES "custom model, pipeline 2 x data 2 x ZeRO-1: loss [0-9.]+ -> [0-9.]+, test accuracy [0-9.]+%")
+  fail("the custom model's run lacks its result line:\n${out}")
+endif()
 
 file(REMOVE_RECURSE ${WORK_DIR})
