@@ -7,7 +7,8 @@
 // has any; (d) the launch view: rank -> host, local rank, cores, device. Under a launcher
 // (mpirun, srun, torchrun) every rank discovers its host and the topology is gathered
 // over the world; only rank 0 prints. (e) --plan: how the job's mesh axes land on the
-// hosts. --json prints all of it as one JSON document.
+// hosts (the job read as train reads it, into the same core::Plan). --json prints all of
+// it as one JSON document.
 //
 // Exit status: 0 done; 2 the command line or the job file is wrong; 1 anything else.
 #include <CLI/CLI.hpp>
@@ -35,6 +36,7 @@
 #include "core/mesh.h"
 #include "core/runtime.h"
 #include "hardware/topology.h"
+#include "tetra/tetra.h"
 
 namespace {
 
@@ -125,39 +127,25 @@ json launch_json(const collectives::LaunchInfo& l, const std::string& backend) {
 // ---- (e) the plan ---------------------------------------------------------------------
 //
 // How the job's mesh axes land on the hosts: each rank's coordinates, and for each axis
-// whether its groups stay inside one host. Reads only the job's `mesh:` section (the
-// strategy sections need their plugins' parsers, which this binary does not register).
-// When the mesh does not match the world this topo ran in, the mismatch is reported and
-// the layout is shown as if the launcher had placed mesh-size ranks consecutively on the
-// hosts seen, the same number on each.
+// whether its groups stay inside one host. The job is read as `train` reads it — every
+// section, through the built-in plugins, into the core::Plan that the trainer, --check and
+// --dry-run use — so a job train rejects is rejected here with the same messages. When the
+// mesh does not match the world this topo ran in, the mismatch is reported and the layout
+// is shown as if the launcher had placed mesh-size ranks consecutively on the hosts seen,
+// the same number on each.
 json print_plan(const hardware::Topology& topo, const std::string& job_path) {
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(job_path);
-  } catch (const YAML::BadFile&) {
-    throw ConfigError(job_path + ": cannot read the job file");
-  } catch (const YAML::Exception& e) {
-    throw ConfigError(job_path + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1) +
-                      ": " + e.msg);
-  }
-  std::vector<core::MeshAxis> axes;
-  if (YAML::Node mesh = root["mesh"]) {
-    if (!mesh.IsMap()) throw ConfigError(job_path + ": mesh: expected a map {axis: size, ...}");
-    for (const auto& kv : mesh) {
-      std::string name = kv.first.as<std::string>();
-      int size = 0;
-      try {
-        size = kv.second.as<int>();
-      } catch (const YAML::Exception&) {
-        throw ConfigError(job_path + ":" + std::to_string(kv.second.Mark().line + 1) + ": mesh." + name +
-                          ": expected an integer");
-      }
-      axes.push_back({name, size});
-    }
-  }
-  core::MeshSpec spec = core::make_mesh_spec(axes);
+  core::SectionRegistry plugins;
+  register_builtin_plugins(plugins);
+  const core::Plan plan(core::parse_job_file(job_path, {}, plugins).spec);
+  const core::MeshSpec& spec = plan.processes();
   const int n = spec.world_size();
-  json j{{"job", job_path}, {"mesh", spec.str()}, {"mesh_ranks", n}, {"world", topo.ranks_count()}};
+  json j{{"job", job_path}, {"mesh", spec.str()}, {"mesh_ranks", n}, {"world", topo.ranks_count()},
+         {"replicas_per_process", plan.replicas()}, {"data_ranks", plan.data_ranks()},
+         {"batch", plan.batch_equation()}};
+  j["composition"] = json::array();
+  for (const core::PlanStep& step : plan.composition())
+    j["composition"].push_back({{"section", step.section}, {"axis", step.role.axis}, {"active", step.active},
+                                {"what", step.active ? step.role.why : "off: " + step.note}});
 
   // rank -> host: the real placement, or a hypothetical consecutive one.
   std::vector<std::string> host_of(n);
@@ -210,8 +198,14 @@ json print_plan(const hardware::Topology& topo, const std::string& job_path) {
 
 std::string format_plan(const json& p) {
   std::ostringstream os;
-  os << "plan: mesh " << p["mesh"].get<std::string>() << " = " << p["mesh_ranks"].get<int>() << " ranks ("
-     << p["job"].get<std::string>() << ")\n";
+  const int replicas = p["replicas_per_process"];
+  os << "plan: mesh " << p["mesh"].get<std::string>() << " = " << p["mesh_ranks"].get<int>() << (p["mesh_ranks"].get<int>() == 1 ? " process" : " processes");
+  if (replicas > 1) os << " x " << replicas << " replica threads (the data group is " << p["data_ranks"].get<int>() << " wide)";
+  os << " (" << p["job"].get<std::string>() << ")\n";
+  os << "  batch " << p["batch"].get<std::string>() << "\n";
+  for (const auto& c : p["composition"])
+    os << "  " << c["section"].get<std::string>() << " (" << c["axis"].get<std::string>() << "): " << c["what"].get<std::string>()
+       << "\n";
   if (p.contains("mismatch")) os << "  note: " << p["mismatch"].get<std::string>() << "\n";
   os << "  placement: " << p["placement"].get<std::string>() << "\n";
   std::vector<std::string> names;

@@ -347,6 +347,30 @@ TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
   EXPECT_EQ(plan["composition"][2]["active"], false);
 }
 
+// train runs the replicas a job asks for as threads of the process (it used to run the
+// job as one rank per process, silently), and topo --plan reads the job into the same
+// plan as train, with the same messages.
+TEST(TrainCli, TrainRunsReplicasAsThreadsAndTopoPlanReadsTheSamePlan) {
+  const std::string cfg = std::string(TETRA_SOURCE_DIR) + "/configs/replicas.yaml";
+  Outcome r = run({cfg, "--set", "train.max_steps=3", "--set", "data.eval_samples=100", "--set", "checkpoint.dir=",
+                   "--set", "log.metrics=", "--set", "log.progress=plain"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("1 process x 2 replica threads"), std::string::npos) << r.out;
+  const std::string topo = std::string(TETRA_BIN_DIR) + "/topo";
+  Outcome t = run_program(topo, {"--plan", std::string(TETRA_SOURCE_DIR) + "/configs/3d.yaml"});
+  ASSERT_EQ(t.status, 0) << t.out;
+  for (const char* want : {"plan: mesh pipeline=2 x data=2 = 4 processes", "pipeline (pipeline): splits the model into 2 stages",
+                           "data_parallel (data): off: zero synchronises", "zero (data): shards the optimizer state",
+                           "axis data (size 2): 2 groups"})
+    EXPECT_NE(t.out.find(want), std::string::npos) << want << "\n" << t.out;
+  fs::path d = fresh_dir("topoplan");
+  const std::string job = write_job(d, "job.yaml", "data: {batch_size: 96}\nmesh: {data: 5}\n").string();
+  Outcome bad = run_program(topo, {"--plan", job});
+  EXPECT_EQ(bad.status, 2) << bad.out;
+  EXPECT_NE(bad.out.find("job.yaml:1:8: error: data.batch_size: data.batch_size 96 does not split into 5"), std::string::npos)
+      << bad.out;
+}
+
 TEST(TrainCli, ZeroConfigsAreValidAndTheDryRunShowsTheShardedState) {
   for (const char* cfg : {"zero.yaml", "zero3-gpt.yaml"}) {
     Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
