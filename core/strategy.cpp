@@ -113,6 +113,21 @@ std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
     r.rank = p;
     r.coords = layout.coords(p);
     for (size_t a = 0; a < plan.processes().axes.size(); ++a) r.coord[plan.processes().axes[a].name] = r.coords[a];
+    // The ranks of one data group hold and send alike (the data axis replicates or
+    // shards evenly): work out the first of them, copy it for the others.
+    auto same_group = std::find_if(ranks.begin(), ranks.end(), [&](const RankEstimate& o) {
+      for (const auto& [axis, c] : r.coord)
+        if (axis != "data" && o.coord.at(axis) != c) return false;
+      return true;
+    });
+    if (same_group != ranks.end()) {
+      RankEstimate copy = *same_group;
+      copy.rank = r.rank;
+      copy.coords = r.coords;
+      copy.coord = r.coord;
+      ranks.push_back(std::move(copy));
+      continue;
+    }
     int i = 0;
     for (auto& layer : *in.model) {
       r.layers.push_back(i);
@@ -135,18 +150,38 @@ std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
 namespace {
 
 const char* kTrafficConvention =
-    "bytes sent per step by each rank: ring allreduce 2(n-1)/n x B, reduce-scatter, allgather and broadcast "
-    "(n-1)/n x B of the whole buffer, send B (n = the group, B = the payload)";
+    "sent/<axis>: bytes the rank sends on that axis per step: ring allreduce 2(n-1)/n x B, reduce-scatter, allgather "
+    "and broadcast (n-1)/n x B of the whole buffer, send B (n = the group, B = the payload)";
+
+// Three significant digits: a table of ranks that differ by a few KiB should show it.
+std::string bytes3(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double b = static_cast<double>(bytes);
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  else std::snprintf(buf, sizeof buf, b >= 100 ? "%.0f %s" : b >= 10 ? "%.1f %s" : "%.2f %s", b, units[u]);
+  return buf;
+}
 
 }  // namespace
 
 std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ranks) {
-  std::vector<std::string> axes;  // the axes anything travels on
-  for (const auto& r : ranks)
-    for (const auto& [axis, t] : r.traffic)
-      if (t.ops > 0 && std::find(axes.begin(), axes.end(), axis) == axes.end()) axes.push_back(axis);
+  std::vector<std::string> axes;  // the axes anything travels on, outermost first
+  for (const std::string& axis : kCompositionOrder)
+    for (const auto& r : ranks) {
+      auto it = r.traffic.find(axis);
+      if (it != r.traffic.end() && it->second.ops > 0) {
+        axes.push_back(axis);
+        break;
+      }
+    }
   std::string out = "estimate   per rank" + std::string(plan.replicas() > 1 ? " (each replica thread alike)" : "") +
-                    ": model state (fp32) + activations; " + kTrafficConvention + "\n";
+                    ": model state (fp32) and activations at the peak of a step\n  " + kTrafficConvention + "\n";
   char line[512];
   std::string head;
   std::snprintf(line, sizeof line, "  %-5s %-8s %-5s %10s %10s %10s %10s %11s %10s", "rank", "pipeline", "data",
@@ -163,13 +198,13 @@ std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ra
       return it == r.coord.end() ? 0 : it->second;
     };
     std::snprintf(line, sizeof line, "  %-5d %-8d %-5d %10s %10s %10s %10s %11s %10s", r.rank, coord("pipeline"),
-                  coord("data"), human_bytes(r.state.parameters).c_str(), human_bytes(r.state.gradients).c_str(),
-                  human_bytes(r.state.optimizer).c_str(), human_bytes(r.state.buffers).c_str(),
-                  human_bytes(r.activations).c_str(), human_bytes(r.state.total() + r.activations).c_str());
+                  coord("data"), bytes3(r.state.parameters).c_str(), bytes3(r.state.gradients).c_str(),
+                  bytes3(r.state.optimizer).c_str(), bytes3(r.state.buffers).c_str(),
+                  bytes3(r.activations).c_str(), bytes3(r.state.total() + r.activations).c_str());
     out += line;
     for (const auto& a : axes) {
       auto it = r.traffic.find(a);
-      std::snprintf(line, sizeof line, " %14s", human_bytes(it == r.traffic.end() ? 0 : it->second.sent).c_str());
+      std::snprintf(line, sizeof line, " %14s", bytes3(it == r.traffic.end() ? 0 : it->second.sent).c_str());
       out += line;
     }
     out += "\n";
