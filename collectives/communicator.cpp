@@ -17,6 +17,72 @@ const char* to_string(ReduceOp op) {
   return "?";
 }
 
+// ---- traffic (Note [Traffic counters]) ------------------------------------------------
+
+const char* Traffic::name(Kind k) {
+  static const char* names[] = {"allreduce", "reduce_scatter", "allgather", "broadcast", "send", "recv"};
+  return k >= 0 && k < kKinds ? names[k] : "?";
+}
+
+int64_t Traffic::sent_by(Kind k, int64_t bytes, int n) {
+  switch (k) {
+    case kAllreduce: return n > 1 ? 2 * (n - 1) * bytes / n : 0;
+    case kReduceScatter:
+    case kAllgather:
+    case kBroadcast: return n > 1 ? (n - 1) * bytes / n : 0;
+    case kSend: return bytes;
+    default: return 0;
+  }
+}
+
+void Traffic::record(Kind k, int64_t bytes, int n) {
+  payload[k] += bytes;
+  ops += 1;
+  sent += sent_by(k, bytes, n);
+}
+
+Traffic& Traffic::operator+=(const Traffic& o) {
+  for (int k = 0; k < kKinds; ++k) payload[k] += o.payload[k];
+  ops += o.ops;
+  sent += o.sent;
+  return *this;
+}
+
+Traffic Traffic::operator-(const Traffic& o) const {
+  Traffic d = *this;
+  for (int k = 0; k < kKinds; ++k) d.payload[k] -= o.payload[k];
+  d.ops -= o.ops;
+  d.sent -= o.sent;
+  return d;
+}
+
+bool Traffic::operator==(const Traffic& o) const {
+  for (int k = 0; k < kKinds; ++k)
+    if (payload[k] != o.payload[k]) return false;
+  return ops == o.ops && sent == o.sent;
+}
+
+std::string Traffic::str() const {
+  std::ostringstream os;
+  for (int k = 0; k < kKinds; ++k)
+    if (payload[k]) os << name(static_cast<Kind>(k)) << " " << payload[k] << " B, ";
+  os << sent << " B sent in " << ops << " op" << (ops == 1 ? "" : "s");
+  return os.str();
+}
+
+Traffic Communicator::traffic() const {
+  std::lock_guard<std::mutex> lock(counter_->mu);
+  return counter_->traffic;
+}
+
+void Communicator::count(Traffic::Kind kind, const at::Tensor& t) {
+  const int64_t bytes = static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+  for (Counter* c = counter_.get(); c; c = c->parent.get()) {
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->traffic.record(kind, bytes, size_);  // the op's own group size, also in a parent's count
+  }
+}
+
 // ---- Work --------------------------------------------------------------------------
 
 bool Work::done() const {
@@ -254,6 +320,7 @@ WorkPtr Communicator::allreduce(at::Tensor input, at::Tensor output, const Allre
                       " differ in size");
   });
   ReduceOp r = opts.op;
+  count(Traffic::kAllreduce, input);
   return enqueue(op + " " + describe(input), [=](Deadline d) { backend_allreduce(input, output, r, d); },
                  opts.timeout);
 }
@@ -272,6 +339,7 @@ WorkPtr Communicator::reduce_scatter(at::Tensor input, at::Tensor output, const 
                       std::to_string(input.numel()));
   });
   ReduceOp r = opts.op;
+  count(Traffic::kReduceScatter, input);
   return enqueue(op + " " + describe(input),
                  [=](Deadline d) { backend_reduce_scatter(input, output, r, d); }, opts.timeout);
 }
@@ -288,6 +356,7 @@ WorkPtr Communicator::allgather(at::Tensor input, at::Tensor output, const Allga
                       std::to_string(input.numel() * size_) + " elements), it holds " +
                       std::to_string(output.numel()));
   });
+  count(Traffic::kAllgather, output);
   return enqueue(op + " " + describe(input), [=](Deadline d) { backend_allgather(input, output, d); },
                  opts.timeout);
 }
@@ -299,6 +368,7 @@ WorkPtr Communicator::broadcast(at::Tensor tensor, const BroadcastOptions& opts)
     check_peer(op, "root", opts.root, size_, rank_);
   });
   int root = opts.root;
+  count(Traffic::kBroadcast, tensor);
   return enqueue(op + " " + describe(tensor), [=](Deadline d) { backend_broadcast(tensor, root, d); },
                  opts.timeout);
 }
@@ -311,6 +381,7 @@ WorkPtr Communicator::send(at::Tensor tensor, int dst, const SendOptions& opts) 
     if (opts.tag < 0) throw CommError(op + ": tags must be >= 0");
   });
   int tag = opts.tag;
+  count(Traffic::kSend, tensor);
   return enqueue(op + " " + describe(tensor), [=](Deadline d) { backend_send(tensor, dst, tag, d); },
                  opts.timeout);
 }
@@ -323,6 +394,7 @@ WorkPtr Communicator::recv(at::Tensor tensor, int src, const RecvOptions& opts) 
     if (opts.tag < 0) throw CommError(op + ": tags must be >= 0");
   });
   int tag = opts.tag;
+  count(Traffic::kRecv, tensor);
   return enqueue(op + " " + describe(tensor), [=](Deadline d) { backend_recv(tensor, src, tag, d); },
                  opts.timeout);
 }
@@ -338,6 +410,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
   auto work = enqueue("split color " + std::to_string(color),
                       [&, label](Deadline d) { out = backend_split(color, key, label, d); }, timeout);
   work->wait();
+  if (out) out->counter_->parent = counter_;  // its ops count on this one's axis too
   return out;
 }
 

@@ -104,6 +104,37 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// Note [Traffic counters]
+// Every communicator counts the payload its ops are handed, by kind, at the moment they
+// are issued (after validation): allreduce and broadcast the tensor's bytes,
+// reduce_scatter its input (the whole buffer), allgather its output (the whole buffer),
+// send and recv the tensor's bytes. `sent` turns those into the bytes this rank puts on
+// the wire under the bandwidth-optimal algorithms, the convention `train --dry-run`
+// prints (n = the group's size, each op rounded down to whole bytes):
+//   allreduce 2(n-1)/n x B (ring: reduce-scatter then allgather), reduce_scatter and
+//   allgather (n-1)/n x B, broadcast (n-1)/n x B (pipelined: each of the n-1 links
+//   carries B, shared out over the n ranks), send B, recv 0 (the sender counts it).
+// A communicator made by split() adds its ops to its parent's count too, so an axis of
+// the mesh counts every link cut from it (the pipeline's point-to-point pairs, ZeRO-3's
+// gather communicator). Counting costs one short lock per op.
+struct Traffic {
+  enum Kind { kAllreduce, kReduceScatter, kAllgather, kBroadcast, kSend, kRecv, kKinds };
+  int64_t payload[kKinds] = {};  // bytes handed to ops of each kind
+  int64_t ops = 0;
+  int64_t sent = 0;  // this rank's wire bytes (the convention above)
+  static const char* name(Kind k);
+  // This rank's wire bytes for one op of `bytes` on a group of n.
+  static int64_t sent_by(Kind k, int64_t bytes, int n);
+  // Adds one op.
+  void record(Kind k, int64_t bytes, int n);
+  Traffic& operator+=(const Traffic& o);
+  Traffic operator-(const Traffic& o) const;
+  bool operator==(const Traffic& o) const;
+  bool operator!=(const Traffic& o) const { return !(*this == o); }
+  // "allreduce 8 B, send 1.0 MiB, ... = 1.2 MiB sent in 12 ops"
+  std::string str() const;
+};
+
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   virtual ~Communicator();
@@ -137,6 +168,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // Waits for every op queued so far (and rethrows the first error among them).
   void synchronize();
+
+  // What this communicator and every one split from it were handed so far
+  // (Note [Traffic counters]).
+  Traffic traffic() const;
 
   // Dtypes every backend carries: f32 f64 bf16 f16 i32 i64 u8.
   static bool supported(at::ScalarType t);
@@ -172,6 +207,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
  private:
   WorkPtr enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout);
+  void count(Traffic::Kind kind, const at::Tensor& t);
+  struct Counter {
+    std::mutex mu;
+    Traffic traffic;
+    std::shared_ptr<Counter> parent;  // the communicator this one was split from
+  };
+  std::shared_ptr<Counter> counter_ = std::make_shared<Counter>();
   void progress_loop();
 
   int rank_, size_;

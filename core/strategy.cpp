@@ -1,8 +1,13 @@
 #include "core/strategy.h"
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
 #include <functional>
 
 #include "collectives/error.h"
+#include "core/torch_compat.h"
 
 namespace tetra::core {
 
@@ -48,6 +53,192 @@ void broadcast_from_first(collectives::Communicator& group, TrainState& state) {
   for (auto& p : state.params) works.push_back(group.broadcast(p.tensor.detach()));
   for (auto b : state.model->buffers()) works.push_back(group.broadcast(b));
   for (auto& w : works) w->wait();
+}
+
+// ---- the per-rank estimate (Note [Per-rank estimate]) ----------------------------------
+
+namespace {
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+// The outputs of every layer for one micro-batch, run in eval mode without gradients (so
+// no running statistic moves and no dropout key is needed): what autograd keeps of one
+// micro-batch, roughly, when nothing recomputes.
+std::vector<int64_t> layer_outputs(const PlanInput& in) {
+  torch::nn::Sequential& model = in.model;
+  const int64_t micro = std::max<int64_t>(1, in.plan.micro_batch_size());
+  const int64_t n = std::min<int64_t>(micro, in.data.size(Split::kTrain));
+  const bool was_training = model->is_training();
+  model->eval();
+  std::vector<int64_t> out;
+  {
+    torch::NoGradGuard no_grad;
+    compat::CpuAutocast autocast(in.spec.train.precision == Precision::kBf16);
+    torch::Tensor x = in.data.range(Split::kTrain, 0, n).inputs;
+    for (auto& layer : *model) {
+      x = layer.forward(x);
+      out.push_back(tensor_bytes(x) / std::max<int64_t>(1, n) * micro);
+    }
+  }
+  if (was_training) model->train();
+  return out;
+}
+
+}  // namespace
+
+void RankEstimate::replicated_state(const JobSpec& spec) {
+  const auto& o = spec.optimizer;
+  const int64_t slots = o.type != "sgd" ? 2 : (o.momentum != 0 ? 1 : 0);
+  state.parameters = state.gradients = state.optimizer = 0;
+  for (const auto& p : params) {
+    state.parameters += tensor_bytes(p.tensor);
+    if (p.tensor.requires_grad()) {
+      state.gradients += tensor_bytes(p.tensor);
+      state.optimizer += slots * tensor_bytes(p.tensor);
+    }
+  }
+}
+
+std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
+  const Plan& plan = in.plan;
+  const MeshLayout layout(plan.processes());
+  const std::vector<int64_t> outputs = layer_outputs(in);
+  int64_t activations = 0;
+  for (int64_t b : outputs) activations += b;
+  std::vector<RankEstimate> ranks;
+  for (int p = 0; p < plan.process_count(); ++p) {
+    RankEstimate r;
+    r.rank = p;
+    r.coords = layout.coords(p);
+    for (size_t a = 0; a < plan.processes().axes.size(); ++a) r.coord[plan.processes().axes[a].name] = r.coords[a];
+    // The ranks of one data group hold and send alike (the data axis replicates or
+    // shards evenly): work out the first of them, copy it for the others.
+    auto same_group = std::find_if(ranks.begin(), ranks.end(), [&](const RankEstimate& o) {
+      for (const auto& [axis, c] : r.coord)
+        if (axis != "data" && o.coord.at(axis) != c) return false;
+      return true;
+    });
+    if (same_group != ranks.end()) {
+      RankEstimate copy = *same_group;
+      copy.rank = r.rank;
+      copy.coords = r.coords;
+      copy.coord = r.coord;
+      ranks.push_back(std::move(copy));
+      continue;
+    }
+    int i = 0;
+    for (auto& layer : *in.model) {
+      r.layers.push_back(i);
+      for (const auto& p : layer.ptr()->named_parameters()) {
+        r.params.push_back({std::to_string(i) + "." + p.key(), p.value()});
+        r.param_layer.push_back(i);
+      }
+      ++i;
+    }
+    r.replicated_state(in.spec);
+    r.activations = activations;
+    // The trainer's own traffic: each step's loss averaged over the data group (a double).
+    if (plan.data_ranks() > 1) r.traffic["data"].record(collectives::Traffic::kAllreduce, 8, plan.data_ranks());
+    for (const auto& cfg : plan.strategies()) cfg->estimate(in, r);
+    ranks.push_back(std::move(r));
+  }
+  return ranks;
+}
+
+namespace {
+
+const char* kTrafficConvention =
+    "sent/<axis>: bytes the rank sends on that axis per step: ring allreduce 2(n-1)/n x B, reduce-scatter, allgather "
+    "and broadcast (n-1)/n x B of the whole buffer, send B (n = the group, B = the payload)";
+
+// Three significant digits: a table of ranks that differ by a few KiB should show it.
+std::string bytes3(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double b = static_cast<double>(bytes);
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  else std::snprintf(buf, sizeof buf, b >= 100 ? "%.0f %s" : b >= 10 ? "%.1f %s" : "%.2f %s", b, units[u]);
+  return buf;
+}
+
+}  // namespace
+
+std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ranks) {
+  std::vector<std::string> axes;  // the axes anything travels on, outermost first
+  for (const std::string& axis : kCompositionOrder)
+    for (const auto& r : ranks) {
+      auto it = r.traffic.find(axis);
+      if (it != r.traffic.end() && it->second.ops > 0) {
+        axes.push_back(axis);
+        break;
+      }
+    }
+  std::string out = "estimate   per rank" + std::string(plan.replicas() > 1 ? " (each replica thread alike)" : "") +
+                    ": model state (fp32) and activations at the peak of a step\n  " + kTrafficConvention + "\n";
+  char line[512];
+  std::string head;
+  std::snprintf(line, sizeof line, "  %-5s %-8s %-5s %10s %10s %10s %10s %11s %10s", "rank", "pipeline", "data",
+                "params", "grads", "optimizer", "buffers", "activations", "total");
+  head = line;
+  for (const auto& a : axes) {
+    std::snprintf(line, sizeof line, " %14s", ("sent/" + a).c_str());
+    head += line;
+  }
+  out += head + "\n";
+  for (const auto& r : ranks) {
+    auto coord = [&](const char* axis) {
+      auto it = r.coord.find(axis);
+      return it == r.coord.end() ? 0 : it->second;
+    };
+    std::snprintf(line, sizeof line, "  %-5d %-8d %-5d %10s %10s %10s %10s %11s %10s", r.rank, coord("pipeline"),
+                  coord("data"), bytes3(r.state.parameters).c_str(), bytes3(r.state.gradients).c_str(),
+                  bytes3(r.state.optimizer).c_str(), bytes3(r.state.buffers).c_str(),
+                  bytes3(r.activations).c_str(), bytes3(r.state.total() + r.activations).c_str());
+    out += line;
+    for (const auto& a : axes) {
+      auto it = r.traffic.find(a);
+      std::snprintf(line, sizeof line, " %14s", bytes3(it == r.traffic.end() ? 0 : it->second.sent).c_str());
+      out += line;
+    }
+    out += "\n";
+  }
+  std::vector<std::string> notes;
+  for (const auto& r : ranks)
+    for (const auto& n : r.notes)
+      if (std::find(notes.begin(), notes.end(), n) == notes.end()) notes.push_back(n);
+  for (const auto& n : notes) out += "  note: " + n + "\n";
+  return out;
+}
+
+nlohmann::json estimate_json(const std::vector<RankEstimate>& ranks) {
+  nlohmann::json all = nlohmann::json::array();
+  for (const auto& r : ranks) {
+    nlohmann::json j;
+    j["rank"] = r.rank;
+    for (const auto& [axis, c] : r.coord) j[axis] = c;
+    j["layers"] = r.layers;
+    j["bytes"] = {{"parameters", r.state.parameters}, {"gradients", r.state.gradients},
+                  {"optimizer", r.state.optimizer}, {"buffers", r.state.buffers},
+                  {"activations", r.activations}, {"total", r.state.total() + r.activations}};
+    nlohmann::json t = nlohmann::json::object();
+    for (const auto& [axis, tr] : r.traffic) {
+      nlohmann::json a = {{"sent", tr.sent}, {"ops", tr.ops}};
+      for (int k = 0; k < collectives::Traffic::kKinds; ++k)
+        if (tr.payload[k]) a["payload"][collectives::Traffic::name(static_cast<collectives::Traffic::Kind>(k))] = tr.payload[k];
+      t[axis] = a;
+    }
+    j["bytes_per_step"] = t;
+    j["notes"] = r.notes;
+    all.push_back(j);
+  }
+  return all;
 }
 
 }  // namespace tetra::core

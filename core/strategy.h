@@ -29,11 +29,15 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
+#include "collectives/communicator.h"
 #include "core/checkpoint.h"
 #include "core/data.h"
 #include "core/job_spec.h"
@@ -121,6 +125,34 @@ struct ModelStateBytes {
   int64_t total() const { return parameters + gradients + optimizer + buffers; }
 };
 
+// Note [Per-rank estimate]
+// What one rank of the plan will hold and send, worked out on one process without
+// communicating (train --dry-run, and the test that holds it to a real run). Core starts
+// every rank as the whole model on one rank: fp32 parameters, their gradients, the
+// optimizer's slots (sgd 0, or 1 with momentum; adamw 2), no buffers, the activations of
+// one micro-batch, and the trainer's own traffic (the step's loss averaged over the data
+// axis). Then each active strategy refines it in composition order
+// (StrategyConfig::estimate): the pipeline keeps its stage's layers and parameters and
+// sets the activations by schedule and checkpointing, ZeRO shards and adds its buffers,
+// data parallelism adds its allreduce. Model state counts what ModelStateBytes counts,
+// by the same layout code the strategies run, so the two agree to the byte; traffic is
+// one step's, per mesh axis, in the convention of Note [Traffic counters].
+struct RankEstimate {
+  int rank = 0;             // the process (its replica threads, if any, estimate alike)
+  std::vector<int> coords;  // per axis of the plan's processes (MeshLayout order)
+  std::map<std::string, int> coord;  // the same, by axis name
+  std::vector<int> layers;           // the model's layers this rank runs, in its order
+  std::vector<NamedParam> params;    // the parameters it trains (the whole model's tensors)
+  std::vector<int> param_layer;      // the layer of each of params
+  ModelStateBytes state;
+  int64_t activations = 0;  // saved for backward at the peak (an estimate: not measured)
+  std::map<std::string, collectives::Traffic> traffic;  // per mesh axis, one step
+  std::vector<std::string> notes;                       // what an estimate assumed
+  // Parameters, gradients and optimizer slots of `params` held whole, as the trainer's
+  // own optimizer holds them (buffers untouched).
+  void replicated_state(const JobSpec& spec);
+};
+
 // An optional capability (its own interface, not "not supported" methods on Strategy): a
 // strategy that keeps the model state in its own layout — ZeRO shards the parameters,
 // gradients and optimizer state over the data axis — and therefore steps the optimizer,
@@ -176,10 +208,21 @@ struct StrategyConfig : PluginConfig {
   // Lines `train --dry-run` prints for this strategy ("" for none), computed on one
   // process without communicating.
   virtual std::string plan(const PlanInput& input) const { return ""; }
+  // Refines this rank's estimate (Note [Per-rank estimate]), on one process without
+  // communicating. A strategy that changes nothing a rank holds or sends leaves it.
+  virtual void estimate(const PlanInput& input, RankEstimate& rank) const {}
   // The section as the keys its parser reads, leaving out those at their defaults: the C++
   // Plan builder writes it and parses it back, so a job built in code passes the same
   // checks, with the same messages, as a file.
   virtual YAML::Node to_yaml() const = 0;
 };
+
+// Every process rank's estimate: core's start, refined by the active strategies in
+// composition order.
+std::vector<RankEstimate> estimate_ranks(const PlanInput& input);
+// The --dry-run table (one row per rank) with the convention it counts bytes in.
+std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ranks);
+// The same for --json: an array of per-rank objects.
+nlohmann::json estimate_json(const std::vector<RankEstimate>& ranks);
 
 }  // namespace tetra::core

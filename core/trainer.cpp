@@ -161,6 +161,11 @@ std::string Trainer::plan() const {
   return out;
 }
 
+std::vector<RankEstimate> Trainer::estimate() const {
+  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_};
+  return estimate_ranks(in);
+}
+
 double Trainer::data_average(double v) {
   if (!data_group_ || data_size_ == 1) return v;
   at::Tensor t = at::full({1}, v, at::kDouble);

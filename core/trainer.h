@@ -102,6 +102,12 @@ class Trainer {
   const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
   // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
   std::string plan() const;
+  // Every process rank's model state, activations and bytes per axis per step, worked
+  // out without communicating (Note [Per-rank estimate]). On a dry-run trainer, which
+  // still holds the whole model.
+  std::vector<RankEstimate> estimate() const;
+  // The job's mesh of groups (nullptr for one process): tests read its axes' traffic.
+  const Mesh* mesh() const { return mesh_.get(); }
   // The model state this rank holds now (parameters, gradients, optimizer state and the
   // communication buffers of a strategy that owns the state), counted by storage.
   ModelStateBytes memory() const;

@@ -219,6 +219,23 @@ class DataParallel final : public core::Strategy {
 
 std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<DataParallel>(*this); }
 
+// The buckets attach() lays out, each allreduced once a step. The gradients are views of
+// the buckets (counted as gradients, as Trainer::memory() counts them), so data
+// parallelism adds no buffer of its own to the model state.
+void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
+  const int n = input.plan.data_ranks();
+  if (n == 1) return;
+  const core::GradientBuckets layout =
+      core::GradientBuckets::by_size(rank.params, static_cast<int64_t>(bucket_mb * 1024 * 1024), 1);
+  collectives::Traffic& t = rank.traffic["data"];
+  for (const auto& b : layout.buckets()) {
+    const int64_t e = compression == Compression::kNone ? static_cast<int64_t>(c10::elementSize(b.dtype)) : 2;
+    t.record(collectives::Traffic::kAllreduce, b.padded * e, n);
+  }
+  if (hierarchical == Hierarchy::kOn)
+    rank.notes.push_back("data_parallel.hierarchical on: counted as one flat allreduce per bucket (the hosts are known at launch)");
+}
+
 const std::vector<std::string>& compression_names() {
   static const std::vector<std::string> names = {"none", "fp16", "bf16"};
   return names;

@@ -52,6 +52,7 @@ struct Options : core::StrategyConfig {
   Hierarchy hierarchical = Hierarchy::kAuto;
   std::unique_ptr<core::Strategy> build() const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
+  void estimate(const core::PlanInput& input, core::RankEstimate& rank) const override;
   YAML::Node to_yaml() const override;
 };
 

@@ -751,6 +751,67 @@ std::string Options::plan(const core::PlanInput& input) const {
   return os.str();
 }
 
+// This rank's stages (attach's cut), their activations by schedule and checkpointing (as
+// plan() prints them), and what the executor sends per step: each micro-batch's output
+// to the next stage and its input's gradient to the previous one, then the loss
+// broadcast from the last stage (and the gradient norm's part, when clipping).
+void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
+  const int P = stages, v = virtual_stages;
+  const int64_t micro = input.plan.micro_batch_size();
+  const bool bf16 = input.spec.train.precision == core::Precision::kBf16;
+  const auto it = rank.coord.find("pipeline");
+  const int r = it == rank.coord.end() ? 0 : it->second;
+  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime);
+  const Partition part = partition_for(*this, input.model, costs);
+  const std::vector<StageCost> sc = stage_costs(part, costs);
+  const Schedule sched = make_schedule(to_string(schedule), P, micro_batches, v);
+  const Simulation sim = simulate(sched);
+  if (balance == Balance::kByTime)
+    rank.notes.push_back("pipeline.balance by_time: the cut is timed here; a run times it again and may cut elsewhere");
+
+  // Keep this rank's layers, in chunk order, and their parameters.
+  std::vector<int> layers;
+  for (int c = 0; c < v; ++c)
+    for (int i = part.first(sched.stage_of(r, c)); i < part.end(sched.stage_of(r, c)); ++i) layers.push_back(i);
+  std::vector<core::NamedParam> params;
+  std::vector<int> param_layer;
+  for (int l : layers)
+    for (size_t i = 0; i < rank.params.size(); ++i)
+      if (rank.param_layer[i] == l) {
+        params.push_back(rank.params[i]);
+        param_layer.push_back(l);
+      }
+  rank.layers = layers;
+  rank.params = params;
+  rank.param_layer = param_layer;
+  rank.replicated_state(input.spec);
+
+  const int in_flight = sim.ok ? sim.peak_in_flight[r] : micro_batches;
+  rank.activations = 0;
+  for (int c = 0; c < v; ++c) {
+    const int k = sched.stage_of(r, c);
+    const int64_t in_bytes = k == 0 ? 0 : costs[part.first(k) - 1].activation_bytes;
+    rank.activations += checkpoint == Recompute::kNever ? sc[k].activation_bytes * in_flight
+                                                        : in_bytes * in_flight + sc[k].activation_bytes;
+  }
+  if (P == 1) return;  // one rank: the stages hand over in memory
+
+  const std::vector<Boundary> bounds = probe(input.model, input.data, bf16);
+  collectives::Traffic& t = rank.traffic["pipeline"];
+  for (const Instr& in : sched.ranks[r]) {
+    const int k = sched.stage_of(r, in.chunk);
+    switch (in.op) {
+      case Op::kSendAct: t.record(collectives::Traffic::kSend, bounds[part.end(k) - 1].bytes(micro), 2); break;
+      case Op::kRecvAct: t.record(collectives::Traffic::kRecv, bounds[part.first(k) - 1].bytes(micro), 2); break;
+      case Op::kSendGrad: t.record(collectives::Traffic::kSend, bounds[part.first(k) - 1].bytes(micro), 2); break;
+      case Op::kRecvGrad: t.record(collectives::Traffic::kRecv, bounds[part.end(k) - 1].bytes(micro), 2); break;
+      default: break;
+    }
+  }
+  t.record(collectives::Traffic::kBroadcast, 8, P);  // the step's loss, a double
+  if (input.spec.optimizer.clip_grad_norm > 0) t.record(collectives::Traffic::kAllreduce, 8, P);
+}
+
 const std::vector<std::string>& balance_names() {
   static const std::vector<std::string> names = {"uniform", "by_params", "by_time", "explicit"};
   return names;

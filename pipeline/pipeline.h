@@ -68,6 +68,7 @@ struct Options : core::StrategyConfig {
   std::unique_ptr<core::Strategy> build() const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
+  void estimate(const core::PlanInput& input, core::RankEstimate& rank) const override;
   YAML::Node to_yaml() const override;
 };
 

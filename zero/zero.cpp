@@ -681,6 +681,92 @@ core::ModelStateBytes estimate_memory(const core::JobSpec& spec, int stage, int 
 
 std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<Zero>(*this); }
 
+namespace {
+
+// Stage 3: how many gather buffers a run ends up with (Zero::gather_buffers_) — replays
+// run_layer and before_layer_backward over `micro` micro-batches one after another, a
+// layer's buffer coming back once its gradients are taken (autograd accumulates a
+// layer's gradients before it reaches the layer below).
+int64_t simulate_gather_buffers(int units, int prefetch, int64_t micro) {
+  std::vector<bool> held(static_cast<size_t>(units), false);
+  int64_t buffers = 0, free = 0;
+  auto issue = [&](int u) {
+    if (held[u]) return;
+    if (free == 0) ++buffers; else --free;
+    held[u] = true;
+  };
+  auto release = [&](int u) {
+    if (!held[u]) return;
+    held[u] = false;
+    ++free;
+  };
+  for (int64_t m = 0; m < micro; ++m) {
+    for (int u = 0; u < units; ++u) {
+      issue(u);
+      for (int k = 1; k <= prefetch && u + k < units; ++k) issue(u + k);
+      release(u);
+    }
+    for (int u = units - 1; u >= 0; --u) {
+      issue(u);
+      for (int k = 1; k <= prefetch && u - k >= 0; ++k) issue(u - k);
+      release(u);
+    }
+  }
+  return buffers;
+}
+
+}  // namespace
+
+// The layout attach() builds, from the same bucketer, and what memory() then counts.
+void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
+  const int n = input.plan.data_ranks();
+  const int64_t pad = n * kAlign;
+  GradientBuckets layout;
+  if (stage == 3) {
+    std::vector<std::vector<core::NamedParam>> groups;
+    for (int l : rank.layers) {
+      std::vector<core::NamedParam> group;
+      for (size_t i = 0; i < rank.params.size(); ++i)
+        if (rank.param_layer[i] == l) group.push_back(rank.params[i]);
+      groups.push_back(std::move(group));
+    }
+    layout = GradientBuckets::by_groups(groups, pad);
+  } else {
+    layout = GradientBuckets::by_size(rank.params, static_cast<int64_t>(bucket_mb * 1024 * 1024), pad);
+  }
+  const auto& units = layout.buckets();
+  if (units.empty()) return;
+  const int64_t e = static_cast<int64_t>(c10::elementSize(units.front().dtype));
+  int64_t whole = 0, shard = 0, max_chunk = 0;
+  for (const auto& u : units) {
+    whole += u.padded;
+    shard += u.padded / n;
+    max_chunk = std::max(max_chunk, u.padded / n);
+  }
+  const int64_t max_padded = layout.max_padded();
+  const auto& o = input.spec.optimizer;
+  const int64_t slots = o.type != "sgd" ? 2 : (o.momentum != 0 ? 1 : 0);
+  core::ModelStateBytes& m = rank.state;
+  m.parameters = (stage == 3 ? shard : whole) * e;
+  m.gradients = (stage == 1 ? whole : shard) * e;
+  m.optimizer = slots * shard * e;
+  if (stage >= 2) m.buffers += kPoolSize * max_padded * e;          // gradients on their way
+  if (stage <= 2 && n > 1) m.buffers += kPoolSize * max_chunk * e;  // chunks in and out
+  const int64_t micro = input.plan.micro_batches();
+  if (stage == 3) {
+    m.buffers += simulate_gather_buffers(static_cast<int>(units.size()), prefetch, micro) * max_padded * e;
+    if (input.plan.pipeline_stages() > 1)
+      rank.notes.push_back("zero stage 3 under a pipeline: gather buffers counted as if the micro-batches ran one after another");
+  }
+  if (n == 1) return;  // nothing travels
+  collectives::Traffic& t = rank.traffic["data"];
+  for (const auto& u : units) t.record(collectives::Traffic::kReduceScatter, u.padded * e, n);
+  for (const auto& u : units)
+    for (int64_t k = 0; k < (stage == 3 ? 2 * micro : 1); ++k)  // stage 3: each forward and backward
+      t.record(collectives::Traffic::kAllgather, u.padded * e, n);
+  if (o.clip_grad_norm > 0) t.record(collectives::Traffic::kAllreduce, 8, n);  // the gradient norm's part
+}
+
 std::string Options::plan(const core::PlanInput& input) const {
   const int n = input.plan.data_ranks();
   const int pp = input.plan.pipeline_stages();

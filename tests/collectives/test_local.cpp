@@ -73,6 +73,36 @@ double seconds_of(F&& f) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Note [Traffic counters]: each kind's payload, the ring-convention bytes a rank sends,
+// a failed validation counting nothing, and a split's ops counting on its parent too.
+TEST(Local, TrafficCountsPayloadAndSentBytesAndSplitsAddToTheirParent) {
+  run_local_ranks(4, [](int rank, Communicator& c) {
+    at::Tensor t = at::ones({100}, at::kFloat);  // 400 bytes
+    c.allreduce(t)->wait();
+    at::Tensor chunk = at::empty({25}, at::kFloat);
+    c.reduce_scatter(t, chunk)->wait();
+    c.allgather(chunk, t)->wait();
+    c.broadcast(t)->wait();
+    EXPECT_NE(error_of(c.allgather(t, t)), "");  // invalid: not counted
+    Traffic want;
+    want.payload[Traffic::kAllreduce] = 400;
+    want.payload[Traffic::kReduceScatter] = 400;
+    want.payload[Traffic::kAllgather] = 400;
+    want.payload[Traffic::kBroadcast] = 400;
+    want.ops = 4;
+    want.sent = 2 * 3 * 400 / 4 + 3 * 400 / 4 * 3;  // 600 + 3 x 300
+    EXPECT_EQ(c.traffic(), want) << c.traffic().str();
+    auto pair = c.split(rank / 2, rank);  // {0, 1} and {2, 3}
+    at::Tensor x = at::zeros({10}, at::kDouble);  // 80 bytes
+    if (pair->rank() == 0) pair->send(x, 1)->wait(); else pair->recv(x, 0)->wait();
+    const Traffic mine = pair->traffic();
+    EXPECT_EQ(mine.ops, 1);
+    EXPECT_EQ(mine.sent, pair->rank() == 0 ? 80 : 0);
+    EXPECT_EQ(mine.payload[pair->rank() == 0 ? Traffic::kSend : Traffic::kRecv], 80);
+    EXPECT_EQ(c.traffic() - want, mine);  // the parent counts the pair's op
+  });
+}
+
 TEST(Local, Basics) {
   auto comms = make_local_group(3, "replicas");
   ASSERT_EQ(comms.size(), 3u);

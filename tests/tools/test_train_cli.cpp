@@ -327,6 +327,10 @@ TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("ranks      8 (4 processes x 2 replicas)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  7     3        1         1     1        1        "), std::string::npos) << r.out;
+  // The per-rank estimate, with the convention its bytes per step are counted in.
+  EXPECT_NE(r.out.find("estimate   per rank (each replica thread alike)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("ring allreduce 2(n-1)/n x B"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sent/pipeline"), std::string::npos) << r.out;
   Outcome bad = run({cfg, "--dry-run", "--np", "3"});
   EXPECT_EQ(bad.status, 2) << bad.out;
   EXPECT_NE(bad.out.find("mesh pipeline=2 x data=2 = 4 ranks, but the world has 3 (--np 3)"), std::string::npos) << bad.out;
@@ -345,6 +349,12 @@ TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
   ASSERT_EQ(plan["composition"].size(), 4u);
   EXPECT_EQ(plan["composition"][0]["section"], "pipeline");
   EXPECT_EQ(plan["composition"][2]["active"], false);
+  ASSERT_EQ(plan["estimate"].size(), 4u);  // one per process: its replicas estimate alike
+  for (const auto& e : plan["estimate"]) {
+    EXPECT_GT(e["bytes"]["parameters"].get<int64_t>(), 0) << e;
+    EXPECT_GT(e["bytes_per_step"]["pipeline"]["sent"].get<int64_t>(), 0) << e;
+    EXPECT_GT(e["bytes_per_step"]["data"]["payload"]["reduce_scatter"].get<int64_t>(), 0) << e;
+  }
 }
 
 // train runs the replicas a job asks for as threads of the process (it used to run the

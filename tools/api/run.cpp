@@ -121,6 +121,7 @@ nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& row
   for (const PlanStep& s : plan.composition())
     j["composition"].push_back({{"section", s.section}, {"axis", s.role.axis}, {"active", s.active},
                                 {"what", s.active ? s.role.why : s.note}});
+  j["estimate"] = estimate_json(trainer.estimate());  // per rank: memory, and bytes per axis per step
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
   for (const RankRow& r : rows) {
@@ -139,7 +140,6 @@ std::string plan_text(const Trainer& trainer, int threads, bool custom_model) {
   const JobSpec& spec = plan.spec();
   const auto& info = trainer.dataset().info();
   const int64_t params = parameter_count(*t.model());
-  const int64_t state_per_param = spec.optimizer.type == "sgd" ? (spec.optimizer.momentum > 0 ? 1 : 0) : 2;
   std::string out;
   appendf(out, "job        %s (%s)\n", spec.name.c_str(), spec.source.empty() ? "built in C++" : spec.source.c_str());
   const int world = plan.process_count(), R = plan.replicas();
@@ -158,12 +158,9 @@ std::string plan_text(const Trainer& trainer, int threads, bool custom_model) {
   appendf(out, "model      %s, %lld parameters\n", custom_model ? "the program's own" : spec.model.type.c_str(),
           static_cast<long long>(params));
   out += describe(t.model());
-  const int64_t bytes = params * 4;
-  appendf(out, "memory     parameters %s + gradients %s + optimizer state %s = %s (fp32, whole model, no sharding)\n",
-          human_bytes(bytes).c_str(), human_bytes(bytes).c_str(), human_bytes(bytes * state_per_param).c_str(),
-          human_bytes(bytes * (2 + state_per_param)).c_str());
   out += plan.describe_composition();
   out += t.plan();
+  out += estimate_table(plan, trainer.estimate());  // per rank: memory, and bytes per axis per step
   return out;
 }
 
