@@ -142,6 +142,22 @@ std::string human_bytes(int64_t bytes) {
   return buf;
 }
 
+std::string human_bytes3(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double b = static_cast<double>(bytes);
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  else
+    std::snprintf(buf, sizeof buf, b >= 100 ? "%.0f %s" : b >= 10 ? "%.1f %s" : "%.2f %s", b, units[u]);
+  return buf;
+}
+
 std::string human_duration(double seconds) {
   char buf[32];
   if (!std::isfinite(seconds) || seconds < 0) seconds = 0;

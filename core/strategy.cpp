@@ -153,21 +153,6 @@ const char* kTrafficConvention =
     "sent/<axis>: bytes the rank sends on that axis per step: ring allreduce 2(n-1)/n x B, reduce-scatter, allgather "
     "and broadcast (n-1)/n x B of the whole buffer, send B (n = the group, B = the payload)";
 
-// Three significant digits: a table of ranks that differ by a few KiB should show it.
-std::string bytes3(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double b = static_cast<double>(bytes);
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  char buf[32];
-  if (u == 0) std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
-  else std::snprintf(buf, sizeof buf, b >= 100 ? "%.0f %s" : b >= 10 ? "%.1f %s" : "%.2f %s", b, units[u]);
-  return buf;
-}
-
 }  // namespace
 
 std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ranks) {
@@ -180,11 +165,11 @@ std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ra
         break;
       }
     }
-  std::string out = "estimate   per rank" + std::string(plan.replicas() > 1 ? " (each replica thread alike)" : "") +
+  std::string out = "estimate   per rank" + std::string(plan.replicas() > 1 ? " (per process: each of its replica threads alike)" : "") +
                     ": model state (fp32) and activations at the peak of a step\n  " + kTrafficConvention + "\n";
   char line[512];
   std::string head;
-  std::snprintf(line, sizeof line, "  %-5s %-8s %-5s %10s %10s %10s %10s %11s %10s", "rank", "pipeline", "data",
+  std::snprintf(line, sizeof line, "  %-7s %-8s %-5s %10s %10s %10s %10s %11s %10s", plan.replicas() > 1 ? "process" : "rank", "pipeline", "data",
                 "params", "grads", "optimizer", "buffers", "activations", "total");
   head = line;
   for (const auto& a : axes) {
@@ -197,14 +182,14 @@ std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ra
       auto it = r.coord.find(axis);
       return it == r.coord.end() ? 0 : it->second;
     };
-    std::snprintf(line, sizeof line, "  %-5d %-8d %-5d %10s %10s %10s %10s %11s %10s", r.rank, coord("pipeline"),
-                  coord("data"), bytes3(r.state.parameters).c_str(), bytes3(r.state.gradients).c_str(),
-                  bytes3(r.state.optimizer).c_str(), bytes3(r.state.buffers).c_str(),
-                  bytes3(r.activations).c_str(), bytes3(r.state.total() + r.activations).c_str());
+    std::snprintf(line, sizeof line, "  %-7d %-8d %-5d %10s %10s %10s %10s %11s %10s", r.rank, coord("pipeline"),
+                  coord("data"), human_bytes3(r.state.parameters).c_str(), human_bytes3(r.state.gradients).c_str(),
+                  human_bytes3(r.state.optimizer).c_str(), human_bytes3(r.state.buffers).c_str(),
+                  human_bytes3(r.activations).c_str(), human_bytes3(r.state.total() + r.activations).c_str());
     out += line;
     for (const auto& a : axes) {
       auto it = r.traffic.find(a);
-      std::snprintf(line, sizeof line, " %14s", bytes3(it == r.traffic.end() ? 0 : it->second.sent).c_str());
+      std::snprintf(line, sizeof line, " %14s", human_bytes3(it == r.traffic.end() ? 0 : it->second.sent).c_str());
       out += line;
     }
     out += "\n";

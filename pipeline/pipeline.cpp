@@ -704,12 +704,11 @@ std::string Options::plan(const core::PlanInput& input) const {
      << input.spec.data.batch_size << (D > 1 ? " / " + std::to_string(D) + " data ranks" : "") << ")"
      << ", balance " << to_string(balance) << " " << part.str()
      << ", checkpoint " << to_string(checkpoint) << "\n";
-  // Memory: parameters with their gradients and optimizer state, and the activations of
-  // the micro-batches in flight (under checkpointing: their inputs, and one at a time).
-  const int64_t slots = input.spec.optimizer.type == "sgd" ? (input.spec.optimizer.momentum > 0 ? 1 : 0) : 2;
+  // The activations of the micro-batches in flight (under checkpointing: their inputs, and
+  // one at a time); the rank's whole memory is the estimate's (core::RankEstimate).
   char line[512];
   std::snprintf(line, sizeof(line), "  %-5s %-4s %-32s %10s %8s %8s %11s %9s %11s\n", "stage", "rank", "layers",
-                "params", "fwd ms", "bwd ms", "act/micro", "in flight", "memory");
+                "params", "fwd ms", "bwd ms", "act/micro", "in flight", "activations");
   // "in flight": the most micro-batches whose backward is still to come, on the rank.
   os << line;
   for (int k = 0; k < K; ++k) {
@@ -718,7 +717,6 @@ std::string Options::plan(const core::PlanInput& input) const {
     const int64_t in_bytes = k == 0 ? 0 : costs[part.first(k) - 1].activation_bytes;
     int64_t act = checkpoint == Recompute::kNever ? sc[k].activation_bytes * in_flight
                                         : in_bytes * in_flight + sc[k].activation_bytes;
-    const int64_t mem = sc[k].params * 4 * (2 + slots) + act;
     // "Flatten 3xLinear 3xReLU": the kinds of layer, in order of first appearance.
     std::vector<std::pair<std::string, int>> kinds;
     for (int i = part.first(k); i < part.end(k); ++i) {
@@ -734,12 +732,12 @@ std::string Options::plan(const core::PlanInput& input) const {
     if (label.size() > 32) label = label.substr(0, 29) + "...";
     std::snprintf(line, sizeof(line), "  %-5d %-4d %-32s %10lld %8.3f %8.3f %11s %9d %11s\n", k, r, label.c_str(),
                   static_cast<long long>(sc[k].params), sc[k].forward_s * 1e3, sc[k].backward_s * 1e3,
-                  core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(mem).c_str());
+                  core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(act).c_str());
     os << line;
   }
-  os << "  memory = parameters x (weights, gradients, " << slots << " optimizer slot" << (slots == 1 ? "" : "s")
-     << ") + activations of the micro-batches in flight" << (checkpoint == Recompute::kNever ? "" : " (their inputs, under checkpointing)")
-     << "\n";
+  os << "  activations = act/micro x the micro-batches in flight"
+     << (checkpoint == Recompute::kNever ? "" : " (their inputs, under checkpointing, + one micro-batch recomputed)")
+     << "; each rank's whole memory is in the estimate below\n";
   if (sim.ok) {
     os << "  bubble " << fmt("%.1f%%", 100 * sim.bubble_fraction) << " (ideal (P-1)/(v*m+P-1) = "
        << fmt("%.1f%%", 100 * ideal_bubble(P, micro_batches, v)) << "), forward = 1 slot, backward = 2:\n";

@@ -777,15 +777,13 @@ std::string Options::plan(const core::PlanInput& input) const {
   if (stage <= 2) os << ", reduce-scatter units of " << bucket_mb << " MiB" << (overlap ? " during backward" : " after backward");
   if (stage == 3) os << ", a unit per layer, " << prefetch << " layer" << (prefetch == 1 ? "" : "s") << " prefetched";
   os << "\n";
-  auto line = [&](const char* what, const core::ModelStateBytes& m) {
-    os << "  " << what << "parameters " << core::human_bytes(m.parameters) << " + gradients "
-       << core::human_bytes(m.gradients) << " + optimizer state " << core::human_bytes(m.optimizer) << " = "
-       << core::human_bytes(m.total()) << "\n";
-  };
-  line("model state per rank (fp32): ", estimate_memory(input.spec, stage, n, psi / pp));
-  line("without ZeRO it would be:   ", estimate_memory(input.spec, 0, n, psi / pp));
-  if (pp > 1) os << "  (each pipeline stage's share, taken as 1/" << pp << " of the model's parameters)\n";
-  os << "  plus communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "2 units (gradients on their way) + 2 chunks")
+  // The exact bytes, units padded as the run pads them, are the estimate's (below); this
+  // line is what sharding saves, at a glance.
+  const core::ModelStateBytes whole = estimate_memory(input.spec, 0, n, psi / pp);
+  os << "  model state per rank: in the estimate below; without ZeRO each rank would hold parameters "
+     << core::human_bytes(whole.parameters) << " + gradients " << core::human_bytes(whole.gradients)
+     << " + optimizer state " << core::human_bytes(whole.optimizer) << (pp > 1 ? " (a stage's share)" : "") << "\n";
+  os << "  communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "2 units (gradients on their way) + 2 chunks")
      << (stage == 3 ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
   return os.str();
 }

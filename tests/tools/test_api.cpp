@@ -1,11 +1,10 @@
 // tetra/tetra.h, the umbrella header of tetra::tetra, as a program uses it: it compiles on
 // its own under tetra's warnings, and register_builtin_plugins registers the sections a
 // job file may name, as `train` does. The Plan builder gives the same plan, and the same
-// messages, as the same YAML; the trainer takes a program's own model and data. (tests/tools/install_example.cmake builds a program
-// on it against an install.)
+// messages, as the same YAML; the trainer takes a program's own model and data.
+// (tests/tools/install_example.cmake builds programs on it against an install.)
 #include "tetra/tetra.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <regex>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "tests/common/numerics.h"
+#include "tools/examples/custom_model/own_model.h"
 
 namespace {
 
@@ -165,48 +165,7 @@ namespace own_model {
 
 using namespace tetra;
 
-// Points in 16 dimensions around 4 seeded centres: a dataset tetra does not know.
-class Clusters : public core::Dataset {
- public:
-  explicit Clusters(int64_t seed) {
-    torch::NoGradGuard no_grad;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
-    const at::Tensor centres = at::randn({4, 16}, gen) * 2;
-    for (int s = 0; s < 2; ++s) {
-      const int64_t n = s == 0 ? 2048 : 256;
-      labels_[s] = at::randint(0, 4, {n}, gen);
-      points_[s] = centres.index_select(0, labels_[s]) + at::randn({n, 16}, gen);
-    }
-    info_.input_shape = {16};
-    info_.num_classes = 4;
-    info_.description = "4 clusters in 16 dimensions (the program's own)";
-  }
-  const core::DataInfo& info() const override { return info_; }
-  int64_t size(core::Split split) const override { return points_[index(split)].size(0); }
-  core::Batch get(core::Split split, const torch::Tensor& indices) const override {
-    return {points_[index(split)].index_select(0, indices), labels_[index(split)].index_select(0, indices)};
-  }
-
- private:
-  static int index(core::Split s) { return s == core::Split::kTrain ? 0 : 1; }
-  at::Tensor points_[2], labels_[2];
-  core::DataInfo info_;
-};
-
-// A layer of the program's own: x + W2 tanh(W1 x).
-struct ResidualImpl : torch::nn::Module {
-  explicit ResidualImpl(int64_t width)
-      : inner(register_module("inner", torch::nn::Linear(width, width))),
-        outer(register_module("outer", torch::nn::Linear(width, width))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return x + outer(torch::tanh(inner(x))); }
-  torch::nn::Linear inner, outer;
-};
-TORCH_MODULE(Residual);
-
-torch::nn::Sequential model(const core::DataInfo& data) {
-  return torch::nn::Sequential(torch::nn::Linear(data.input_shape[0], 32), Residual(32), Residual(32),
-                               torch::nn::Linear(32, data.num_classes));
-}
+torch::nn::Sequential model(const core::DataInfo& data) { return own::residual_model(data, 32, 2); }
 
 core::JobSpec plan(const std::vector<std::string>& sets) {
   PlanBuilder b("own");
@@ -233,10 +192,10 @@ core::JobSpec plan(const std::vector<std::string>& sets) {
 // The trainer takes the program's Sequential and dataset, and they follow one process
 // under every strategy at once: pipeline 2 x data 2 x ZeRO-1..3 x 2 replicas, plain SGD.
 TEST(OwnModel, FollowsOneProcessUnderPipelineDataZeroAndReplicas) {
-  core::TrainerOptions own;
-  own.model = model;
-  own.data = std::make_shared<Clusters>(5);
-  const numerics::Outcome ref = numerics::run_single(plan({}), own);
+  core::TrainerOptions mine;
+  mine.model = model;
+  mine.data = std::make_shared<own::Clusters>(5, 4, 16, 2048, 256);
+  const numerics::Outcome ref = numerics::run_single(plan({}), mine);
   ASSERT_EQ(ref.result.losses.size(), 12u);
   EXPECT_LT(ref.result.losses.back(), ref.result.losses.front());
   EXPECT_NE(ref.weights.find("1.inner.weight"), ref.weights.end());
@@ -244,12 +203,12 @@ TEST(OwnModel, FollowsOneProcessUnderPipelineDataZeroAndReplicas) {
     numerics::expect_follows(ref,
                              numerics::run_parallel(plan({"mesh.pipeline=2", "mesh.data=2", "pipeline.micro_batches=2",
                                                           stage, "replicate.replicas=2"}),
-                                                    4, own),
+                                                    4, mine),
                              1e-5, stage);
   // tetra::run, as a program calls it: replicas as threads in this process.
   RunOptions run_options;
   run_options.model = model;
-  run_options.data = own.data;
+  run_options.data = mine.data;
   run_options.out = nullptr;
   const core::TrainResult r = run(plan({"replicate.replicas=2"}), run_options);
   ASSERT_EQ(r.losses.size(), ref.result.losses.size());

@@ -328,7 +328,7 @@ TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
   EXPECT_NE(r.out.find("ranks      8 (4 processes x 2 replicas)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  7     3        1         1     1        1        "), std::string::npos) << r.out;
   // The per-rank estimate, with the convention its bytes per step are counted in.
-  EXPECT_NE(r.out.find("estimate   per rank (each replica thread alike)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("estimate   per rank (per process: each of its replica threads alike)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("ring allreduce 2(n-1)/n x B"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("sent/pipeline"), std::string::npos) << r.out;
   Outcome bad = run({cfg, "--dry-run", "--np", "3"});

@@ -2,7 +2,8 @@
 // ZeRO in C++ — the plan a job file would declare, built with tetra::PlanBuilder.
 //
 // The data: points in 16 dimensions drawn around 8 seeded centres, labelled by centre.
-// The model: a torch::nn::Sequential of the program's own layers (residual tanh blocks), which
+// The model: a torch::nn::Sequential of the program's own layers (residual tanh blocks,
+// own_model.h), which
 // the pipeline cuts into 2 stages; each stage is trained by 2 data-parallel processes whose
 // optimizer state ZeRO-1 shards between them.
 //
@@ -11,62 +12,20 @@
 //
 // Under the launcher it trains, and exits 1 unless the test accuracy beats 90% (chance is
 // 12.5%).
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <exception>
 #include <memory>
 
+#include "own_model.h"
 #include "tetra/tetra.h"
 
 namespace {
 
 using namespace tetra;
 
-constexpr int64_t kDims = 16, kClasses = 8;
-
-class Clusters : public core::Dataset {
- public:
-  explicit Clusters(uint64_t seed) {
-    torch::NoGradGuard no_grad;
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-    const at::Tensor centres = at::randn({kClasses, kDims}, gen) * 1.5;
-    for (int s = 0; s < 2; ++s) {
-      const int64_t n = s == 0 ? 8192 : 1024;
-      labels_[s] = at::randint(0, kClasses, {n}, gen);
-      points_[s] = centres.index_select(0, labels_[s]) + at::randn({n, kDims}, gen);
-    }
-    info_.input_shape = {kDims};
-    info_.num_classes = kClasses;
-    info_.description = "8 clusters in 16 dimensions (the program's own data)";
-  }
-  const core::DataInfo& info() const override { return info_; }
-  int64_t size(core::Split split) const override { return points_[at(split)].size(0); }
-  core::Batch get(core::Split split, const torch::Tensor& indices) const override {
-    return {points_[at(split)].index_select(0, indices), labels_[at(split)].index_select(0, indices)};
-  }
-
- private:
-  static int at(core::Split split) { return split == core::Split::kTrain ? 0 : 1; }
-  at::Tensor points_[2], labels_[2];
-  core::DataInfo info_;
-};
-
-// x + W2 tanh(W1 x): a layer the model zoo does not have.
-struct ResidualImpl : torch::nn::Module {
-  explicit ResidualImpl(int64_t width)
-      : inner(register_module("inner", torch::nn::Linear(width, width))),
-        outer(register_module("outer", torch::nn::Linear(width, width))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return x + outer(torch::tanh(inner(x))); }
-  torch::nn::Linear inner, outer;
-};
-TORCH_MODULE(Residual);
-
-torch::nn::Sequential make_model(const core::DataInfo& data) {
-  return torch::nn::Sequential(torch::nn::Linear(data.input_shape[0], 64), Residual(64), Residual(64), Residual(64),
-                               torch::nn::Linear(64, data.num_classes));
-}
+torch::nn::Sequential make_model(const core::DataInfo& data) { return own::residual_model(data, 64, 3); }
 
 core::JobSpec make_job() {
   PlanBuilder b("custom-model");
@@ -108,7 +67,7 @@ int main(int argc, char** argv) {
     const core::JobSpec job = make_job();
     RunOptions run_options;
     run_options.model = make_model;
-    run_options.data = std::make_shared<Clusters>(7);
+    run_options.data = std::make_shared<own::Clusters>(7, 8, 16, 8192, 1024);
     const collectives::LaunchInfo launch = collectives::detect_launch();
     if (!launch.multi_process()) {
       std::printf("%s\nLaunch it on the %d processes of its mesh: mpirun -np %d custom-model\n",
