@@ -89,11 +89,23 @@ int main(int argc, char** argv) {
     JobSpec spec = parsed.spec;
     spec.train.threads = threads;
     set_threads(threads);
+    const auto t_load = std::chrono::steady_clock::now();
     auto data = make_dataset(spec.data, spec.train.seed);
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
     std::printf("bench-overhead: %s, model %s, batch %lld, %lld steps x %d repeats, %d thread%s, %s\n",
                 data->info().description.c_str(), spec.model.type.c_str(),
                 static_cast<long long>(spec.data.batch_size), static_cast<long long>(steps), repeats,
                 threads, threads == 1 ? "" : "s", blas_description().c_str());
+    {  // What the data costs: reading it, and gathering one global batch of it.
+      BatchPlan plan(data->size(Split::kTrain), spec.data.batch_size, spec.train.seed, spec.data.shuffle);
+      const int batches = static_cast<int>(std::min<int64_t>(50, plan.steps_per_epoch()));
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int step = 0; step < batches; ++step) data->get(Split::kTrain, plan.global_batch(0, step));
+      const double per_batch =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / std::max(1, batches);
+      std::printf("data: loaded in %.2f s; a batch of %lld gathered in %.2f ms (mean of %d)\n", load_s,
+                  static_cast<long long>(spec.data.batch_size), per_batch * 1e3, batches);
+    }
     bare_loop(spec, *data, std::max<int64_t>(10, steps / 10));  // warm up both paths once
     std::vector<double> bare, tetra, ratio;
     std::printf("%8s %14s %14s %8s\n", "repeat", "bare (smp/s)", "tetra (smp/s)", "ratio");

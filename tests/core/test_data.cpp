@@ -4,11 +4,9 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
 #include <set>
 #include <string>
 
@@ -169,12 +167,8 @@ TEST(IdxReader, MissingFileNamesThePath) {
 
 TEST(FashionMnist, ShapesAndNormalisation) {
   DataSpec spec;  // defaults: fashion-mnist from the Debian package's folder
-  const auto t0 = std::chrono::steady_clock::now();
+  // (How long loading and a batch take is bench-overhead's to print, not a test's.)
   auto data = make_dataset(spec, 1);
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::cout << "loading Fashion-MNIST took " << secs << " s\n";
-  EXPECT_LT(secs, 5.0);
   const auto& info = data->info();
   EXPECT_EQ(info.input_shape, (std::vector<int64_t>{1, 28, 28}));
   EXPECT_EQ(info.num_classes, 10);
@@ -206,15 +200,6 @@ TEST(FashionMnist, ShapesAndNormalisation) {
   Batch test = data->range(Split::kTest, 10, 20);
   EXPECT_EQ(test.size(), 10);
   EXPECT_THROW(data->get(Split::kTest, torch::tensor({10000}, torch::kLong)), tetra::Error);
-
-  // A batch of 256 is cheap.
-  BatchPlan plan(60000, 256, 1, true);
-  const auto t1 = std::chrono::steady_clock::now();
-  for (int step = 0; step < 20; ++step) data->get(Split::kTrain, plan.global_batch(0, step));
-  const double per_batch =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() / 20;
-  std::cout << "a batch of 256: " << per_batch * 1e3 << " ms\n";
-  EXPECT_LT(per_batch, 0.05);
 }
 
 TEST(FashionMnist, MissingFolderOrFileNamesThePackage) {
