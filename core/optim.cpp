@@ -240,6 +240,8 @@ torch::Tensor as_param(const torch::Tensor& t, const torch::Tensor& param) {
 
 }  // namespace
 
+int64_t optimizer_slots(const OptimizerSpec& spec) { return spec.type != "sgd" ? 2 : spec.momentum != 0 ? 1 : 0; }
+
 void reference_update(const OptimizerSpec& spec, double lr, int64_t step,
                       const torch::Tensor& param, const torch::Tensor& grad_in,
                       UpdateSlots& slots) {

@@ -23,6 +23,10 @@ struct NamedParam {
   torch::Tensor tensor;
 };
 
+// How many slots of a parameter's size `spec` keeps per parameter: adam and adamw 2
+// (exp_avg, exp_avg_sq), sgd 1 with momentum, else 0 (what memory estimates count).
+int64_t optimizer_slots(const OptimizerSpec& spec);
+
 // The optimizer's state slots for one contiguous range of elements (a parameter, or a
 // ZeRO shard): each defined slot has the range's length and dtype.
 struct UpdateSlots {

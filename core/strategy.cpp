@@ -59,10 +59,6 @@ void broadcast_from_first(collectives::Communicator& group, TrainState& state) {
 
 namespace {
 
-int64_t tensor_bytes(const at::Tensor& t) {
-  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
-}
-
 // The outputs of every layer for one micro-batch, run in eval mode without gradients (so
 // no running statistic moves and no dropout key is needed): what autograd keeps of one
 // micro-batch, roughly, when nothing recomputes.
@@ -79,7 +75,7 @@ std::vector<int64_t> layer_outputs(const PlanInput& in) {
     torch::Tensor x = in.data.range(Split::kTrain, 0, n).inputs;
     for (auto& layer : *model) {
       x = layer.forward(x);
-      out.push_back(tensor_bytes(x) / std::max<int64_t>(1, n) * micro);
+      out.push_back(static_cast<int64_t>(x.nbytes()) / std::max<int64_t>(1, n) * micro);
     }
   }
   if (was_training) model->train();
@@ -88,15 +84,24 @@ std::vector<int64_t> layer_outputs(const PlanInput& in) {
 
 }  // namespace
 
+std::vector<NamedParam> RankEstimate::params() const {
+  std::vector<NamedParam> out;
+  for (int l : layers) {
+    const auto& mine = layer_params.at(static_cast<size_t>(l));
+    out.insert(out.end(), mine.begin(), mine.end());
+  }
+  return out;
+}
+
 void RankEstimate::replicated_state(const JobSpec& spec) {
-  const auto& o = spec.optimizer;
-  const int64_t slots = o.type != "sgd" ? 2 : (o.momentum != 0 ? 1 : 0);
+  const int64_t slots = optimizer_slots(spec.optimizer);
   state.parameters = state.gradients = state.optimizer = 0;
-  for (const auto& p : params) {
-    state.parameters += tensor_bytes(p.tensor);
+  for (const auto& p : params()) {
+    const auto bytes = static_cast<int64_t>(p.tensor.nbytes());
+    state.parameters += bytes;
     if (p.tensor.requires_grad()) {
-      state.gradients += tensor_bytes(p.tensor);
-      state.optimizer += slots * tensor_bytes(p.tensor);
+      state.gradients += bytes;
+      state.optimizer += slots * bytes;
     }
   }
 }
@@ -111,8 +116,8 @@ std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
   for (int p = 0; p < plan.process_count(); ++p) {
     RankEstimate r;
     r.rank = p;
-    r.coords = layout.coords(p);
-    for (size_t a = 0; a < plan.processes().axes.size(); ++a) r.coord[plan.processes().axes[a].name] = r.coords[a];
+    const std::vector<int> coords = layout.coords(p);
+    for (size_t a = 0; a < coords.size(); ++a) r.coord[plan.processes().axes[a].name] = coords[a];
     // The ranks of one data group hold and send alike (the data axis replicates or
     // shards evenly): work out the first of them, copy it for the others.
     auto same_group = std::find_if(ranks.begin(), ranks.end(), [&](const RankEstimate& o) {
@@ -123,19 +128,16 @@ std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
     if (same_group != ranks.end()) {
       RankEstimate copy = *same_group;
       copy.rank = r.rank;
-      copy.coords = r.coords;
       copy.coord = r.coord;
       ranks.push_back(std::move(copy));
       continue;
     }
-    int i = 0;
     for (auto& layer : *in.model) {
+      const int i = static_cast<int>(r.layers.size());
       r.layers.push_back(i);
-      for (const auto& p : layer.ptr()->named_parameters()) {
-        r.params.push_back({std::to_string(i) + "." + p.key(), p.value()});
-        r.param_layer.push_back(i);
-      }
-      ++i;
+      r.layer_params.emplace_back();
+      for (const auto& p : layer.ptr()->named_parameters())
+        r.layer_params.back().push_back({std::to_string(i) + "." + p.key(), p.value()});
     }
     r.replicated_state(in.spec);
     r.activations = activations;

@@ -138,12 +138,14 @@ struct ModelStateBytes {
 // by the same layout code the strategies run, so the two agree to the byte; traffic is
 // one step's, per mesh axis, in the convention of Note [Traffic counters].
 struct RankEstimate {
-  int rank = 0;             // the process (its replica threads, if any, estimate alike)
-  std::vector<int> coords;  // per axis of the plan's processes (MeshLayout order)
-  std::map<std::string, int> coord;  // the same, by axis name
+  int rank = 0;                      // the process (its replica threads, if any, estimate alike)
+  std::map<std::string, int> coord;  // its coordinate on each axis of the plan's processes
   std::vector<int> layers;           // the model's layers this rank runs, in its order
-  std::vector<NamedParam> params;    // the parameters it trains (the whole model's tensors)
-  std::vector<int> param_layer;      // the layer of each of params
+  // Every layer's parameters (the whole model's tensors, named as one process names them),
+  // by layer index; a rank trains those of `layers`.
+  std::vector<std::vector<NamedParam>> layer_params;
+  // The parameters this rank trains: those of `layers`, in order.
+  std::vector<NamedParam> params() const;
   ModelStateBytes state;
   int64_t activations = 0;  // saved for backward at the peak (an estimate: not measured)
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis, one step

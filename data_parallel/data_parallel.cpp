@@ -226,7 +226,7 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const int n = input.plan.data_ranks();
   if (n == 1) return;
   const core::GradientBuckets layout =
-      core::GradientBuckets::by_size(rank.params, static_cast<int64_t>(bucket_mb * 1024 * 1024), 1);
+      core::GradientBuckets::by_size(rank.params(), static_cast<int64_t>(bucket_mb * 1024 * 1024), 1);
   collectives::Traffic& t = rank.traffic["data"];
   for (const auto& b : layout.buckets()) {
     const int64_t e = compression == Compression::kNone ? static_cast<int64_t>(c10::elementSize(b.dtype)) : 2;

@@ -767,21 +767,10 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   if (balance == Balance::kByTime)
     rank.notes.push_back("pipeline.balance by_time: the cut is timed here; a run times it again and may cut elsewhere");
 
-  // Keep this rank's layers, in chunk order, and their parameters.
-  std::vector<int> layers;
+  // Keep this rank's layers, in chunk order (and so their parameters).
+  rank.layers.clear();
   for (int c = 0; c < v; ++c)
-    for (int i = part.first(sched.stage_of(r, c)); i < part.end(sched.stage_of(r, c)); ++i) layers.push_back(i);
-  std::vector<core::NamedParam> params;
-  std::vector<int> param_layer;
-  for (int l : layers)
-    for (size_t i = 0; i < rank.params.size(); ++i)
-      if (rank.param_layer[i] == l) {
-        params.push_back(rank.params[i]);
-        param_layer.push_back(l);
-      }
-  rank.layers = layers;
-  rank.params = params;
-  rank.param_layer = param_layer;
+    for (int i = part.first(sched.stage_of(r, c)); i < part.end(sched.stage_of(r, c)); ++i) rank.layers.push_back(i);
   rank.replicated_state(input.spec);
 
   const int in_flight = sim.ok ? sim.peak_in_flight[r] : micro_batches;

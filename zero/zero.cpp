@@ -669,8 +669,7 @@ core::ModelStateBytes Zero::memory() const {
 // ---- the job spec ----------------------------------------------------------------------
 
 core::ModelStateBytes estimate_memory(const core::JobSpec& spec, int stage, int data_ranks, int64_t params) {
-  const auto& o = spec.optimizer;
-  const int64_t slots = o.type != "sgd" ? 2 : (o.momentum != 0 ? 1 : 0);
+  const int64_t slots = core::optimizer_slots(spec.optimizer);
   const int64_t psi = params * 4, n = std::max(1, data_ranks);  // fp32
   core::ModelStateBytes m;
   m.parameters = stage >= 3 ? psi / n : psi;
@@ -722,17 +721,12 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const int n = input.plan.data_ranks();
   const int64_t pad = n * kAlign;
   GradientBuckets layout;
-  if (stage == 3) {
+  if (stage == 3) {  // a unit per layer
     std::vector<std::vector<core::NamedParam>> groups;
-    for (int l : rank.layers) {
-      std::vector<core::NamedParam> group;
-      for (size_t i = 0; i < rank.params.size(); ++i)
-        if (rank.param_layer[i] == l) group.push_back(rank.params[i]);
-      groups.push_back(std::move(group));
-    }
+    for (int l : rank.layers) groups.push_back(rank.layer_params[static_cast<size_t>(l)]);
     layout = GradientBuckets::by_groups(groups, pad);
   } else {
-    layout = GradientBuckets::by_size(rank.params, static_cast<int64_t>(bucket_mb * 1024 * 1024), pad);
+    layout = GradientBuckets::by_size(rank.params(), static_cast<int64_t>(bucket_mb * 1024 * 1024), pad);
   }
   const auto& units = layout.buckets();
   if (units.empty()) return;
@@ -745,7 +739,7 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   }
   const int64_t max_padded = layout.max_padded();
   const auto& o = input.spec.optimizer;
-  const int64_t slots = o.type != "sgd" ? 2 : (o.momentum != 0 ? 1 : 0);
+  const int64_t slots = core::optimizer_slots(o);
   core::ModelStateBytes& m = rank.state;
   m.parameters = (stage == 3 ? shard : whole) * e;
   m.gradients = (stage == 1 ? whole : shard) * e;
