@@ -41,6 +41,33 @@ class TimeoutError : public CommError {
   using CommError::CommError;
 };
 
+// Another rank of the job died or failed: this rank ends because of it. The message names
+// that rank, its host and the op it was last in.
+class PeerLostError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+// The job was asked to stop (SIGTERM, SIGINT): every rank finished its step and wrote the
+// checkpoint all agreed on; running the job again resumes it exactly.
+class PreemptedError : public Error {
+ public:
+  PreemptedError(const std::string& what, std::string checkpoint)
+      : Error(what), checkpoint_(std::move(checkpoint)) {}
+  const std::string& checkpoint() const { return checkpoint_; }  // "" when none was written
+
+ private:
+  std::string checkpoint_;
+};
+
+// Exit statuses of `train` and of programs that end through tetra::exit_status (README
+// "Exit status"): a launcher or a job script can tell what to do next from them alone.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailed = 1;      // the run failed on this rank (its message says why)
+inline constexpr int kExitUserError = 2;   // the job, its files or the command line are wrong
+inline constexpr int kExitPeerLost = 3;    // another rank died or failed; the message names it
+inline constexpr int kExitPreempted = 4;   // stopped by a signal after an agreed checkpoint: run again
+
 namespace detail {
 [[noreturn]] void throw_check_failure(const char* file, int line, const char* cond,
                                       const std::string& msg);
