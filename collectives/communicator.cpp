@@ -2,7 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
+
+#include "collectives/watchdog.h"
 
 namespace tetra::collectives {
 
@@ -15,6 +21,34 @@ const char* to_string(ReduceOp op) {
     case ReduceOp::kProd: return "prod";
   }
   return "?";
+}
+
+// ---- health (Note [Health checks]) ----------------------------------------------------
+
+namespace {
+std::mutex& health_mu() {
+  static std::mutex mu;
+  return mu;
+}
+HealthOptions& health_slot() {
+  static HealthOptions h = [] {
+    HealthOptions o;
+    if (const char* v = std::getenv("TETRA_COLLECTIVES_CHECK"))
+      o.check = std::strcmp(v, "1") == 0 || std::strcmp(v, "on") == 0 || std::strcmp(v, "true") == 0;
+    return o;
+  }();
+  return h;
+}
+}  // namespace
+
+HealthOptions health_options() {
+  std::lock_guard<std::mutex> lock(health_mu());
+  return health_slot();
+}
+
+void set_health_options(const HealthOptions& options) {
+  std::lock_guard<std::mutex> lock(health_mu());
+  health_slot() = options;
 }
 
 // ---- traffic (Note [Traffic counters]) ------------------------------------------------
@@ -218,13 +252,76 @@ WorkPtr failed(const std::string& what, std::exception_ptr e) {
 // ---- the progress thread ------------------------------------------------------------
 
 Communicator::Communicator(int rank, int size, std::string name)
-    : rank_(rank), size_(size), name_(std::move(name)) {
+    : rank_(rank),
+      size_(size),
+      name_(std::move(name)),
+      recorder_(std::make_shared<FlightRecorder>("rank " + std::to_string(rank))) {
+  run_.sends_started.assign(static_cast<size_t>(size), 0);
+  run_.recvs_started.assign(static_cast<size_t>(size), 0);
+  watch(this);
   thread_ = std::thread([this] { progress_loop(); });
 }
 
 Communicator::~Communicator() { stop_progress_thread(); }
 
+void Communicator::set_identity(std::string identity, bool agreed) {
+  auto g = std::make_shared<GroupInfo>();
+  g->name = name_;
+  g->identity = std::move(identity);
+  g->agreed = agreed;
+  g->backend = backend();
+  g->rank = rank_;
+  g->size = size_;
+  std::lock_guard<std::mutex> lock(mu_);
+  group_ = std::move(g);
+}
+
+void Communicator::share_recorder(std::shared_ptr<FlightRecorder> recorder) {
+  std::lock_guard<std::mutex> lock(mu_);
+  recorder_ = std::move(recorder);
+}
+
+std::shared_ptr<const GroupInfo> Communicator::group() const {
+  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+  if (!group_) {
+    // A group no factory named: its own, in this process.
+    auto g = std::make_shared<GroupInfo>();
+    g->name = name_;
+    std::ostringstream id;
+    id << "process:" << static_cast<const void*>(this);
+    g->identity = id.str();
+    g->agreed = false;  // (no backend(): this may run while a backend is still being built)
+    g->rank = rank_;
+    g->size = size_;
+    const_cast<Communicator*>(this)->group_ = g;
+  }
+  return group_;
+}
+
+MemberProgress Communicator::progress() const {
+  MemberProgress m;
+  m.group = group();
+  uint64_t current = 0, last = 0;
+  std::shared_ptr<FlightRecorder> rec;
+  {
+    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+    m.collectives_started = run_.collectives_started;
+    m.collectives_ended = run_.collectives_ended;
+    m.sends_started = run_.sends_started;
+    m.recvs_started = run_.recvs_started;
+    current = run_.current;
+    last = run_.last;
+    rec = recorder_;
+  }
+  m.owner = rec->owner();
+  m.where = process_description();
+  if (current) m.running = rec->snapshot_of(current, m.current);
+  if (last) m.has_last = rec->snapshot_of(last, m.last);
+  return m;
+}
+
 void Communicator::stop_progress_thread() {
+  unwatch(this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!thread_.joinable()) return;
@@ -242,7 +339,7 @@ WorkPtr Communicator::enqueue(std::string what, std::function<void(Deadline)> fn
       work->finish(std::make_exception_ptr(CommError(work->what() + ": the communicator is shut down")));
       return work;
     }
-    queue_.push_back({work, std::move(fn), timeout});
+    queue_.push_back({work, std::move(fn), timeout, 0});
   }
   cv_.notify_one();
   return work;
@@ -252,6 +349,7 @@ void Communicator::progress_loop() {
   for (;;) {
     Item item;
     std::exception_ptr broken;
+    std::shared_ptr<FlightRecorder> rec;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -259,33 +357,84 @@ void Communicator::progress_loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
       broken = broken_;
+      rec = recorder_;
     }
     std::exception_ptr error;
+    std::string error_text;
     if (broken) {
       try {
         std::rethrow_exception(broken);
       } catch (const std::exception& e) {
-        error = std::make_exception_ptr(
-            CommError(item.work->what() + ": not run, an earlier op on this communicator failed: " + e.what()));
+        error_text = item.work->what() + ": not run, an earlier op on this communicator failed: " + e.what();
+        error = std::make_exception_ptr(CommError(error_text));
       }
     } else {
+      begin(item.record);
       try {
         item.work->start();
         item.fn(Clock::now() + item.timeout);
+      } catch (const PeerLostError& e) {
+        error_text = item.work->what() + ": " + e.what();
+        error = std::make_exception_ptr(PeerLostError(error_text));
       } catch (const TimeoutError& e) {
-        error = std::make_exception_ptr(TimeoutError(item.work->what() + ": " + e.what()));
+        // Say who did not come, and leave the record of every rank's ops behind.
+        error_text = item.work->what() + ": " + e.what() + (health_.stall_warning.count() ? diagnose_record(item.record) : "");
+        const std::string dumped = FlightRecorder::dump("timeout: " + error_text);
+        if (!dumped.empty()) error_text += "\n  flight recorder: " + dumped;
+        error = std::make_exception_ptr(TimeoutError(error_text));
       } catch (const std::exception& e) {
-        error = std::make_exception_ptr(CommError(item.work->what() + ": " + e.what()));
+        error_text = item.work->what() + ": " + e.what();
+        error = std::make_exception_ptr(CommError(error_text));
       } catch (...) {
-        error = std::make_exception_ptr(CommError(item.work->what() + ": unknown error"));
+        error_text = item.work->what() + ": unknown error";
+        error = std::make_exception_ptr(CommError(error_text));
       }
       if (error) {
         std::lock_guard<std::mutex> lock(mu_);
         broken_ = error;
       }
+      end(item.record);
     }
+    if (item.record) rec->ended(item.record, error_text);
     item.work->finish(error);
   }
+}
+
+// The progress counters other ranks read to tell how far this one got.
+void Communicator::begin(uint64_t record) {
+  if (!record) return;
+  std::shared_ptr<FlightRecorder> rec;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    rec = recorder_;
+  }
+  OpRecord r;
+  const bool found = rec->started(record, &r);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (found) {
+    if (!r.p2p) run_.collectives_started = std::max(run_.collectives_started, r.seq);
+    else if (r.op.rfind("send", 0) == 0) ++run_.sends_started[static_cast<size_t>(r.peer)];
+    else ++run_.recvs_started[static_cast<size_t>(r.peer)];
+  }
+  run_.current = run_.last = record;
+}
+
+void Communicator::end(uint64_t record) {
+  if (!record) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  run_.current = 0;
+  run_.collectives_ended = run_.collectives_started;
+}
+
+std::string Communicator::diagnose_record(uint64_t record) const {
+  std::shared_ptr<FlightRecorder> rec;
+  {
+    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+    rec = recorder_;
+  }
+  OpRecord r;
+  if (!record || !rec->snapshot_of(record, r)) return "";
+  return "\n  " + diagnose(r, group_members(*group()));
 }
 
 void Communicator::synchronize() {
@@ -296,6 +445,147 @@ void Communicator::synchronize() {
 }
 
 // ---- the ops ------------------------------------------------------------------------
+
+// ---- issuing: records, sequence numbers, fingerprints ---------------------------------
+
+namespace {
+
+// Fingerprint rows (Note [Health checks]): kind, reduce op or root, dtype, sequence
+// number, numel, ndim, the first four sizes.
+constexpr int64_t kPrint = 10;
+const char* const kKinds[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "send", "recv"};
+
+int64_t kind_code(const std::string& kind) {
+  for (int64_t k = 1; k < 8; ++k)
+    if (kind == kKinds[k]) return k;
+  return 0;
+}
+
+std::string describe_print(const int64_t* p) {
+  std::ostringstream os;
+  const int64_t k = p[0] >= 1 && p[0] < 8 ? p[0] : 0;
+  os << kKinds[k];
+  if (k == 1 || k == 2) os << " " << to_string(static_cast<ReduceOp>(p[1]));
+  if (k == 4) os << " from " << p[1];
+  os << " #" << p[3];
+  if (k != 5) {
+    os << " " << (p[2] >= 0 ? c10::toString(static_cast<at::ScalarType>(p[2])) : "?");
+    if (p[5] <= 4) {
+      os << "[";
+      for (int64_t i = 0; i < p[5]; ++i) os << (i ? ", " : "") << p[6 + i];
+      os << "]";
+    } else {
+      os << " of " << p[4] << " elements";
+    }
+  }
+  return os.str();
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+}  // namespace
+
+WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration timeout) {
+  OpRecord r;
+  r.op = std::string(d.kind) == "split" ? "split" : d.op;  // the color differs by rank
+  r.peer = d.peer;
+  r.tag = d.tag;
+  const std::string kind = d.kind;
+  r.p2p = kind == "send" || kind == "recv";
+  std::string shape;
+  if (d.tensor) {
+    r.dtype = c10::toString(d.tensor->scalar_type());
+    r.shape = d.tensor->sizes().vec();
+    r.bytes = static_cast<int64_t>(d.tensor->numel()) * static_cast<int64_t>(d.tensor->element_size());
+    shape = " " + describe(*d.tensor);
+  }
+  r.group = group();
+  r.queued_us = wall_us();
+  // The fingerprint is filled in once the sequence number is known, before the op can run.
+  auto print = std::make_shared<std::array<int64_t, kPrint>>();
+  if (health_.check && kind != "split") {
+    const at::Device device = d.tensor ? d.tensor->device() : at::Device(at::kCPU);
+    const int peer = d.peer, tag = d.tag;
+    fn = [this, print, device, peer, tag, fn = std::move(fn)](Deadline deadline) {
+      fingerprint(print->data(), peer, tag, device, deadline);
+      fn(deadline);
+    };
+  }
+  WorkPtr work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The sequence number and the queue position are taken together: issue order.
+    r.seq = r.p2p ? ++(kind == "send" ? sends_ : recvs_)[{d.peer, d.tag}] : ++collectives_;
+    work = std::make_shared<Work>(name_ + ": " + d.op + " #" + std::to_string(r.seq) + shape, waiters_);
+    if (stopping_) {
+      work->finish(std::make_exception_ptr(CommError(work->what() + ": the communicator is shut down")));
+      return work;
+    }
+    int64_t* p = print->data();
+    p[0] = kind_code(kind);
+    p[1] = d.arg;
+    p[2] = d.tensor ? static_cast<int64_t>(d.tensor->scalar_type()) : -1;
+    p[3] = r.seq;
+    p[4] = d.tensor ? static_cast<int64_t>(d.tensor->numel()) : 0;
+    p[5] = static_cast<int64_t>(r.shape.size());
+    for (size_t i = 0; i < r.shape.size() && i < 4; ++i) p[6 + i] = r.shape[i];
+    const uint64_t id = recorder_->record(r);
+    queue_.push_back({work, std::move(fn), timeout, id});
+  }
+  cv_.notify_one();
+  return work;
+}
+
+// Runs on the progress thread before the op itself: the group agrees on what it runs.
+void Communicator::fingerprint(const int64_t* p, int peer, int tag, at::Device device, Deadline deadline) {
+  at::Tensor mine = at::empty({kPrint}, at::kLong);
+  std::memcpy(mine.data_ptr<int64_t>(), p, kPrint * sizeof(int64_t));
+  const int64_t code = p[0];
+  auto on_device = [&](const at::Tensor& t) { return device.is_cpu() ? t : t.to(device); };
+  if (code == kind_code("send")) {
+    backend_send(on_device(mine), peer, tag, deadline);
+    return;
+  }
+  if (code == kind_code("recv")) {
+    at::Tensor theirs = on_device(at::zeros({kPrint}, at::kLong));
+    backend_recv(theirs, peer, tag, deadline);
+    theirs = theirs.cpu();
+    const int64_t* q = theirs.data_ptr<int64_t>();
+    bool same = q[0] == kind_code("send");
+    for (int64_t i = 2; i < kPrint; ++i) same = same && q[i] == p[i];
+    if (!same) {
+      int64_t expected[kPrint];
+      std::memcpy(expected, p, sizeof(expected));
+      expected[0] = kind_code("send");
+      throw CommError("collectives.check: rank " + std::to_string(rank_) + " expects " +
+                      describe_print(expected) + " from rank " + std::to_string(peer) + ", which sent " +
+                      describe_print(q) + " (a send or recv skipped, or the sizes differ)");
+    }
+    return;
+  }
+  at::Tensor all = on_device(at::zeros({kPrint * size_}, at::kLong));
+  backend_allgather(on_device(mine), all, deadline);
+  all = all.cpu();
+  const int64_t* a = all.data_ptr<int64_t>();
+  // Ranks grouped by what they called, in the order of their lowest rank.
+  std::vector<std::pair<const int64_t*, std::vector<int>>> calls;
+  for (int k = 0; k < size_; ++k) {
+    const int64_t* row = a + k * kPrint;
+    auto it = std::find_if(calls.begin(), calls.end(),
+                           [&](const auto& c) { return std::equal(row, row + kPrint, c.first); });
+    if (it == calls.end()) calls.push_back({row, {k}});
+    else it->second.push_back(k);
+  }
+  if (calls.size() == 1) return;
+  std::string msg = "collectives.check: the ranks of " + name_ + " called different ops:";
+  for (size_t i = 0; i < calls.size(); ++i)
+    msg += std::string(i ? ";" : "") + " " + rank_list(calls[i].second) + " called " + describe_print(calls[i].first);
+  throw CommError(msg);
+}
 
 #define TETRA_VALIDATE(what, ...)                              \
   try {                                                        \
@@ -321,8 +611,8 @@ WorkPtr Communicator::allreduce(at::Tensor input, at::Tensor output, const Allre
   });
   ReduceOp r = opts.op;
   count(Traffic::kAllreduce, input);
-  return enqueue(op + " " + describe(input), [=](Deadline d) { backend_allreduce(input, output, r, d); },
-                 opts.timeout);
+  return issue({"allreduce", op, -1, 0, static_cast<int64_t>(r), &input},
+               [=](Deadline d) { backend_allreduce(input, output, r, d); }, opts.timeout);
 }
 
 WorkPtr Communicator::reduce_scatter(at::Tensor input, at::Tensor output, const ReduceScatterOptions& opts) {
@@ -340,8 +630,8 @@ WorkPtr Communicator::reduce_scatter(at::Tensor input, at::Tensor output, const 
   });
   ReduceOp r = opts.op;
   count(Traffic::kReduceScatter, input);
-  return enqueue(op + " " + describe(input),
-                 [=](Deadline d) { backend_reduce_scatter(input, output, r, d); }, opts.timeout);
+  return issue({"reduce_scatter", op, -1, 0, static_cast<int64_t>(r), &input},
+               [=](Deadline d) { backend_reduce_scatter(input, output, r, d); }, opts.timeout);
 }
 
 WorkPtr Communicator::allgather(at::Tensor input, at::Tensor output, const AllgatherOptions& opts) {
@@ -357,8 +647,8 @@ WorkPtr Communicator::allgather(at::Tensor input, at::Tensor output, const Allga
                       std::to_string(output.numel()));
   });
   count(Traffic::kAllgather, output);
-  return enqueue(op + " " + describe(input), [=](Deadline d) { backend_allgather(input, output, d); },
-                 opts.timeout);
+  return issue({"allgather", op, -1, 0, 0, &input}, [=](Deadline d) { backend_allgather(input, output, d); },
+               opts.timeout);
 }
 
 WorkPtr Communicator::broadcast(at::Tensor tensor, const BroadcastOptions& opts) {
@@ -369,8 +659,8 @@ WorkPtr Communicator::broadcast(at::Tensor tensor, const BroadcastOptions& opts)
   });
   int root = opts.root;
   count(Traffic::kBroadcast, tensor);
-  return enqueue(op + " " + describe(tensor), [=](Deadline d) { backend_broadcast(tensor, root, d); },
-                 opts.timeout);
+  return issue({"broadcast", op, root, 0, root, &tensor}, [=](Deadline d) { backend_broadcast(tensor, root, d); },
+               opts.timeout);
 }
 
 WorkPtr Communicator::send(at::Tensor tensor, int dst, const SendOptions& opts) {
@@ -382,8 +672,8 @@ WorkPtr Communicator::send(at::Tensor tensor, int dst, const SendOptions& opts) 
   });
   int tag = opts.tag;
   count(Traffic::kSend, tensor);
-  return enqueue(op + " " + describe(tensor), [=](Deadline d) { backend_send(tensor, dst, tag, d); },
-                 opts.timeout);
+  return issue({"send", "send to " + std::to_string(dst) + " tag " + std::to_string(tag), dst, tag, 0, &tensor},
+               [=](Deadline d) { backend_send(tensor, dst, tag, d); }, opts.timeout);
 }
 
 WorkPtr Communicator::recv(at::Tensor tensor, int src, const RecvOptions& opts) {
@@ -395,22 +685,34 @@ WorkPtr Communicator::recv(at::Tensor tensor, int src, const RecvOptions& opts) 
   });
   int tag = opts.tag;
   count(Traffic::kRecv, tensor);
-  return enqueue(op + " " + describe(tensor), [=](Deadline d) { backend_recv(tensor, src, tag, d); },
-                 opts.timeout);
+  return issue({"recv", "recv from " + std::to_string(src) + " tag " + std::to_string(tag), src, tag, 0, &tensor},
+               [=](Deadline d) { backend_recv(tensor, src, tag, d); }, opts.timeout);
 }
 
 WorkPtr Communicator::barrier(const BarrierOptions& opts) {
-  return enqueue("barrier", [=](Deadline d) { backend_barrier(d); }, opts.timeout);
+  return issue({"barrier", "barrier", -1, 0, 0, nullptr}, [=](Deadline d) { backend_barrier(d); }, opts.timeout);
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name,
                                                   Duration timeout) {
   std::shared_ptr<Communicator> out;
   std::string label = name.empty() ? name_ + "/split(" + std::to_string(color) + ")" : name;
-  auto work = enqueue("split color " + std::to_string(color),
-                      [&, label](Deadline d) { out = backend_split(color, key, label, d); }, timeout);
+  int64_t nth = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    nth = ++splits_;
+  }
+  auto work = issue({"split", "split color " + std::to_string(color), -1, 0, color, nullptr},
+                    [&, label](Deadline d) { out = backend_split(color, key, label, d); }, timeout);
   work->wait();
-  if (out) out->counter_->parent = counter_;  // its ops count on this one's axis too
+  if (out) {
+    out->counter_->parent = counter_;  // its ops count on this one's axis too
+    // The same path on every member: this group's identity, which split, which color.
+    auto parent = group();
+    out->set_identity(parent->identity + "/" + std::to_string(nth) + "." + std::to_string(color), parent->agreed);
+    std::lock_guard<std::mutex> lock(mu_);
+    out->share_recorder(recorder_);
+  }
   return out;
 }
 

@@ -24,6 +24,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "collectives/error.h"
+#include "collectives/flight_recorder.h"
 
 namespace tetra::collectives {
 
@@ -135,6 +137,52 @@ struct Traffic {
   std::string str() const;
 };
 
+// Note [Health checks]
+// Process-wide settings every communicator takes when it is made (tetra::run sets them
+// from the job's collectives section before the world exists):
+// - check: before each op the group agrees on (op, dtype, shape, sequence number) through
+//   the backend's own primitives, out of the op's sight: collectives allgather a small
+//   fingerprint, a send is preceded by its fingerprint, which the receiver compares with
+//   its own (on the same tag: messages of one sender and tag arrive in order). A mismatch
+//   is a CommError on the ranks that see it, naming the op and the ranks that differ,
+//   instead of a hang or silently wrong sums. Default: the environment variable
+//   TETRA_COLLECTIVES_CHECK (1/on), else off.
+// - stall_warning: an op that has run this long gets a warning naming who has not joined
+//   (collectives/watchdog.h), repeated at a growing interval until its timeout.
+struct HealthOptions {
+  bool check = false;
+  Duration stall_warning = std::chrono::seconds(60);
+};
+HealthOptions health_options();
+void set_health_options(const HealthOptions& options);
+// Sets the options for the communicators made while it lives (tests of one backend's own
+// checks turn the fingerprints off this way).
+class ScopedHealthOptions {
+ public:
+  explicit ScopedHealthOptions(const HealthOptions& options) : saved_(health_options()) { set_health_options(options); }
+  ~ScopedHealthOptions() { set_health_options(saved_); }
+  ScopedHealthOptions(const ScopedHealthOptions&) = delete;
+  ScopedHealthOptions& operator=(const ScopedHealthOptions&) = delete;
+
+ private:
+  HealthOptions saved_;
+};
+
+// What one member of a group has done on it, for stall and timeout diagnosis.
+struct MemberProgress {
+  std::shared_ptr<const GroupInfo> group;
+  std::string owner;  // the member's recorder owner ("rank 3")
+  std::string where;  // "host h, pid p"
+  int64_t collectives_started = 0, collectives_ended = 0;  // highest sequence numbers
+  std::vector<int64_t> sends_started, recvs_started;        // per peer (group ranks)
+  bool running = false;
+  OpRecord current;  // the op running now (when running)
+  bool has_last = false;
+  OpRecord last;     // the newest op it started (maybe current)
+};
+nlohmann::json to_json(const MemberProgress& m);
+MemberProgress member_progress_from_json(const nlohmann::json& j);
+
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   virtual ~Communicator();
@@ -182,8 +230,27 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // core. (Note [Awaited and background polls] in mpi.h.)
   bool awaited() const { return waiters_->load(std::memory_order_relaxed) > 0; }
 
+  // Who this group is, the same on every member when agreed (Note [Flight recorder]).
+  std::shared_ptr<const GroupInfo> group() const;
+  // This rank's recorder (shared with the communicators split from the same root).
+  const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
+  // Where this member is on this group now.
+  MemberProgress progress() const;
+  // The health settings this communicator took when it was made.
+  const HealthOptions& health() const { return health_; }
+
  protected:
   Communicator(int rank, int size, std::string name);
+  // Roots: the identity every member of this group agrees on ("mpi:<job>"), or
+  // agreed = false for a group whose identity is local to this process. Call from the
+  // backend's factory before any op is issued. A split's identity is derived.
+  void set_identity(std::string identity, bool agreed);
+  // Records into `recorder` (another communicator's) instead of this one's own: a
+  // composite (hierarchical) records with the rank it serves.
+  void share_recorder(std::shared_ptr<FlightRecorder> recorder);
+  // No stall warnings or timeout diagnosis of its own: for a composite whose members are
+  // watched themselves.
+  void quiet() { health_.stall_warning = Duration(0); }
 
   // Blocking primitives, run on the progress thread, one at a time. Tensors are
   // validated (contiguous, supported dtype, sizes agree locally). For in-place
@@ -206,7 +273,21 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void stop_progress_thread();
 
  private:
+  // Issues an op: records it, and with the check on, prefixes the fingerprint exchange.
+  struct OpDesc {
+    const char* kind;  // "allreduce", ...
+    std::string op;    // "allreduce sum"
+    int peer = -1;
+    int tag = 0;
+    int64_t arg = 0;  // reduce op or root, for the fingerprint
+    const at::Tensor* tensor = nullptr;
+  };
+  WorkPtr issue(OpDesc d, std::function<void(Deadline)> fn, Duration timeout);
   WorkPtr enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout);
+  void begin(uint64_t record);  // the progress thread starts / ends a recorded op
+  void end(uint64_t record);
+  std::string diagnose_record(uint64_t record) const;  // "\n  <who has not joined>"
+  void fingerprint(const int64_t* print, int peer, int tag, at::Device device, Deadline deadline);
   void count(Traffic::Kind kind, const at::Tensor& t);
   struct Counter {
     std::mutex mu;
@@ -224,11 +305,23 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     WorkPtr work;
     std::function<void(Deadline)> fn;
     Duration timeout;
+    uint64_t record = 0;  // its flight-recorder entry (0: none)
   };
   std::deque<Item> queue_;
   bool stopping_ = false;
   std::exception_ptr broken_;  // the first failure; later ops fail fast with it
   std::shared_ptr<std::atomic<int>> waiters_ = std::make_shared<std::atomic<int>>(0);
+  // Flight recorder and health (Note [Flight recorder], Note [Health checks]).
+  std::shared_ptr<FlightRecorder> recorder_;
+  std::shared_ptr<const GroupInfo> group_;  // guarded by mu_ (set once by the factory)
+  HealthOptions health_ = health_options();
+  int64_t collectives_ = 0, splits_ = 0;          // issued so far (issue order)
+  std::map<std::pair<int, int>, int64_t> sends_, recvs_;  // issued per (peer, tag)
+  struct Running {
+    int64_t collectives_started = 0, collectives_ended = 0;
+    std::vector<int64_t> sends_started, recvs_started;
+    uint64_t current = 0, last = 0;  // record ids
+  } run_;  // guarded by mu_
   std::thread thread_;
 };
 using CommunicatorPtr = std::shared_ptr<Communicator>;

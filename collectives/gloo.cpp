@@ -73,6 +73,7 @@ class GlooCommunicator final : public Communicator {
     opts->threads = 1;
     pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, size, opts);
   }
+  void name_group(const std::string& identity) { set_identity(identity, true); }
   ~GlooCommunicator() override {
     stop_progress_thread();
     try {
@@ -205,7 +206,9 @@ CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port
   so.timeout = options.timeout;
   try {
     auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
-    return std::make_shared<GlooCommunicator>(rank, size, "gloo world", store, options.timeout);
+    auto world = std::make_shared<GlooCommunicator>(rank, size, "gloo world", store, options.timeout);
+    world->name_group("gloo:" + addr + ":" + std::to_string(port));
+    return world;
   } catch (const std::exception& e) {
     std::string m = e.what();
     throw CommError("gloo: cannot rendezvous at " + addr + ":" + std::to_string(port) + " as rank " +

@@ -67,7 +67,12 @@ class HierarchicalCommunicator final : public Communicator {
         R_(inner_->size()),
         D_(outer_->size()),
         r_(inner_->rank()),
-        d_(outer_->rank()) {}
+        d_(outer_->rank()) {
+    // It records with the rank it serves across processes; its stalls are its inner and
+    // outer groups' (watched there, with peers this process cannot see from here).
+    share_recorder(outer_->recorder());
+    quiet();
+  }
   // Ops still queued use inner_ and outer_: drain them before the members go.
   ~HierarchicalCommunicator() override { stop_progress_thread(); }
 

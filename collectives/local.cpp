@@ -235,6 +235,7 @@ class LocalCommunicator final : public Communicator {
   LocalCommunicator(int rank, int size, std::string name, std::shared_ptr<Shared> shared)
       : Communicator(rank, size, std::move(name)), shared_(std::move(shared)) {}
   ~LocalCommunicator() override { stop_progress_thread(); }
+  void name_group(const std::string& identity) { set_identity(identity, false); }
 
   std::string backend() const override { return "local"; }
   Shared& shared() { return *shared_; }
@@ -462,7 +463,14 @@ std::vector<CommunicatorPtr> make_local_group(int n, const std::string& name) {
   auto shared = std::make_shared<Shared>(n);
   std::vector<CommunicatorPtr> comms;
   comms.reserve(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) comms.push_back(std::make_shared<LocalCommunicator>(r, n, name, shared));
+  // One identity for the n members, known only in this process (they all live here).
+  static std::atomic<int64_t> groups{0};
+  const std::string identity = "local:" + std::to_string(++groups);
+  for (int r = 0; r < n; ++r) {
+    auto c = std::make_shared<LocalCommunicator>(r, n, name, shared);
+    c->name_group(identity);
+    comms.push_back(std::move(c));
+  }
   return comms;
 }
 

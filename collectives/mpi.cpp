@@ -311,6 +311,7 @@ class MpiCommunicator final : public Communicator {
     return c;
   }
 
+  void name_group(const std::string& identity) { set_identity(identity, true); }
   ~MpiCommunicator() override {
     shutdown();
     Runtime& rt = runtime();
@@ -601,6 +602,14 @@ std::string mpi_library_version() {
   return s;
 }
 
+// The same on every rank of this mpirun job, without communicating: the launcher's name
+// for the job (PMIx namespace, Open MPI's job id), else the world's shape.
+std::string job_identity() {
+  for (const char* v : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"})
+    if (const char* x = std::getenv(v)) return std::string("mpi:") + v + "=" + x;
+  return "mpi:world";
+}
+
 CommunicatorPtr mpi_world(const WorldOptions& options) {
   Runtime& rt = runtime();
   std::lock_guard<std::mutex> lock(rt.init_mu);
@@ -618,7 +627,9 @@ CommunicatorPtr mpi_world(const WorldOptions& options) {
     throw TimeoutError("mpi world: rank " + std::to_string(rank) + " of " + std::to_string(size) +
                        ": the other ranks did not join within " + ms_string(options.timeout));
   }
-  rt.world = MpiCommunicator::make(dup, "mpi world", options.timeout);
+  auto world = MpiCommunicator::make(dup, "mpi world", options.timeout);
+  world->name_group(job_identity());
+  rt.world = world;
   return rt.world;
 }
 

@@ -71,6 +71,7 @@ class NcclCommunicator final : public Communicator {
     TETRA_CUDA(cudaSetDevice(device_));
     TETRA_CUDA(cudaStreamCreate(&stream_));  // blocking: ordered after the legacy default stream
   }
+  void name_group(const std::string& identity) { set_identity(identity, true); }
   ~NcclCommunicator() override {
     stop_progress_thread();
     if (stream_) cudaStreamDestroy(stream_);
@@ -198,7 +199,9 @@ CommunicatorPtr nccl_from(Communicator& bootstrap, int device, const WorldOption
   TETRA_CUDA(cudaSetDevice(device));
   ncclComm_t comm = nullptr;
   TETRA_NCCL(ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()));
-  return std::make_shared<NcclCommunicator>(bootstrap.rank(), bootstrap.size(), "nccl world", device, comm);
+  auto world = std::make_shared<NcclCommunicator>(bootstrap.rank(), bootstrap.size(), "nccl world", device, comm);
+  world->name_group("nccl:" + bootstrap.group()->identity);
+  return world;
 }
 
 void register_nccl_backend(BackendRegistry& registry) {

@@ -1,0 +1,58 @@
+// The monitor: an out-of-band channel between the processes of a job, beside the data
+// path, so that a rank learns that another died or failed, and where the others are when
+// an op stalls, even while its own collectives are stuck.
+//
+// Note [Monitor]
+// Rank 0 listens on a TCP port (TETRA_MONITOR_PORT, else any free one) and tells the
+// others its address through the world's first broadcast; every other rank connects
+// (TETRA_MONITOR_ADDR overrides the address, for hosts that do not resolve rank 0's name).
+// Over the connection each process sends, about once a second when something changed,
+// the progress of its communicators (Note [Stall warnings]); rank 0 keeps the latest of
+// every rank and answers queries for a group.
+//
+// A process that dies closes its connection without saying goodbye: the kernel does it
+// for a kill -9, an out-of-memory kill or a crash. Rank 0 sees it at once and tells every
+// other rank, which prints which rank died, on which host, and the op it was last in,
+// dumps its flight recorder and exits with kExitPeerLost (3) — whatever it was doing, a
+// collective or a long compute, and whatever the launcher does. When rank 0 dies, the
+// others see their connection close and do the same. A rank that fails with an error says
+// so (report_failure); the others end the same way a few seconds later unless they end on
+// their own first. A clean end says goodbye, so nobody mistakes it for a death.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace tetra::collectives {
+
+struct MonitorOptions {
+  Duration timeout = std::chrono::seconds(60);  // to set up (connect, first broadcast)
+  // How long the others wait after a rank reported a failure before they end (they may
+  // be about to fail with the same error and say it themselves).
+  Duration failure_grace = std::chrono::seconds(5);
+};
+
+class Monitor {
+ public:
+  // Collective over `world` (a process world: one rank per process): rank 0 listens and
+  // broadcasts its address, the others connect. Idempotent per process; a world of one
+  // starts nothing.
+  static void start(Communicator& world, const MonitorOptions& options = {});
+  // Says goodbye and stops (a clean end). Safe to call when not started.
+  static void stop();
+  // This rank failed (its message): tells the others before it exits.
+  static void report_failure(const std::string& message);
+  static bool running();
+  // The other processes' latest reports of the members of `identity` (not this one's).
+  static std::vector<MemberProgress> remote_members(const std::string& identity);
+  // This process is ending on its own: a lost peer no longer makes it exit (it is
+  // already on its way with its own message and status).
+  static void ending();
+  // Gives the monitor up to `wait` to learn that a peer was lost (then it ends the process,
+  // exit status 3). For a rank whose op just failed: the failure may be that death's echo.
+  static void settle(Duration wait);
+};
+
+}  // namespace tetra::collectives

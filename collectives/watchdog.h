@@ -1,0 +1,46 @@
+// The watchdog: one thread per process that watches every communicator's running op.
+//
+// Note [Stall warnings]
+// An op that has run `stall_warning` (collectives.stall_warning_s, default 60 s) gets a
+// warning on stderr that names the op and, for each member of its group that has not
+// entered it, where that member is instead ("rank 3 (host h, pid p) is at #1841 on this
+// group; its last op: send #77 on pipeline ... to rank 1, running 63 s"). The members'
+// progress is read out of band, never through the data path that is stuck: directly for
+// members in this process (thread-ranks), from the monitor (collectives/monitor.h) for the
+// others. The warning repeats at twice the previous interval until the op's timeout ends
+// it with the same diagnosis in the error. Each warning also dumps the flight recorder.
+//
+// SIGUSR1 dumps the flight recorder of the process (and goes on); a fatal signal
+// (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) dumps it as far as it can and then dies of
+// the signal as it would have.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace tetra::collectives {
+
+// Communicators register themselves (construction and shutdown) so the watchdog and the
+// monitor can read their progress.
+void watch(Communicator* comm);
+void unwatch(Communicator* comm);
+
+// Every member of `group` this process can see: its own communicators of that identity
+// and, when the monitor runs, the latest reports of the other processes.
+std::vector<MemberProgress> group_members(const GroupInfo& group);
+// Every registered communicator of this process, as reports (for the monitor).
+std::vector<MemberProgress> local_progress();
+
+// Says who has not joined `op` (an op of `members`' group) and what they do instead.
+std::string diagnose(const OpRecord& op, const std::vector<MemberProgress>& members);
+
+// "host h, pid p" for this process.
+std::string process_description();
+
+// Installs the SIGUSR1 and fatal-signal handlers (idempotent; tetra::run calls it). Keeps
+// a handler the program installed before for the fatal signals by chaining to it.
+void install_flight_recorder_signals();
+
+}  // namespace tetra::collectives
