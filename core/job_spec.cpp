@@ -265,6 +265,7 @@ LogSpec parse_log(Section& l, const std::string& name) {
   spec.every = l.integer("every", 50, 1);
   spec.trace = l.string("trace", "");
   spec.progress = l.choice("progress", "auto", {"auto", "line", "plain", "off"});
+  spec.dir = l.string("dir", "runs/" + name);
   l.finish();
   return spec;
 }
@@ -285,6 +286,8 @@ CollectivesSpec parse_collectives(Section& c) {
   CollectivesSpec spec;
   spec.backend = c.choice("backend", spec.backend, {"mpi", "gloo", "nccl"});
   spec.timeout_s = c.number("timeout_s", spec.timeout_s, 0.001);
+  if (c.has("check")) spec.check = c.boolean("check", false);
+  spec.stall_warning_s = c.number("stall_warning_s", spec.stall_warning_s, 0);
   c.finish();
   return spec;
 }
@@ -563,6 +566,7 @@ YAML::Node to_yaml(const LogSpec& l) {
   put(n, "every", l.every, def.every);
   put(n, "trace", l.trace, def.trace);
   put(n, "progress", l.progress, def.progress);
+  n["dir"] = l.dir;
   return n;
 }
 
@@ -571,6 +575,8 @@ YAML::Node to_yaml(const CollectivesSpec& c) {
   const CollectivesSpec def;
   put(n, "backend", c.backend, def.backend);
   put(n, "timeout_s", c.timeout_s, def.timeout_s);
+  if (c.check) n["check"] = *c.check;
+  put(n, "stall_warning_s", c.stall_warning_s, def.stall_warning_s);
   return n;
 }
 

@@ -100,11 +100,18 @@ struct LogSpec {
   int64_t every = 50;   // steps between train records / plain progress lines
   std::string trace;    // Chrome trace JSON path (per rank); "" = off
   std::string progress = "auto";  // auto (live line on a terminal) | line | plain | off
+  std::string dir;  // default runs/<name>: flight-recorder dumps go to <dir>/flight
 };
 
 struct CollectivesSpec {
   std::string backend = "mpi";  // mpi | gloo | nccl (a build without one rejects it)
   double timeout_s = 300;       // set-up and default op timeout: a lost peer is an error, not a hang
+  // Every op's (op, dtype, shape, sequence number) agreed by the group before it runs
+  // (Note [Health checks]). Unset: the environment's TETRA_COLLECTIVES_CHECK, else off.
+  std::optional<bool> check;
+  // An op waiting this long is reported with the ranks that have not joined it, again at
+  // twice the interval until timeout_s (Note [Stall warnings]). 0 = no warnings.
+  double stall_warning_s = 60;
 };
 
 // What a plugin's section parses into. Plugins subclass it with their typed options.

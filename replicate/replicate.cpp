@@ -154,6 +154,10 @@ ReplicaSet::ReplicaSet(int replicas, CommunicatorPtr process_world, int threads)
                           ? process_world->split(0, process_world->rank(), process_world->name() + " / replica " + std::to_string(r))
                           : collectives::make_local_group(1, "replica " + std::to_string(r) + " (one process)")[0]);
   local_ = collectives::make_local_group(replicas, "replicas of process " + std::to_string(process_rank_));
+  // Flight-recorder dumps name each replica by its process too (Note [Flight recorder]).
+  for (int r = 0; r < replicas; ++r)
+    local_[static_cast<size_t>(r)]->recorder()->set_owner("rank " + std::to_string(process_rank_) + " replica " +
+                                                          std::to_string(r));
   placement_ = place_replicas(replicas, threads);
   for (int r = 0; r < replicas; ++r) threads_.emplace_back([this, r] { worker(r); });
 }

@@ -37,9 +37,21 @@ struct Outcome {
 };
 
 // Starts `exe args...` with stdout going to `out` and stderr to `err` (to `out` as well
-// when `err` is empty); returns its pid.
+// when `err` is empty), in this process's environment with `env` ("NAME=value") set on
+// top; returns its pid.
 inline pid_t spawn_tool(const std::string& exe, const std::vector<std::string>& args, const std::filesystem::path& out,
-                        const std::filesystem::path& err = {}) {
+                        const std::filesystem::path& err = {}, const std::vector<std::string>& env = {}) {
+  std::vector<std::string> vars;
+  for (char** e = environ; *e; ++e) {
+    const std::string v = *e;
+    bool replaced = false;
+    for (const auto& x : env) replaced = replaced || v.compare(0, x.find('=') + 1, x, 0, x.find('=') + 1) == 0;
+    if (!replaced) vars.push_back(v);
+  }
+  vars.insert(vars.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (auto& v : vars) envp.push_back(const_cast<char*>(v.c_str()));
+  envp.push_back(nullptr);
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(exe.c_str()));
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -52,7 +64,7 @@ inline pid_t spawn_tool(const std::string& exe, const std::vector<std::string>& 
   else
     posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ), 0);
+  EXPECT_EQ(posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), envp.data()), 0);
   posix_spawn_file_actions_destroy(&fa);
   return pid;
 }

@@ -10,6 +10,8 @@
 
 #include "collectives/backends.h"
 #include "collectives/launch.h"
+#include "collectives/monitor.h"
+#include "collectives/watchdog.h"
 #include "core/models.h"
 #include "core/plan.h"
 #include "core/report.h"
@@ -183,6 +185,24 @@ std::string dry_run(const JobSpec& spec, const RunOptions& options, int np, bool
   return plan_text(trainer, threads, static_cast<bool>(options.model)) + rank_table(plan, rows);
 }
 
+namespace {
+
+// The collectives' health settings from the job, before any communicator exists
+// (Note [Health checks], Note [Flight recorder]).
+void set_up_health(const JobSpec& spec) {
+  collectives::HealthOptions health = collectives::health_options();
+  if (spec.collectives.check) health.check = *spec.collectives.check;
+  health.stall_warning = collectives::Duration(static_cast<int64_t>(spec.collectives.stall_warning_s * 1000));
+  collectives::set_health_options(health);
+  if (!spec.log.dir.empty()) collectives::FlightRecorder::set_dump_dir(spec.log.dir + "/flight");
+  collectives::install_flight_recorder_signals();
+}
+
+TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& plan,
+                   const collectives::LaunchInfo& launch, const collectives::CommunicatorPtr& world);
+
+}  // namespace
+
 TrainResult run(const JobSpec& spec, const RunOptions& options) {
   const Plan plan(spec);  // a broken composition never launches
   const collectives::LaunchInfo launch = collectives::detect_launch();
@@ -190,6 +210,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
   if (launch.world_size != 0)
     plan.check_world(launch.world_size,
                      launch.launcher == "single" ? "a single process, no launcher" : launch.launcher + ": " + launch.evidence);
+  set_up_health(spec);
   collectives::CommunicatorPtr world;
   if (launch.multi_process()) {
     collectives::BackendRegistry backends;
@@ -197,7 +218,27 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
     collectives::WorldOptions wo;
     wo.timeout = collectives::Duration(static_cast<int64_t>(spec.collectives.timeout_s * 1000));
     world = backends.create_world(spec.collectives.backend, launch, wo);
+    // The out-of-band channel that names a dead or failed rank to the others (Note [Monitor]).
+    collectives::MonitorOptions mo;
+    mo.timeout = wo.timeout;
+    collectives::Monitor::start(*world, mo);
   }
+  try {
+    TrainResult result = run_in(spec, options, plan, launch, world);
+    collectives::Monitor::stop();
+    return result;
+  } catch (const std::exception& e) {
+    // A communication error may be the echo of a peer's death: let the monitor say so
+    // (it ends this process with kExitPeerLost) before this rank reports its own failure.
+    if (dynamic_cast<const CommError*>(&e)) collectives::Monitor::settle(std::chrono::seconds(2));
+    collectives::Monitor::report_failure(e.what());
+    throw;
+  }
+}
+
+namespace {
+TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& plan,
+                   const collectives::LaunchInfo& launch, const collectives::CommunicatorPtr& world) {
   const int hosts = world ? count_hosts(*world) : 1;
   const int threads = set_threads(spec.train.threads, plan.replicas());
   TrainerOptions topts = trainer_options(options);
@@ -220,5 +261,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
   Trainer trainer(spec, topts);
   return trainer.run();
 }
+
+}  // namespace
 
 }  // namespace tetra

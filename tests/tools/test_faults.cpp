@@ -1,0 +1,199 @@
+// Faults injected into real `train` processes: a rank killed with SIGKILL mid-training,
+// launched torchrun-style over gloo (no mpirun to clean up) and under mpirun. Every
+// surviving rank must end within 30 s, with exit status 3 (a peer was lost) and a message
+// that names the dead rank, its host and the op it was last in; SIGUSR1 dumps the flight
+// recorder, which the `flight` tool reads.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/build_config.h"
+#include "collectives/error.h"
+#include "tests/tools/spawn.h"
+
+namespace fs = std::filesystem;
+using namespace tetra::testing_tools;
+
+namespace {
+
+const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
+const std::string kFlight = std::string(TETRA_BIN_DIR) + "/flight";
+using Clock = std::chrono::steady_clock;
+
+// A long data-parallel job: it is killed long before it ends.
+std::string long_job(const fs::path& d, const std::string& backend, int ranks) {
+  const fs::path p = d / "job.yaml";
+  std::ofstream(p) << "name: faults\n"
+                      "model: {type: mlp, hidden: [64]}\n"
+                      "data: {type: synthetic, batch_size: 48}\n"
+                      "optimizer: {type: sgd, lr: 0.01}\n"
+                      "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
+                      "mesh: {data: "
+                   << ranks << "}\n"
+                      "collectives: {backend: "
+                   << backend << ", timeout_s: 600}\n"
+                      "checkpoint: {dir: \"\"}\n"
+                      "log: {every: 1, progress: off, metrics: "
+                   << (d / "m.jsonl").string() << ", dir: " << d.string() << "}\n";
+  return p.string();
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Waits until rank 0 logged `steps` steps (the job is running, its collectives too).
+bool wait_for_steps(const fs::path& metrics, int steps, std::chrono::seconds limit) {
+  const auto end = Clock::now() + limit;
+  while (Clock::now() < end) {
+    std::ifstream in(metrics);
+    int lines = 0;
+    for (std::string l; std::getline(in, l);) lines += l.find("\"loss\"") != std::string::npos;
+    if (lines >= steps) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+// Waits for `pid` up to `limit`; -1 when it is still running then (it is killed).
+int wait_within(pid_t pid, std::chrono::seconds limit, double* took = nullptr) {
+  const auto start = Clock::now();
+  int st = 0;
+  while (Clock::now() - start < limit) {
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      if (took) *took = std::chrono::duration<double>(Clock::now() - start).count();
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &st, 0);
+  return -1;
+}
+
+struct GlooJob {
+  fs::path dir;
+  std::vector<pid_t> pids;
+  // torchrun's variables, one process per rank, no launcher watching them.
+  GlooJob(const std::string& name, int ranks) : dir(fresh_dir("faults", name)) {
+    const std::string job = long_job(dir, "gloo", ranks);
+    const int port = free_port();
+    for (int r = 0; r < ranks; ++r)
+      pids.push_back(spawn_tool(kTrain, {job}, dir / ("out" + std::to_string(r) + ".txt"),
+                                dir / ("err" + std::to_string(r) + ".txt"),
+                                {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(ranks),
+                                 "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(ranks),
+                                 "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)}));
+  }
+  std::string err(int r) const { return slurp(dir / ("err" + std::to_string(r) + ".txt")); }
+};
+
+void expect_survivors_name_the_dead(GlooJob& job, int dead) {
+  ASSERT_TRUE(wait_for_steps(job.dir / "m.jsonl", 5, std::chrono::seconds(120))) << job.err(0);
+  kill(job.pids[static_cast<size_t>(dead)], SIGKILL);
+  EXPECT_EQ(wait_within(job.pids[static_cast<size_t>(dead)], std::chrono::seconds(10)), 128 + SIGKILL);
+  for (size_t r = 0; r < job.pids.size(); ++r) {
+    if (static_cast<int>(r) == dead) continue;
+    double took = 0;
+    const int status = wait_within(job.pids[r], std::chrono::seconds(30), &took);
+    const std::string err = job.err(static_cast<int>(r));
+    EXPECT_EQ(status, tetra::kExitPeerLost) << "rank " << r << " (-1: still running after 30 s): " << err;
+    EXPECT_NE(err.find("rank " + std::to_string(dead) + " (host "), std::string::npos) << err;
+    EXPECT_NE(err.find("pid " + std::to_string(job.pids[static_cast<size_t>(dead)]) + ") died"), std::string::npos) << err;
+    EXPECT_NE(err.find("it was last in "), std::string::npos) << err;
+    EXPECT_EQ(err.find("terminate called"), std::string::npos) << err;
+    std::printf("rank %zu ended %.2f s after rank %d was killed\n", r, took, dead);
+  }
+}
+
+TEST(Faults, AKilledRankIsNamedByEverySurvivorWithoutALauncher) {
+  GlooJob job("gloo_kill1", 3);
+  expect_survivors_name_the_dead(job, 1);
+  // Each survivor dumped its flight recorder; the tool reads them.
+  const Outcome fl = run_tool(kFlight, job.dir, {(job.dir / "flight").string()});
+  EXPECT_EQ(fl.status, 0) << fl.err;
+  EXPECT_NE(fl.out.find("2 dumps"), std::string::npos) << fl.out;
+}
+
+TEST(Faults, AKilledRankZeroIsNamedToo) {
+  GlooJob job("gloo_kill0", 3);
+  expect_survivors_name_the_dead(job, 0);
+}
+
+TEST(Faults, SigusrOneDumpsTheFlightRecorderAndTheJobGoesOn) {
+  GlooJob job("usr1", 2);
+  ASSERT_TRUE(wait_for_steps(job.dir / "m.jsonl", 3, std::chrono::seconds(120))) << job.err(0);
+  for (pid_t p : job.pids) kill(p, SIGUSR1);
+  const auto end = Clock::now() + std::chrono::seconds(30);
+  size_t dumps = 0;
+  while (Clock::now() < end && dumps < 2) {
+    dumps = 0;
+    if (fs::exists(job.dir / "flight"))
+      for (const auto& f : fs::directory_iterator(job.dir / "flight")) dumps += f.path().extension() == ".json";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(dumps, 2u);
+  for (pid_t p : job.pids) EXPECT_EQ(waitpid(p, nullptr, WNOHANG), 0) << "SIGUSR1 ended a rank";
+  const Outcome fl = run_tool(kFlight, job.dir, {(job.dir / "flight").string()});
+  EXPECT_EQ(fl.status, 0) << fl.err;
+  EXPECT_NE(fl.out.find("(SIGUSR1)"), std::string::npos) << fl.out;
+  for (pid_t p : job.pids) kill(p, SIGKILL);
+  for (pid_t p : job.pids) waitpid(p, nullptr, 0);
+}
+
+TEST(Faults, UnderMpirunAKilledRankEndsTheJobWithinThirtySeconds) {
+  const fs::path d = fresh_dir("faults", "mpirun");
+  const std::string job = long_job(d, "mpi", 3);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const pid_t mpirun = spawn_tool(TETRA_MPIEXEC, {"--oversubscribe", "--bind-to", "none", "-np", "3", kTrain, job},
+                                  d / "out.txt", d / "err.txt");
+  ASSERT_TRUE(wait_for_steps(d / "m.jsonl", 5, std::chrono::seconds(120))) << slurp(d / "err.txt");
+  // The ranks are mpirun's children running train.
+  std::vector<pid_t> ranks;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state;
+    pid_t ppid;
+    rest >> state >> ppid;
+    if (ppid == mpirun) ranks.push_back(std::stoi(name));
+  }
+  ASSERT_EQ(ranks.size(), 3u);
+  kill(ranks[1], SIGKILL);
+  double took = 0;
+  const int status = wait_within(mpirun, std::chrono::seconds(30), &took);
+  const std::string err = slurp(d / "err.txt");
+  EXPECT_NE(status, -1) << "the job still ran 30 s after a rank died: " << err;
+  EXPECT_NE(status, 0) << err;
+  EXPECT_EQ(err.find("terminate called"), std::string::npos) << err;
+  std::printf("mpirun ended %.2f s after a rank was killed (status %d)\n", took, status);
+}
+
+}  // namespace
