@@ -8,7 +8,8 @@
 //   one process:  "single"
 //   data-parallel: "overlap" (allreduce during backward), "no-overlap" (one pass after
 //                  backward), "no-comm" (gradient allreduce skipped: the compute-only
-//                  ceiling of this many ranks on this machine)
+//                  ceiling of this many ranks on this machine), "checked" (overlap with
+//                  collectives.check on: every op's fingerprint agreed first)
 // and prints samples/s (the whole job's), step time, the time per step in data,
 // forward, backward, gradients (what backward did not hide) and the optimizer, and how
 // much of the communication backward hid: 1 - exposed(overlap) / exposed(no-overlap),
@@ -22,6 +23,7 @@
 #include <map>
 
 #include "collectives/backends.h"
+#include "collectives/communicator.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "core/models.h"
@@ -93,7 +95,8 @@ int main(int argc, char** argv) {
     if (base.mesh.size("data") > 1)
       modes = {{"overlap", {"data_parallel.overlap=true"}},
                {"no-overlap", {"data_parallel.overlap=false"}},
-               {"no-comm", {}}};  // TETRA_BENCH_SKIP_ALLREDUCE=1 while it builds its trainer
+               {"no-comm", {}},  // TETRA_BENCH_SKIP_ALLREDUCE=1 while it builds its trainer
+               {"checked", {"data_parallel.overlap=true"}}};  // the fingerprints' cost
     else
       modes = {{"single", {}}};
     if (rank0 && !json)
@@ -108,6 +111,9 @@ int main(int argc, char** argv) {
         o.world = world;
         // The compute-only ceiling: a benchmark's switch, from the environment.
         if (mode == "no-comm") setenv("TETRA_BENCH_SKIP_ALLREDUCE", "1", 1);
+        collectives::HealthOptions health = collectives::health_options();
+        health.check = mode == "checked";  // the trainer's groups take it when they are made
+        collectives::set_health_options(health);
         Trainer t(parse(extra), o);
         unsetenv("TETRA_BENCH_SKIP_ALLREDUCE");
         if (r == 0 && mode == modes.front().first && rank0 && !json)
@@ -145,6 +151,8 @@ int main(int argc, char** argv) {
         std::printf("overlap: %.3f of the compute-only ceiling; no-overlap: %.3f; backward hid %.0f%% of the communication\n",
                     best["overlap"].sps / ceiling, best["no-overlap"].sps / ceiling,
                     100.0 * std::max(0.0, 1.0 - exposed_on / exposed_off));
+        std::printf("collectives.check on: %.3f of the samples/s with it off (overlap)\n",
+                    best["checked"].sps / best["overlap"].sps);
       }
     }
     return 0;
