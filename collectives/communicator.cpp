@@ -282,7 +282,7 @@ void Communicator::share_recorder(std::shared_ptr<FlightRecorder> recorder) {
 }
 
 std::shared_ptr<const GroupInfo> Communicator::group() const {
-  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+  std::lock_guard<std::mutex> lock(mu_);
   if (!group_) {
     // A group no factory named: its own, in this process.
     auto g = std::make_shared<GroupInfo>();
@@ -293,7 +293,7 @@ std::shared_ptr<const GroupInfo> Communicator::group() const {
     g->agreed = false;  // (no backend(): this may run while a backend is still being built)
     g->rank = rank_;
     g->size = size_;
-    const_cast<Communicator*>(this)->group_ = g;
+    group_ = g;
   }
   return group_;
 }
@@ -304,7 +304,7 @@ MemberProgress Communicator::progress() const {
   uint64_t current = 0, last = 0;
   std::shared_ptr<FlightRecorder> rec;
   {
-    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+    std::lock_guard<std::mutex> lock(mu_);
     m.collectives_started = run_.collectives_started;
     m.collectives_ended = run_.collectives_ended;
     m.sends_started = run_.sends_started;
@@ -429,7 +429,7 @@ void Communicator::end(uint64_t record) {
 std::string Communicator::diagnose_record(uint64_t record) const {
   std::shared_ptr<FlightRecorder> rec;
   {
-    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+    std::lock_guard<std::mutex> lock(mu_);
     rec = recorder_;
   }
   OpRecord r;
@@ -507,7 +507,8 @@ WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration
   r.queued_us = wall_us();
   // The fingerprint is filled in once the sequence number is known, before the op can run.
   auto print = std::make_shared<std::array<int64_t, kPrint>>();
-  if (health_.check && kind != "split") {
+  // (A barrier has no tensor to put the fingerprint beside on a GPU-only backend.)
+  if (health_.check && kind != "split" && (d.tensor || backend() != "nccl")) {
     const at::Device device = d.tensor ? d.tensor->device() : at::Device(at::kCPU);
     const int peer = d.peer, tag = d.tag;
     fn = [this, print, device, peer, tag, fn = std::move(fn)](Deadline deadline) {

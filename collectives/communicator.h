@@ -174,7 +174,7 @@ struct MemberProgress {
   std::string owner;  // the member's recorder owner ("rank 3")
   std::string where;  // "host h, pid p"
   int64_t collectives_started = 0, collectives_ended = 0;  // highest sequence numbers
-  std::vector<int64_t> sends_started, recvs_started;        // per peer (group ranks)
+  std::vector<int64_t> sends_started, recvs_started;        // how many began, per peer (group rank)
   bool running = false;
   OpRecord current;  // the op running now (when running)
   bool has_last = false;
@@ -299,7 +299,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   int rank_, size_;
   std::string name_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   struct Item {
     WorkPtr work;
@@ -313,7 +313,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<std::atomic<int>> waiters_ = std::make_shared<std::atomic<int>>(0);
   // Flight recorder and health (Note [Flight recorder], Note [Health checks]).
   std::shared_ptr<FlightRecorder> recorder_;
-  std::shared_ptr<const GroupInfo> group_;  // guarded by mu_ (set once by the factory)
+  mutable std::shared_ptr<const GroupInfo> group_;  // guarded by mu_ (set by the factory, else on first use)
   HealthOptions health_ = health_options();
   int64_t collectives_ = 0, splits_ = 0;          // issued so far (issue order)
   std::map<std::pair<int, int>, int64_t> sends_, recvs_;  // issued per (peer, tag)

@@ -32,16 +32,16 @@ const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
 const std::string kFlight = std::string(TETRA_BIN_DIR) + "/flight";
 using Clock = std::chrono::steady_clock;
 
-// A long data-parallel job: it is killed long before it ends.
-std::string long_job(const fs::path& d, const std::string& backend, int ranks) {
+// A long job (data parallel on `ranks`, unless `strategy` says more): it is killed long
+// before it ends.
+std::string long_job(const fs::path& d, const std::string& backend, int ranks, const std::string& strategy = "") {
   const fs::path p = d / "job.yaml";
   std::ofstream(p) << "name: faults\n"
-                      "model: {type: mlp, hidden: [64]}\n"
+                      "model: {type: mlp, hidden: [64, 64]}\n"
                       "data: {type: synthetic, batch_size: 48}\n"
                       "optimizer: {type: sgd, lr: 0.01}\n"
                       "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
-                      "mesh: {data: "
-                   << ranks << "}\n"
+                   << (strategy.empty() ? "mesh: {data: " + std::to_string(ranks) + "}\n" : strategy + "\n")
                       "collectives: {backend: "
                    << backend << ", timeout_s: 600}\n"
                       "checkpoint: {dir: \"\"}\n"
@@ -95,8 +95,8 @@ struct GlooJob {
   fs::path dir;
   std::vector<pid_t> pids;
   // torchrun's variables, one process per rank, no launcher watching them.
-  GlooJob(const std::string& name, int ranks) : dir(fresh_dir("faults", name)) {
-    const std::string job = long_job(dir, "gloo", ranks);
+  GlooJob(const std::string& name, int ranks, const std::string& strategy = "") : dir(fresh_dir("faults", name)) {
+    const std::string job = long_job(dir, "gloo", ranks, strategy);
     const int port = free_port();
     for (int r = 0; r < ranks; ++r)
       pids.push_back(spawn_tool(kTrain, {job}, dir / ("out" + std::to_string(r) + ".txt"),
@@ -138,6 +138,17 @@ TEST(Faults, AKilledRankIsNamedByEverySurvivorWithoutALauncher) {
 TEST(Faults, AKilledRankZeroIsNamedToo) {
   GlooJob job("gloo_kill0", 3);
   expect_survivors_name_the_dead(job, 0);
+}
+
+TEST(Faults, AKilledRankOfZeroThreeIsNamed) {
+  GlooJob job("gloo_zero3", 3, "mesh: {data: 3}\nzero: {stage: 3}");
+  expect_survivors_name_the_dead(job, 2);
+}
+
+TEST(Faults, AKilledPipelineStageIsNamed) {
+  GlooJob job("gloo_pipeline", 4,
+              "mesh: {pipeline: 2, data: 2}\npipeline: {schedule: 1f1b, micro_batches: 4}");
+  expect_survivors_name_the_dead(job, 3);
 }
 
 TEST(Faults, SigusrOneDumpsTheFlightRecorderAndTheJobGoesOn) {
