@@ -92,8 +92,8 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
   app.footer("Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
              "died or failed; 4 preempted (SIGTERM/SIGINT: every rank finished its step and wrote its checkpoint; run "
-             "the same command again to resume; a second signal exits at once). Under mpirun give the ranks time to "
-             "checkpoint: mpirun --mca odls_base_sigkill_timeout 60 ...");
+             "the same command again to resume; a second signal exits at once). Under mpirun, signal the ranks rather than "
+             "mpirun (README \"Faults\").");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

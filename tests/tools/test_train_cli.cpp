@@ -431,106 +431,9 @@ TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
 // process (the state is replicated, so any number of data ranks can take it up).
 namespace {
 
-// The pids of `parent`'s children running `exe` (mpirun forks the local ranks itself;
-// their comm reads "exe" after train's re-exec, so the binary is what identifies them).
-std::vector<pid_t> children_running(pid_t parent, const fs::path& exe) {
-  std::vector<pid_t> out;
-  std::error_code ec;
-  const fs::path want = fs::canonical(exe, ec);
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string pid = e.path().filename().string();
-    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    const std::string stat = slurp(e.path() / "stat");
-    const size_t close = stat.rfind(')');
-    int ppid = -1;
-    if (close == std::string::npos || std::sscanf(stat.c_str() + close + 2, "%*c %d", &ppid) != 1) continue;
-    if (ppid == parent && fs::read_symlink(e.path() / "exe", ec) == want) out.push_back(std::stoi(pid));
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-}  // namespace
-
-TEST(TrainMpi, KilledRankEndsTheJobAndTheCheckpointResumesOnTwoRanksAndOnOne) {
-  fs::path d = fresh_dir("mpikill");
-  const std::string job = write_job(d, "job.yaml", R"(
-model: {type: mlp, hidden: [128, 64]}
-data: {type: fashion-mnist, batch_size: 128, eval_samples: 500}
-optimizer: {type: adamw, lr: 2.0e-3}
-schedule: {type: cosine, warmup_steps: 5}
-train: {max_steps: 160, seed: 4, threads: 1}
-checkpoint: {every_steps: 40, keep: 2}
-log: {every: 1, progress: plain}
-)").string();
-  auto args = [&](const std::string& sub) { return run_args(job, d / sub); };
-  auto with_mesh = [](std::vector<std::string> a) {
-    a.insert(a.end(), {"--set", "mesh.data=2"});
-    return a;
-  };
-  Outcome whole = run_mpi(2, with_mesh(args("whole")));
-  ASSERT_EQ(whole.status, 0) << whole.out;
-
-  pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi_args(2, with_mesh(args("killed"))), d / "killed.log");
-  const fs::path ckpt = d / "killed" / "ckpt";
-  wait_for(ckpt / "step-00000040" / "meta.json");
-  std::vector<pid_t> ranks = children_running(mpirun, kTrain);
-  ASSERT_EQ(ranks.size(), 2u) << slurp(d / "killed.log");
-  kill(ranks.back(), SIGKILL);  // one of the two ranks (the later-started process)
-  // mpirun must notice and end the job: wait at most a minute.
-  int st = 0;
-  pid_t got = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
-  while ((got = waitpid(mpirun, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (got == 0) {
-    for (pid_t r : children_running(mpirun, kTrain)) kill(r, SIGKILL);
-    kill(mpirun, SIGKILL);
-    waitpid(mpirun, &st, 0);
-    FAIL() << "mpirun did not end the job within a minute of a rank's death: " << slurp(d / "killed.log");
-  }
-  const std::string killed_log = slurp(d / "killed.log");
-  ASSERT_FALSE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the run finished before it could be killed: " << killed_log;
-  EXPECT_EQ(killed_log.find("terminate called"), std::string::npos) << killed_log;
-  // What the killed run left, for the one-process resume below.
-  fs::create_directories(d / "one");
-  fs::copy(ckpt, d / "one" / "ckpt", fs::copy_options::recursive);
-
-  Outcome resumed = run_mpi(2, with_mesh(args("killed")));
-  ASSERT_EQ(resumed.status, 0) << resumed.out;
-  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
-  auto a = losses(d / "whole" / "m.jsonl"), b = losses(d / "killed" / "m.jsonl");
-  ASSERT_EQ(a.size(), 160u);
-  ASSERT_EQ(b.size(), 160u);
-  for (const auto& [step, loss] : a) EXPECT_EQ(b[step], loss) << "step " << step;
-
-  Outcome one = run(args("one"));
-  ASSERT_EQ(one.status, 0) << one.out;
-  EXPECT_NE(one.out.find("resumed from"), std::string::npos) << one.out;
-  auto c = losses(d / "one" / "m.jsonl");
-  ASSERT_GE(c.size(), 40u);  // the killed run checkpointed at 40 at least, so 41..160 ran here
-  ASSERT_LE(c.size(), 120u);
-  for (const auto& [step, loss] : c) EXPECT_NEAR(loss, a[step], 1e-5 * a[step]) << "step " << step;
-}
-
-// Preemption (README "Faults"): SIGTERM to one rank of a real `mpirun -np 2` job — as
-// Slurm signals each task — makes every rank finish its step, write that step's
-// checkpoint and exit 4; the same command resumes it to the weights of the run nobody
-// stopped. A SIGTERM to mpirun itself reaches the ranks late (odls_base_sigkill_timeout),
-// and a second signal ends a process at once.
-namespace {
-
-const char* kPreemptJob = R"(
-model: {type: mlp, hidden: [64]}
-data: {type: synthetic, shape: [784], classes: 10, train_samples: 8192, test_samples: 256, batch_size: 64}
-optimizer: {type: adamw, lr: 1.0e-3}
-schedule: {type: cosine, warmup_steps: 10}
-train: {max_steps: 400, seed: 6, threads: 1}
-log: {every: 1, progress: plain}
-)";
-
 // The pids of the processes running `exe` that descend from `ancestor` (mpirun's ranks,
-// directly or under a wrapper shell).
+// directly or under a wrapper shell; their comm reads "exe" after train's re-exec, so the
+// binary is what identifies them).
 std::vector<pid_t> descendants_running(pid_t ancestor, const fs::path& exe) {
   std::error_code ec;
   const fs::path want = fs::canonical(exe, ec);
@@ -557,6 +460,96 @@ std::vector<pid_t> descendants_running(pid_t ancestor, const fs::path& exe) {
   return out;
 }
 
+// Waits up to `limit` for `pid` (mpirun, or train); if it is still running then, kills
+// it and every train under it and fails with `what` and its log. Its exit status (128 +
+// the signal that ended it), or -1 when it had to be killed.
+int wait_or_kill(pid_t pid, const fs::path& log, std::chrono::seconds limit, const std::string& what) {
+  int st = 0;
+  pid_t got = 0;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while ((got = waitpid(pid, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (got == 0) {
+    for (pid_t r : descendants_running(pid, kTrain)) kill(r, SIGKILL);
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    ADD_FAILURE() << what << ": " << slurp(log);
+    return -1;
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+}  // namespace
+
+TEST(TrainMpi, KilledRankEndsTheJobAndTheCheckpointResumesOnTwoRanksAndOnOne) {
+  fs::path d = fresh_dir("mpikill");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [128, 64]}
+data: {type: fashion-mnist, batch_size: 128, eval_samples: 500}
+optimizer: {type: adamw, lr: 2.0e-3}
+schedule: {type: cosine, warmup_steps: 5}
+train: {max_steps: 160, seed: 4, threads: 1}
+checkpoint: {every_steps: 40, keep: 2}
+log: {every: 1, progress: plain}
+)").string();
+  auto args = [&](const std::string& sub) { return run_args(job, d / sub); };
+  auto with_mesh = [](std::vector<std::string> a) {
+    a.insert(a.end(), {"--set", "mesh.data=2"});
+    return a;
+  };
+  Outcome whole = run_mpi(2, with_mesh(args("whole")));
+  ASSERT_EQ(whole.status, 0) << whole.out;
+
+  pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi_args(2, with_mesh(args("killed"))), d / "killed.log");
+  const fs::path ckpt = d / "killed" / "ckpt";
+  wait_for(ckpt / "step-00000040" / "meta.json");
+  std::vector<pid_t> ranks = descendants_running(mpirun, kTrain);
+  ASSERT_EQ(ranks.size(), 2u) << slurp(d / "killed.log");
+  kill(ranks.back(), SIGKILL);  // one of the two ranks (the later-started process)
+  // mpirun must notice and end the job: wait at most a minute.
+  const int status = wait_or_kill(mpirun, d / "killed.log", std::chrono::minutes(1),
+                                  "mpirun did not end the job within a minute of a rank's death");
+  ASSERT_NE(status, -1);
+  const std::string killed_log = slurp(d / "killed.log");
+  ASSERT_NE(status, 0) << "the run finished before it could be killed: " << killed_log;
+  EXPECT_EQ(killed_log.find("terminate called"), std::string::npos) << killed_log;
+  // What the killed run left, for the one-process resume below.
+  fs::create_directories(d / "one");
+  fs::copy(ckpt, d / "one" / "ckpt", fs::copy_options::recursive);
+
+  Outcome resumed = run_mpi(2, with_mesh(args("killed")));
+  ASSERT_EQ(resumed.status, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+  auto a = losses(d / "whole" / "m.jsonl"), b = losses(d / "killed" / "m.jsonl");
+  ASSERT_EQ(a.size(), 160u);
+  ASSERT_EQ(b.size(), 160u);
+  for (const auto& [step, loss] : a) EXPECT_EQ(b[step], loss) << "step " << step;
+
+  Outcome one = run(args("one"));
+  ASSERT_EQ(one.status, 0) << one.out;
+  EXPECT_NE(one.out.find("resumed from"), std::string::npos) << one.out;
+  auto c = losses(d / "one" / "m.jsonl");
+  ASSERT_GE(c.size(), 40u);  // the killed run checkpointed at 40 at least, so 41..160 ran here
+  ASSERT_LE(c.size(), 120u);
+  for (const auto& [step, loss] : c) EXPECT_NEAR(loss, a[step], 1e-5 * a[step]) << "step " << step;
+}
+
+// Preemption (README "Faults"): SIGTERM to one rank of a real `mpirun -np 2` job — as
+// Slurm signals each task — makes every rank finish its step, write that step's
+// checkpoint and exit 4; the same command resumes it to the weights of the run nobody
+// stopped. A second signal ends a process at once. (A SIGTERM to mpirun itself: README
+// "Faults"; not tested here.)
+namespace {
+
+const char* kPreemptJob = R"(
+model: {type: mlp, hidden: [64]}
+data: {type: synthetic, shape: [784], classes: 10, train_samples: 8192, test_samples: 256, batch_size: 64}
+optimizer: {type: adamw, lr: 1.0e-3}
+schedule: {type: cosine, warmup_steps: 10}
+train: {max_steps: 400, seed: 6, threads: 1}
+log: {every: 1, progress: plain}
+)";
+
 // Waits (up to three minutes) until the metrics file holds `steps` train records.
 void wait_for_steps(const fs::path& metrics, size_t steps) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
@@ -570,22 +563,6 @@ void wait_for_steps(const fs::path& metrics, size_t steps) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-}
-
-// Waits (up to three minutes) for `pid`; kills it and what it runs if it hangs.
-int wait_or_kill(pid_t pid, const fs::path& log) {
-  int st = 0;
-  pid_t got = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
-  while ((got = waitpid(pid, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (got == 0) {
-    for (pid_t r : descendants_running(pid, kTrain)) kill(r, SIGKILL);
-    kill(pid, SIGKILL);
-    waitpid(pid, &st, 0);
-    ADD_FAILURE() << "the job did not end within three minutes of the signal: " << slurp(log);
-  }
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 // "train: preempted at step N (SIGTERM); checkpoint DIR; ..." -> N (-1 when absent).
@@ -634,7 +611,7 @@ TEST(TrainMpi, SigtermToOneRankStopsEveryRankAtACheckpointThatResumesExactly) {
   std::vector<pid_t> ranks = descendants_running(mpirun, kTrain);
   ASSERT_EQ(ranks.size(), 2u) << slurp(log);
   kill(ranks.back(), SIGTERM);  // one rank only
-  wait_or_kill(mpirun, log);
+  wait_or_kill(mpirun, log, std::chrono::minutes(3), "the job did not end within three minutes of the signal");
   const std::string out = slurp(log);
   for (int r = 0; r < 2; ++r)
     EXPECT_EQ(slurp(d / ("status." + std::to_string(r))), "4\n") << "rank " << r << "\n" << out;
@@ -658,43 +635,6 @@ TEST(TrainMpi, SigtermToOneRankStopsEveryRankAtACheckpointThatResumesExactly) {
   expect_same_weights(d / "whole" / "w.safetensors", d / "stopped" / "w.safetensors", 0);
 }
 
-// The signal to mpirun, with replicas as threads (2 processes x 2 replicas). Open MPI 4.1's
-// mpirun does not pass SIGTERM on at once: the ranks get it odls_base_sigkill_timeout
-// seconds later and SIGKILL as long after that (README "Faults"), so the launch sets 5 s,
-// and the job is long enough to be running when the signal arrives; mpirun itself exits 1.
-TEST(TrainMpi, SigtermToMpirunWithAGracePeriodCheckpointsReplicasAndResumes) {
-  fs::path d = fresh_dir("preempt_mpirun");
-  const std::string job = write_job(d, "job.yaml", kPreemptJob).string();
-  auto args = [&](const std::string& steps) {
-    std::vector<std::string> a = run_args(job, d / "run");
-    a.insert(a.end(), {"--set", "mesh.data=2", "--set", "replicate.replicas=2", "--set", "train.max_steps=" + steps, "--set",
-                       "schedule.type=constant", "--set", "schedule.warmup_steps=0"});
-    return a;
-  };
-  std::vector<std::string> mpi = mpi_args(2, args("1000000"));
-  mpi.insert(mpi.begin(), {"--mca", "odls_base_sigkill_timeout", "5"});
-  const fs::path log = d / "stopped.log";
-  pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi, log);
-  wait_for_steps(d / "run" / "m.jsonl", 5);
-  kill(mpirun, SIGTERM);
-  const int status = wait_or_kill(mpirun, log);
-  const std::string out = slurp(log);
-  EXPECT_NE(status, 0) << out;
-  const int64_t step = preempted_step(out);
-  ASSERT_GT(step, 0) << out;
-  char folder[32];
-  std::snprintf(folder, sizeof folder, "step-%08lld", static_cast<long long>(step));
-  EXPECT_TRUE(fs::exists(d / "run" / "ckpt" / folder / "meta.json")) << out;
-  EXPECT_EQ(losses(d / "run" / "m.jsonl").rbegin()->first, step);
-  EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
-
-  // The same job, told to end 10 steps later, resumes from that checkpoint.
-  Outcome resumed = run_mpi(2, args(std::to_string(step + 10)));
-  ASSERT_EQ(resumed.status, 0) << resumed.out;
-  EXPECT_NE(resumed.out.find("resumed from " + (d / "run" / "ckpt" / folder).string()), std::string::npos) << resumed.out;
-  EXPECT_EQ(losses(d / "run" / "m.jsonl").rbegin()->first, step + 10);
-}
-
 // Two signals before the step ends: out at once, with 128 + the second, and no checkpoint
 // of a preemption.
 TEST(TrainCli, ASecondSignalExitsAtOnce) {
@@ -705,7 +645,7 @@ TEST(TrainCli, ASecondSignalExitsAtOnce) {
   wait_for_steps(d / "run" / "m.jsonl", 3);
   kill(pid, SIGINT);
   kill(pid, SIGTERM);
-  const int status = wait_or_kill(pid, log);
+  const int status = wait_or_kill(pid, log, std::chrono::minutes(3), "train did not end within three minutes of two signals");
   EXPECT_TRUE(status == 128 + SIGINT || status == 128 + SIGTERM) << status << "\n" << slurp(log);
   EXPECT_EQ(slurp(log).find("train: preempted"), std::string::npos) << slurp(log);
 }
