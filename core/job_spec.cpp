@@ -240,6 +240,7 @@ TrainSpec parse_train(Section& t) {
       static_cast<int>(t.integer("threads", def.threads, 0, std::numeric_limits<int>::max()));
   spec.precision = t.word("precision", def.precision, precision_names());
   spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1);
+  spec.on_nonfinite = t.word("on_nonfinite", def.on_nonfinite, on_nonfinite_names());
   t.finish();
   return spec;
 }
@@ -430,6 +431,12 @@ const std::vector<std::string>& precision_names() {
 }
 const std::string& to_string(Precision precision) { return precision_names().at(static_cast<size_t>(precision)); }
 
+const std::vector<std::string>& on_nonfinite_names() {
+  static const std::vector<std::string> names = {"stop", "skip"};
+  return names;
+}
+const std::string& to_string(OnNonfinite action) { return on_nonfinite_names().at(static_cast<size_t>(action)); }
+
 // ---- writing a spec back (the C++ Plan builder) ----------------------------------------
 
 YAML::Node yaml_number(double value) {
@@ -543,6 +550,7 @@ YAML::Node to_yaml(const TrainSpec& t) {
   put(n, "threads", t.threads, def.threads);
   if (t.precision != def.precision) n["precision"] = to_string(t.precision);
   put(n, "accumulation_steps", t.accumulation_steps, def.accumulation_steps);
+  if (t.on_nonfinite != def.on_nonfinite) n["on_nonfinite"] = to_string(t.on_nonfinite);
   return n;
 }
 

@@ -77,6 +77,13 @@ enum class Precision { kFp32, kBf16 };
 const std::vector<std::string>& precision_names();  // fp32 bf16
 const std::string& to_string(Precision precision);
 
+// train.on_nonfinite: what a step whose loss or gradients hold a NaN or an infinity does.
+// stop: the run fails naming the step, the micro-batch and the first such parameter;
+// skip: that step updates nothing (counted as skipped_steps). All ranks decide alike.
+enum class OnNonfinite { kStop, kSkip };
+const std::vector<std::string>& on_nonfinite_names();  // stop skip
+const std::string& to_string(OnNonfinite action);
+
 struct TrainSpec {
   int64_t epochs = 1;
   std::optional<int64_t> max_steps;  // when set, training stops after this many steps
@@ -85,6 +92,7 @@ struct TrainSpec {
   int threads = 0;                   // intra-op threads per process; 0 = cores / local ranks
   Precision precision = Precision::kFp32;
   int64_t accumulation_steps = 1;    // micro-batches per optimizer step; divides batch_size
+  OnNonfinite on_nonfinite = OnNonfinite::kStop;
 };
 
 struct CheckpointSpec {

@@ -4,10 +4,12 @@
 
 #include <dlfcn.h>
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -86,6 +88,51 @@ int set_threads(int threads, int ranks_per_process) {
   using SetFn = void (*)(int);
   if (auto fn = find_symbol<SetFn>("openblas_set_num_threads")) fn(threads);
   return threads;
+}
+
+// Note [Stop requests]: the handler touches two lock-free atomics and nothing else.
+namespace {
+std::atomic<int> g_stop{0};
+std::atomic<int> g_second_exit{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the stop request must be async-signal-safe");
+
+extern "C" void on_stop_signal(int signo) {
+  int none = 0;
+  if (g_stop.compare_exchange_strong(none, signo)) return;  // the first: stop after this step
+  const int status = g_second_exit.load();
+  _exit(status != 0 ? status : 128 + signo);  // the second: now
+}
+}  // namespace
+
+int stop_requested() { return g_stop.load(); }
+
+void request_stop(int signo) {
+  int none = 0;
+  g_stop.compare_exchange_strong(none, signo > 0 ? signo : kStopByProgram);
+}
+
+void clear_stop_request() {
+  g_stop.store(0);
+  g_second_exit.store(0);
+}
+
+void set_stop_exit_status(int status) { g_second_exit.store(status); }
+
+void install_stop_handlers() {
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // reads, writes and MPI's polls carry on after the handler
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+std::string stop_reason(int reason) {
+  if (reason == SIGTERM) return "SIGTERM";
+  if (reason == SIGINT) return "SIGINT";
+  if (reason == kStopByProgram) return "a stop request from the program";
+  return "signal " + std::to_string(reason);
 }
 
 std::string blas_description() {

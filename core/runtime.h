@@ -18,6 +18,21 @@
 // bench-zero spent most of its step in the kernel faulting them in (stage 0 went from
 // 5.9 to 11.4 samples/s). TETRA_MALLOC_MMAP=1 maps them again; TETRA_MALLOC_DEFAULTS=1
 // keeps all of glibc's defaults, to measure it.
+//
+// Note [Stop requests]
+// SIGTERM or SIGINT — what Slurm and Kubernetes send some time before they kill a job —
+// asks the job to stop: every rank finishes the step it is in, writes the checkpoint of
+// that step and exits with kExitPreempted (collectives/error.h, README "Exit status"), and
+// the same command resumes it exactly. The request is one process-wide atomic that the
+// signal handler sets and nothing else (async-signal-safe); the trainer reads it once per
+// step into the step's one small allreduce over every rank (Note [One decision per step],
+// core/trainer.cpp), so a signal to any one rank stops them all at the same step. Only
+// main programs install the handlers (tetra::run, which `train` uses): a process that
+// builds trainers for its own ends (the tests) keeps its own, and may still call
+// request_stop(). A second SIGTERM or SIGINT ends the process at once with _exit(128 +
+// signal) — or with stop_exit_status() once the trainer has the agreed checkpoint on
+// disk, so that a launcher which ends the remaining ranks with SIGTERM after the first
+// one exits (mpirun does) still reads 4 from each.
 #pragma once
 
 #include <mutex>
@@ -48,6 +63,24 @@ int default_threads(int ranks_per_process = 1);
 
 // Ranks on this host according to the launcher's variables (1 when none).
 int local_ranks_from_env();
+
+// Note [Stop requests]. The reason a stop was requested: a signal number, or
+// kStopByProgram for request_stop() with no signal; 0 when none was.
+inline constexpr int kStopByProgram = 1024;  // above every signal number
+int stop_requested();
+// Asks the job to stop after its current step. Async-signal-safe; `signo` 0 means the
+// program asked (kStopByProgram). An earlier request is kept.
+void request_stop(int signo = 0);
+// Forgets a request and the exit status below (for programs that train again after a
+// PreemptedError, and for tests).
+void clear_stop_request();
+// SIGTERM and SIGINT request a stop; a second one exits at once. Idempotent.
+void install_stop_handlers();
+// The status a second signal exits with from now on (0: 128 + the signal). The trainer
+// sets kExitPreempted once the agreed checkpoint is written.
+void set_stop_exit_status(int status);
+// "SIGTERM", "SIGINT", "signal 10", "a stop request from the program".
+std::string stop_reason(int reason);
 
 // "OpenBLAS 0.3.21 (pthread, Haswell)" or "reference BLAS" etc., from the loaded library.
 std::string blas_description();

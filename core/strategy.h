@@ -79,6 +79,11 @@ struct StepInput {
 struct StepOutput {
   double loss = 0;
   double data_s = 0, forward_s = 0, backward_s = 0;
+  // The first micro-batch of this rank (0-based, in order) whose loss was not finite, and
+  // that loss; -1 when every loss this rank computed was finite (or it computes none: a
+  // pipeline's loss lives on its last stage). The trainer names it when it stops.
+  int64_t nonfinite_micro_batch = -1;
+  double nonfinite_loss = 0;
 };
 
 // Sums of one evaluation batch.
@@ -169,6 +174,10 @@ class ModelStateOwner {
   // counted by exactly one rank of the data group (reduce_grad_norm_sq adds them up).
   virtual double grad_norm_sq() = 0;
   virtual void scale_gradients(double factor) = 0;
+  // After finish_gradients: the names of the parameters whose gradient, in the part this
+  // rank owns, holds a NaN or an infinity (empty when all are finite: the common case, and
+  // a cheap one). The trainer agrees on them over every rank (train.on_nonfinite).
+  virtual std::vector<std::string> nonfinite_gradients() = 0;
   // One optimizer step at `lr`; on return the parameters hold the new values (as far as
   // this layout keeps them at all).
   virtual void step(double lr) = 0;

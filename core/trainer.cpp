@@ -8,6 +8,7 @@
 #include <mutex>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -62,6 +63,41 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+// Note [One decision per step]
+// A NaN or an infinity may show up on one rank only: the rank whose shard of the batch
+// holds the bad sample, the pipeline's last stage (where the loss lives), the ZeRO rank
+// that owns the gradient's shard. And a stop request (Note [Stop requests]) may reach one
+// rank only. After the gradients are final and before anything changes the model, every
+// rank therefore puts what it saw into one allreduce (min) of four integers over every
+// rank of the job (the world x replicas), and all take the same decision from the same
+// numbers — step, skip the update, or stop — for one tiny collective per step:
+//   kLossBad    -1 when the step's loss on this rank is not finite
+//   kMicro      the first micro-batch whose loss was not finite, ordered by micro-batch
+//               then data rank: (m x data ranks + data rank) x 4 + kind (1 nan, 2 inf, 3 -inf)
+//   kParam      the model-order index of the first parameter whose gradient is not finite
+//   kStop       minus the stop request (a signal number; the largest wins)
+// kNone (the largest int64) says "nothing" in the middle two.
+enum Flag { kLossBad, kMicro, kParam, kStop, kFlags };
+constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+
+int64_t loss_kind(double loss) { return std::isnan(loss) ? 1 : loss > 0 ? 2 : 3; }
+const char* kind_name(int64_t kind) { return kind == 1 ? "nan" : kind == 2 ? "inf" : "-inf"; }
+
+// The names of the parameters whose gradient holds a NaN or an infinity. One sum over
+// each gradient first (the common, finite case costs one pass); a sum that overflows
+// from finite values is cleared by the exact pass.
+std::vector<std::string> nonfinite_gradients(const std::vector<NamedParam>& params) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> sums;
+  for (const auto& p : params)
+    if (p.tensor.grad().defined()) sums.push_back(p.tensor.grad().sum().to(at::kDouble));
+  std::vector<std::string> out;
+  if (sums.empty() || std::isfinite(at::stack(sums).sum().item<double>())) return out;
+  for (const auto& p : params)
+    if (p.tensor.grad().defined() && !at::isfinite(p.tensor.grad()).all().item<bool>()) out.push_back(p.name);
+  return out;
+}
+
 }  // namespace
 
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
@@ -95,7 +131,11 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   }
   if (!model_ || model_->size() == 0)
     throw ConfigError("the model the program gave the trainer (TrainerOptions::model) is empty: it needs at least one layer");
-  for (const auto& p : model_->named_parameters()) params_.push_back({p.key(), p.value()});
+  for (const auto& p : model_->named_parameters()) {
+    param_index_[p.key()] = static_cast<int64_t>(param_names_.size());
+    param_names_.push_back(p.key());
+    params_.push_back({p.key(), p.value()});
+  }
   model_parameters_ = parameter_count(*model_);
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
@@ -177,7 +217,7 @@ double Trainer::data_average(double v) {
 
 Trainer::~Trainer() = default;
 
-double Trainer::train_step(const torch::Tensor& global_indices) {
+Trainer::StepOutcome Trainer::train_step(const torch::Tensor& global_indices) {
   const int64_t micro = spec_.train.accumulation_steps;
   // This data-parallel rank's slice of the global batch.
   const torch::Tensor indices =
@@ -196,6 +236,9 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
   else
     optimizer_->zero_grad();
   double loss_sum = 0;
+  // The first of this rank's micro-batches whose loss was not finite (-1: none), and that loss.
+  int64_t bad_micro = -1;
+  double bad_loss = 0;
   if (stepper_) {
     // The pipeline runs the micro-batches; the others' hooks still run before backward.
     StepInput in;
@@ -209,6 +252,8 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
     in.random = random;
     StepOutput out = stepper_->forward_backward(in);
     loss_sum = out.loss;
+    bad_micro = out.nonfinite_micro_batch;
+    bad_loss = out.nonfinite_loss;
     phases_.data += out.data_s;
     phases_.forward += out.forward_s;
     phases_.backward += out.backward_s;
@@ -242,14 +287,63 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
       Trace::Scope s(trace_, "compute", "backward");
       (weight == 1.0 ? loss : loss * weight).backward();
     }
-    loss_sum += loss.item<double>() * weight;
+    const double l = loss.item<double>();
+    loss_sum += l * weight;
+    if (!std::isfinite(l) && bad_micro < 0) {
+      bad_micro = m;
+      bad_loss = l;
+    }
     lap(phases_.backward);
   }
   auto t = Clock::now();
   for (auto& s : strategies_) s->finish_gradients();
   // The step's loss over the whole global batch (equal shards: the mean of the means).
   loss_sum = data_average(loss_sum);
+  StepOutcome outcome;
+  outcome.loss = loss_sum;
+  // Note [One decision per step]: what this rank saw, agreed over every rank.
+  at::Tensor flags = at::empty({kFlags}, at::kLong);
+  int64_t* f = flags.data_ptr<int64_t>();
+  f[kLossBad] = std::isfinite(loss_sum) ? 0 : -1;
+  f[kMicro] = bad_micro < 0 ? kNone : (bad_micro * data_size_ + data_rank_) * 4 + loss_kind(bad_loss);
+  f[kParam] = first_nonfinite_gradient();
+  f[kStop] = -static_cast<int64_t>(stop_requested());
+  if (ranks_ && ranks_->size() > 1) {
+    collectives::AllreduceOptions o;
+    o.op = collectives::ReduceOp::kMin;
+    ranks_->allreduce(flags, o)->wait();
+  }
+  outcome.stop = static_cast<int>(-f[kStop]);
   phases_.gradients += seconds_since(t);
+  if (f[kLossBad] != 0 || f[kMicro] != kNone || f[kParam] != kNone) {
+    // What was not finite, and where: the same words on every rank.
+    std::string where = "step " + std::to_string(step_ + 1) + " (epoch " + std::to_string(epoch_ + 1) + ")";
+    std::string what;
+    if (f[kMicro] != kNone) {
+      const int64_t m = f[kMicro] / 4 / data_size_, rank = f[kMicro] / 4 % data_size_;
+      const int64_t of = plan_.micro_batches();
+      if (of > 1) where += ", micro-batch " + std::to_string(m + 1) + " of " + std::to_string(of);
+      if (data_size_ > 1) where += (of > 1 ? " on data rank " : ", data rank ") + std::to_string(rank);
+      what = std::string("the loss is ") + kind_name(f[kMicro] % 4);
+    } else if (f[kLossBad] != 0) {
+      what = std::string("the loss is ") + kind_name(loss_kind(loss_sum));
+    } else {
+      what = "the loss is " + fmt("%.6g", loss_sum) + " but a gradient is not finite";
+    }
+    what += f[kParam] != kNone ? "; first parameter whose gradient is not finite: " + param_names_.at(static_cast<size_t>(f[kParam]))
+                               : "; every gradient is finite";
+    if (spec_.train.on_nonfinite == OnNonfinite::kStop)
+      throw Error(where + ": " + what +
+                  " (train.on_nonfinite: stop; lower optimizer.lr, set optimizer.clip_grad_norm, or use skip)");
+    // skip: nothing of this step reaches the parameters or the optimizer state.
+    if (owner_)
+      owner_->zero_grad();
+    else
+      optimizer_->zero_grad();
+    outcome.skipped = true;
+    outcome.why = where + ": " + what;
+    return outcome;
+  }
   t = Clock::now();
   {
     Trace::Scope s(trace_, "compute", "optimizer");
@@ -271,7 +365,16 @@ double Trainer::train_step(const torch::Tensor& global_indices) {
     }
   }
   phases_.optimizer += seconds_since(t);
-  return loss_sum;
+  return outcome;
+}
+
+int64_t Trainer::first_nonfinite_gradient() {
+  int64_t first = kNone;
+  for (const std::string& name : owner_ ? owner_->nonfinite_gradients() : nonfinite_gradients(params_)) {
+    auto it = param_index_.find(name);
+    if (it != param_index_.end()) first = std::min(first, it->second);
+  }
+  return first;
 }
 
 EvalResult Trainer::evaluate() {
@@ -489,15 +592,27 @@ TrainResult Trainer::run() {
     const auto t0 = Clock::now();
     torch::Tensor indices = batches_->global_batch(epoch_, step_in_epoch_);
     const double lr = schedule_->at(step_);
-    const double loss = train_step(indices);
-    if (!std::isfinite(loss))
-      throw Error("training diverged: loss is " + fmt("%g", loss) + " at step " + std::to_string(step_ + 1) +
-                  " (lower optimizer.lr, or set optimizer.clip_grad_norm)");
+    const StepOutcome outcome = train_step(indices);
+    const double loss = outcome.loss;
+    // A skipped step is still a step: its batch is consumed and the step count (hence the
+    // learning-rate schedule) moves on, so the run ends where it would have, on the same data.
     ++step_;
     ++step_in_epoch_;
     interval_samples += indices.size(0);
-    result.losses.push_back(loss);
-    result.final_loss = loss;
+    if (outcome.skipped) {
+      ++skipped_steps_;
+      if (write) {
+        const std::string line = "warning: " + outcome.why + "; skipped, no update (train.on_nonfinite: skip; " +
+                                 std::to_string(skipped_steps_) + " skipped so far)";
+        if (spec_.log.progress == "off")
+          std::fprintf(stderr, "%s\n", line.c_str());
+        else
+          progress.message(line);
+      }
+    } else {
+      result.losses.push_back(loss);
+      result.final_loss = loss;
+    }
 
     const bool log_now = step_ % spec_.log.every == 0 || step_ == total_steps_;
     // Training time counts everything a step costs, logging included; not eval or checkpoints.
@@ -507,11 +622,14 @@ TrainResult Trainer::run() {
     const double sps = interval_seconds > 0 ? static_cast<double>(interval_samples) / interval_seconds : 0;
     if (log_now) {
       const ModelStateBytes m = memory();
-      metrics.write({{"step", step_}, {"epoch", epoch_}, {"loss", loss}, {"lr", lr},
-                     {"samples_per_s", sps}, {"time_s", seconds_since(t_start)},
-                     {"model_state_bytes", {{"parameters", m.parameters}, {"gradients", m.gradients},
-                                            {"optimizer", m.optimizer}, {"buffers", m.buffers},
-                                            {"total", m.total()}}}});
+      nlohmann::json rec = {{"step", step_}, {"epoch", epoch_}, {"loss", loss}, {"lr", lr},
+                            {"samples_per_s", sps}, {"time_s", seconds_since(t_start)},
+                            {"skipped_steps", skipped_steps_},
+                            {"model_state_bytes", {{"parameters", m.parameters}, {"gradients", m.gradients},
+                                                   {"optimizer", m.optimizer}, {"buffers", m.buffers},
+                                                   {"total", m.total()}}}};
+      if (outcome.skipped) rec["skipped"] = true;  // its loss is not finite: JSON null
+      metrics.write(rec);
     }
     Progress::Status st;
     st.step = step_;
@@ -529,6 +647,25 @@ TrainResult Trainer::run() {
       interval_samples = 0;
     }
     if (options_.on_step) options_.on_step(step_, loss);
+
+    if (outcome.stop && step_ < total_steps_) {
+      // Note [Stop requests]: every rank agreed to stop after this step: its checkpoint
+      // (collective; before any evaluation this step would run, which the grace period a
+      // launcher gives may not cover), then out. The last step just finishes the run.
+      progress.finish();
+      std::string folder;
+      if (checkpoints) {
+        folder = save_checkpoint(step_, epoch_, step_in_epoch_);
+        if (ranks_ && ranks_->size() > 1) folder = broadcast_string(*ranks_, folder);  // the writer's name for it
+        set_stop_exit_status(kExitPreempted);  // a further signal: out at once, and resumable
+      }
+      if (!trace_path.empty()) trace_.write(trace_path);
+      const std::string what = "preempted at step " + std::to_string(step_) + " (" + stop_reason(outcome.stop) + ")";
+      if (folder.empty())
+        throw PreemptedError(what + "; no checkpoint was written (checkpoint.dir is \"\"): a new run starts afresh", "");
+      progress.message(what + ": every rank finished the step; checkpoint " + folder);
+      throw PreemptedError(what + "; checkpoint " + folder, folder);
+    }
 
     const bool epoch_end = step_in_epoch_ == spe;
     if ((eval_every > 0 && step_ % eval_every == 0) || (eval_every == 0 && epoch_end)) {
@@ -557,6 +694,7 @@ TrainResult Trainer::run() {
   if (!trace_path.empty()) trace_.write(trace_path);
 
   result.steps = static_cast<int64_t>(result.losses.size());
+  result.skipped_steps = skipped_steps_;
   result.final_step = step_;
   result.train_seconds = train_seconds;
   result.total_seconds = seconds_since(t_start);

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,7 +37,12 @@ struct TrainResult {
   double total_seconds = 0;
   double samples_per_s = 0;     // global samples per second of training time
   double final_loss = 0;
-  std::vector<double> losses;   // training loss of each step this run took
+  std::vector<double> losses;   // training loss of each step this run took (skipped ones aside)
+  // Steps this run skipped because their loss or gradients were not finite
+  // (train.on_nonfinite: skip): each consumed its batch and advanced the step count and
+  // the learning-rate schedule, but changed neither the parameters nor the optimizer
+  // state. Not in `steps` or `losses`.
+  int64_t skipped_steps = 0;
   std::optional<EvalResult> final_eval;
   std::optional<double> best_accuracy;
   std::string checkpoint;       // the last checkpoint written ("" when none)
@@ -72,7 +78,8 @@ struct TrainerOptions {
   std::function<torch::nn::Sequential(const DataInfo&)> model;
   // Called once at the start of run(), on every rank (check writer() to print once).
   std::function<void(const Trainer&)> on_start;
-  // Called after each optimizer step with (step, loss); tests use it to stop a run.
+  // Called after each step with (step, loss) — a skipped one too, with its non-finite
+  // loss; tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
   // train --dry-run: build the data, the model and the plan, attach no strategy, never
   // communicate (plan() prints what the strategies would do).
@@ -84,6 +91,11 @@ class Trainer {
   explicit Trainer(JobSpec spec, TrainerOptions options = {});
   ~Trainer();
 
+  // Trains to the last step. Collective over the world. A step whose loss or gradients
+  // are not finite throws tetra::Error on every rank under train.on_nonfinite: stop. A stop
+  // request (core::request_stop, SIGTERM/SIGINT under tetra::run; Note [Stop requests]) ends
+  // the run after the step every rank agrees on, with that step's checkpoint written, by
+  // throwing PreemptedError on every rank.
   TrainResult run();
   EvalResult evaluate();
 
@@ -118,7 +130,17 @@ class Trainer {
  private:
   void restore(const std::string& path);
   std::string save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch);
-  double train_step(const torch::Tensor& indices);
+  // What one step did (Note [One decision per step]).
+  struct StepOutcome {
+    double loss = 0;
+    bool skipped = false;  // not finite, and train.on_nonfinite: skip
+    std::string why;       // when skipped: what was not finite, and where
+    int stop = 0;          // a stop request on some rank (core::stop_requested()'s value)
+  };
+  StepOutcome train_step(const torch::Tensor& indices);
+  // The model-order index of the first parameter whose gradient this rank holds (in part,
+  // under ZeRO) is not finite; kNone when every one is finite.
+  int64_t first_nonfinite_gradient();
 
   Plan plan_;  // validated on construction: a broken composition never starts
   const JobSpec& spec_;  // plan_'s
@@ -126,6 +148,11 @@ class Trainer {
   std::shared_ptr<const Dataset> data_;
   torch::nn::Sequential model_{nullptr};
   std::vector<NamedParam> params_;
+  // The whole model's parameter names in model order, whatever this rank keeps: the
+  // index the ranks agree on for "the first parameter whose gradient is not finite".
+  std::vector<std::string> param_names_;
+  std::map<std::string, int64_t> param_index_;
+  int64_t skipped_steps_ = 0;  // this run's
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<BatchPlan> batches_;

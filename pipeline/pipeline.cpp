@@ -532,7 +532,15 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
         } else {
           run_forward(in.micro, in.chunk, s);
         }
-        if (last(in.chunk)) loss_sum += s.loss.item<double>();
+        if (last(in.chunk)) {
+          const double l = s.loss.item<double>();
+          loss_sum += l;
+          // The first micro-batch whose loss is not finite (train.on_nonfinite names it).
+          if (!std::isfinite(l) && (out.nonfinite_micro_batch < 0 || in.micro < out.nonfinite_micro_batch)) {
+            out.nonfinite_micro_batch = in.micro;
+            out.nonfinite_loss = l;
+          }
+        }
         auto t1 = Clock::now();
         out.forward_s += seconds(t0, t1);
         span(in.chunk, to_string(in), t0, t1);

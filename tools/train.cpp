@@ -2,8 +2,12 @@
 //
 //   train JOB.yaml [--set key=value]... [--check | --print-config | --dry-run]
 //
-// Exit status: 0 done; 2 the job, a file it names or the command line is wrong (every
-// problem is printed, compiler-style); 1 the run failed (the message says why).
+// Exit status (collectives/error.h, README "Exit status"): 0 done; 1 the run failed (the
+// message says why); 2 the job, a file it names or the command line is wrong (every
+// problem is printed, compiler-style); 3 another rank died or failed; 4 preempted: a
+// SIGTERM or SIGINT stopped every rank after a step whose checkpoint all of them wrote —
+// run the same command again to resume. A second signal exits at once (128 + signal, or 4
+// once that checkpoint is on disk).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -15,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/error.h"
 #include "collectives/launch.h"
 #include "core/job_spec.h"
 #include "core/report.h"
@@ -85,6 +90,10 @@ int main(int argc, char** argv) {
                              "else the mesh's); checks the mesh fits and lays out every rank")
       ->check(CLI::PositiveNumber);
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
+  app.footer("Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
+             "died or failed; 4 preempted (SIGTERM/SIGINT: every rank finished its step and wrote its checkpoint; run "
+             "the same command again to resume; a second signal exits at once). Under mpirun, signal the ranks rather than "
+             "mpirun (README \"Faults\").");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -117,19 +126,30 @@ int main(int argc, char** argv) {
     const TrainResult r = tetra::run(spec);
     if (speak) print_summary(spec, r);
     return 0;
+  } catch (const tetra::PreemptedError& e) {
+    // Every rank stopped at the same step; rank 0 says where it can resume.
+    std::fflush(stdout);
+    if (speak)
+      std::fprintf(stderr, "train: %s%s\n", e.what(),
+                   e.checkpoint().empty() ? "" : "; run the same command again to resume");
+    return quiet_exit(speak, kExitPreempted);
+  } catch (const tetra::PeerLostError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\ntrain: error: %s\n", e.what());
+    return kExitPeerLost;
   } catch (const tetra::ConfigError& e) {
     std::fflush(stdout);
     std::string msg = e.what();
     if (!msg.empty() && msg.back() == '\n') msg.pop_back();
     if (speak) std::fprintf(stderr, "%s\n", msg.c_str());
-    return quiet_exit(speak, 2);
+    return quiet_exit(speak, kExitUserError);
   } catch (const tetra::DataError& e) {
     std::fflush(stdout);
     if (speak) std::fprintf(stderr, "train: error: %s\n", e.what());
-    return quiet_exit(speak, 2);
+    return quiet_exit(speak, kExitUserError);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\ntrain: error: %s\n", e.what());
-    return 1;
+    return kExitFailed;
   }
 }

@@ -123,6 +123,7 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   void zero_grad() override;
   double grad_norm_sq() override;
   void scale_gradients(double factor) override;
+  std::vector<std::string> nonfinite_gradients() override;
   void step(double lr) override;
   void save_state(core::Checkpoint& ckpt) override;
   void load_state(const core::CheckpointReader& reader) override;
@@ -527,6 +528,30 @@ double Zero::grad_norm_sq() {
 void Zero::scale_gradients(double factor) {
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) grad_chunk(static_cast<int>(u)).mul_(factor);
+}
+
+std::vector<std::string> Zero::nonfinite_gradients() {
+  at::NoGradGuard no_grad;
+  // One sum over the gradients this rank owns first: a NaN or an infinity anywhere makes
+  // it non-finite (so may finite values that overflow it; the exact pass clears those).
+  double total = 0;
+  if (opt_.stage == 1) {
+    std::vector<at::Tensor> sums;
+    for (size_t u = 0; u < units_.size(); ++u) sums.push_back(grad_chunk(static_cast<int>(u)).sum());
+    if (!sums.empty()) total = at::stack(sums).sum().item<double>();
+  } else if (grad_shard_.defined()) {
+    total = grad_shard_.sum().item<double>();
+  }
+  std::vector<std::string> out;
+  if (std::isfinite(total)) return out;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const int u = static_cast<int>(k);
+    at::Tensor grads = grad_chunk(u);
+    for (const Piece& pc : pieces(u))
+      if (!at::isfinite(grads.narrow(0, pc.chunk_pos, pc.count)).all().item<bool>())
+        out.push_back(buckets_.slots()[pc.slot].param.name);
+  }
+  return out;
 }
 
 void Zero::step(double lr) {

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "collectives/build_config.h"
+#include "core/safetensors.h"
 #include "tests/tools/spawn.h"
 
 namespace fs = std::filesystem;
@@ -430,23 +431,52 @@ TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
 // process (the state is replicated, so any number of data ranks can take it up).
 namespace {
 
-// The pids of `parent`'s children running `exe` (mpirun forks the local ranks itself;
-// their comm reads "exe" after train's re-exec, so the binary is what identifies them).
-std::vector<pid_t> children_running(pid_t parent, const fs::path& exe) {
-  std::vector<pid_t> out;
+// The pids of the processes running `exe` that descend from `ancestor` (mpirun's ranks,
+// directly or under a wrapper shell; their comm reads "exe" after train's re-exec, so the
+// binary is what identifies them).
+std::vector<pid_t> descendants_running(pid_t ancestor, const fs::path& exe) {
   std::error_code ec;
   const fs::path want = fs::canonical(exe, ec);
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string pid = e.path().filename().string();
-    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    const std::string stat = slurp(e.path() / "stat");
+  auto parent = [](pid_t pid) {
+    const std::string stat = slurp("/proc/" + std::to_string(pid) + "/stat");
     const size_t close = stat.rfind(')');
     int ppid = -1;
-    if (close == std::string::npos || std::sscanf(stat.c_str() + close + 2, "%*c %d", &ppid) != 1) continue;
-    if (ppid == parent && fs::read_symlink(e.path() / "exe", ec) == want) out.push_back(std::stoi(pid));
+    if (close == std::string::npos || std::sscanf(stat.c_str() + close + 2, "%*c %d", &ppid) != 1) return -1;
+    return ppid;
+  };
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (fs::read_symlink(e.path() / "exe", ec) != want) continue;
+    const pid_t pid = std::stoi(name);
+    for (pid_t p = parent(pid), k = 0; p > 1 && k < 4; p = parent(p), ++k)
+      if (p == ancestor) {
+        out.push_back(pid);
+        break;
+      }
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// Waits up to `limit` for `pid` (mpirun, or train); if it is still running then, kills
+// it and every train under it and fails with `what` and its log. Its exit status (128 +
+// the signal that ended it), or -1 when it had to be killed.
+int wait_or_kill(pid_t pid, const fs::path& log, std::chrono::seconds limit, const std::string& what) {
+  int st = 0;
+  pid_t got = 0;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while ((got = waitpid(pid, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (got == 0) {
+    for (pid_t r : descendants_running(pid, kTrain)) kill(r, SIGKILL);
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    ADD_FAILURE() << what << ": " << slurp(log);
+    return -1;
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 }  // namespace
@@ -473,23 +503,15 @@ log: {every: 1, progress: plain}
   pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi_args(2, with_mesh(args("killed"))), d / "killed.log");
   const fs::path ckpt = d / "killed" / "ckpt";
   wait_for(ckpt / "step-00000040" / "meta.json");
-  std::vector<pid_t> ranks = children_running(mpirun, kTrain);
+  std::vector<pid_t> ranks = descendants_running(mpirun, kTrain);
   ASSERT_EQ(ranks.size(), 2u) << slurp(d / "killed.log");
   kill(ranks.back(), SIGKILL);  // one of the two ranks (the later-started process)
   // mpirun must notice and end the job: wait at most a minute.
-  int st = 0;
-  pid_t got = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
-  while ((got = waitpid(mpirun, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (got == 0) {
-    for (pid_t r : children_running(mpirun, kTrain)) kill(r, SIGKILL);
-    kill(mpirun, SIGKILL);
-    waitpid(mpirun, &st, 0);
-    FAIL() << "mpirun did not end the job within a minute of a rank's death: " << slurp(d / "killed.log");
-  }
+  const int status = wait_or_kill(mpirun, d / "killed.log", std::chrono::minutes(1),
+                                  "mpirun did not end the job within a minute of a rank's death");
+  ASSERT_NE(status, -1);
   const std::string killed_log = slurp(d / "killed.log");
-  ASSERT_FALSE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the run finished before it could be killed: " << killed_log;
+  ASSERT_NE(status, 0) << "the run finished before it could be killed: " << killed_log;
   EXPECT_EQ(killed_log.find("terminate called"), std::string::npos) << killed_log;
   // What the killed run left, for the one-process resume below.
   fs::create_directories(d / "one");
@@ -510,4 +532,120 @@ log: {every: 1, progress: plain}
   ASSERT_GE(c.size(), 40u);  // the killed run checkpointed at 40 at least, so 41..160 ran here
   ASSERT_LE(c.size(), 120u);
   for (const auto& [step, loss] : c) EXPECT_NEAR(loss, a[step], 1e-5 * a[step]) << "step " << step;
+}
+
+// Preemption (README "Faults"): SIGTERM to one rank of a real `mpirun -np 2` job — as
+// Slurm signals each task — makes every rank finish its step, write that step's
+// checkpoint and exit 4; the same command resumes it to the weights of the run nobody
+// stopped. A second signal ends a process at once. (A SIGTERM to mpirun itself: README
+// "Faults"; not tested here.)
+namespace {
+
+const char* kPreemptJob = R"(
+model: {type: mlp, hidden: [64]}
+data: {type: synthetic, shape: [784], classes: 10, train_samples: 8192, test_samples: 256, batch_size: 64}
+optimizer: {type: adamw, lr: 1.0e-3}
+schedule: {type: cosine, warmup_steps: 10}
+train: {max_steps: 400, seed: 6, threads: 1}
+log: {every: 1, progress: plain}
+)";
+
+// Waits (up to three minutes) until the metrics file holds `steps` train records.
+void wait_for_steps(const fs::path& metrics, size_t steps) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(3);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (fs::exists(metrics)) {
+      std::ifstream in(metrics);
+      std::string line;
+      size_t n = 0;
+      while (std::getline(in, line)) n += line.find("\"eval\"") == std::string::npos && !line.empty();
+      if (n >= steps) return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+// "train: preempted at step N (SIGTERM); checkpoint DIR; ..." -> N (-1 when absent).
+int64_t preempted_step(const std::string& out) {
+  const size_t at = out.find("train: preempted at step ");
+  return at == std::string::npos ? -1 : std::stoll(out.substr(at + 25));
+}
+
+void expect_same_weights(const fs::path& a, const fs::path& b, double rel) {
+  const tetra::core::TensorMap wa = tetra::core::load_safetensors(a.string()), wb = tetra::core::load_safetensors(b.string());
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) {
+    ASSERT_TRUE(wb.count(name)) << name;
+    if (rel == 0)
+      EXPECT_TRUE(torch::equal(t, wb.at(name))) << name;
+    else
+      EXPECT_LE((t - wb.at(name)).abs().max().item<double>(), rel * std::max(1.0, t.abs().max().item<double>())) << name;
+  }
+}
+
+}  // namespace
+
+TEST(TrainMpi, SigtermToOneRankStopsEveryRankAtACheckpointThatResumesExactly) {
+  fs::path d = fresh_dir("preempt");
+  const std::string job = write_job(d, "job.yaml", kPreemptJob).string();
+  auto args = [&](const std::string& sub) {
+    std::vector<std::string> a = run_args(job, d / sub);
+    a.insert(a.end(), {"--set", "mesh.data=2", "--set", "checkpoint.safetensors=" + (d / sub / "w.safetensors").string()});
+    return a;
+  };
+  Outcome whole = run_mpi(2, args("whole"));
+  ASSERT_EQ(whole.status, 0) << whole.out;
+
+  // Each rank under a shell that records its exit status (and exits 0, so that mpirun
+  // lets every rank finish on its own); the shell ignores the signal, train handles it.
+  std::vector<std::string> wrapped = {"sh", "-c", "trap '' TERM INT; \"$@\"; echo $? > " + d.string() +
+                                                      "/status.$OMPI_COMM_WORLD_RANK",
+                                      "sh", kTrain};
+  for (const auto& a : args("stopped")) wrapped.push_back(a);
+  std::vector<std::string> mpi = mpi_args(2, {});
+  mpi.pop_back();  // mpi_args ends with the train binary: the shell runs it here
+  mpi.insert(mpi.end(), wrapped.begin(), wrapped.end());
+  const fs::path log = d / "stopped.log";
+  pid_t mpirun = spawn_program(TETRA_MPIEXEC, mpi, log);
+  wait_for_steps(d / "stopped" / "m.jsonl", 5);
+  std::vector<pid_t> ranks = descendants_running(mpirun, kTrain);
+  ASSERT_EQ(ranks.size(), 2u) << slurp(log);
+  kill(ranks.back(), SIGTERM);  // one rank only
+  wait_or_kill(mpirun, log, std::chrono::minutes(3), "the job did not end within three minutes of the signal");
+  const std::string out = slurp(log);
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(slurp(d / ("status." + std::to_string(r))), "4\n") << "rank " << r << "\n" << out;
+  const int64_t step = preempted_step(out);
+  ASSERT_GT(step, 0) << out;
+  ASSERT_LT(step, 400) << out;
+  char folder[32];
+  std::snprintf(folder, sizeof folder, "step-%08lld", static_cast<long long>(step));
+  const fs::path ckpt = d / "stopped" / "ckpt" / folder;
+  EXPECT_NE(out.find("train: preempted at step " + std::to_string(step) + " (SIGTERM); checkpoint " + ckpt.string() +
+                     "; run the same command again to resume"),
+            std::string::npos)
+      << out;
+  EXPECT_TRUE(fs::exists(ckpt / "meta.json")) << out;
+  EXPECT_EQ(losses(d / "stopped" / "m.jsonl").rbegin()->first, step) << "the metrics end at the agreed step";
+  EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+
+  Outcome resumed = run_mpi(2, args("stopped"));
+  ASSERT_EQ(resumed.status, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from " + ckpt.string()), std::string::npos) << resumed.out;
+  expect_same_weights(d / "whole" / "w.safetensors", d / "stopped" / "w.safetensors", 0);
+}
+
+// Two signals before the step ends: out at once, with 128 + the second, and no checkpoint
+// of a preemption.
+TEST(TrainCli, ASecondSignalExitsAtOnce) {
+  fs::path d = fresh_dir("second");
+  const std::string job = write_job(d, "job.yaml", kPreemptJob).string();
+  const fs::path log = d / "run.log";
+  pid_t pid = spawn(run_args(job, d / "run"), log);
+  wait_for_steps(d / "run" / "m.jsonl", 3);
+  kill(pid, SIGINT);
+  kill(pid, SIGTERM);
+  const int status = wait_or_kill(pid, log, std::chrono::minutes(3), "train did not end within three minutes of two signals");
+  EXPECT_TRUE(status == 128 + SIGINT || status == 128 + SIGTERM) << status << "\n" << slurp(log);
+  EXPECT_EQ(slurp(log).find("train: preempted"), std::string::npos) << slurp(log);
 }

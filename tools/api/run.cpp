@@ -205,6 +205,8 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
 
 TrainResult run(const JobSpec& spec, const RunOptions& options) {
   const Plan plan(spec);  // a broken composition never launches
+  // SIGTERM/SIGINT from here on: finish the step, checkpoint, PreemptedError (Note [Stop requests]).
+  install_stop_handlers();
   const collectives::LaunchInfo launch = collectives::detect_launch();
   // The mesh must fit the launch before any rank communicates.
   if (launch.world_size != 0)

@@ -11,6 +11,10 @@
 // run() is what `train JOB.yaml` does after parsing: it finds the launcher (mpirun, srun,
 // or none), checks that the mesh fits the world before anything communicates, builds the
 // world over collectives.backend, starts the replica threads of `replicate` and trains.
+// It installs SIGTERM and SIGINT handlers for the process (core/runtime.h, Note [Stop
+// requests]): the first such signal to any rank makes every rank finish its step, write
+// that step's checkpoint and throw tetra::PreemptedError, which run() lets through (exit
+// with tetra::kExitPreempted, 4; running the job again resumes it); a second exits at once.
 #pragma once
 
 #include <torch/torch.h>
@@ -34,7 +38,8 @@ struct RunOptions {
   // nullptr: the job's data.* section.
   std::shared_ptr<const core::Dataset> data;
   std::FILE* out = stdout;  // the banner and progress, from rank 0
-  // After each optimizer step, on every rank (and replica) with (step, loss).
+  // After each step, on every rank (and replica) with (step, loss); a step skipped under
+  // train.on_nonfinite: skip reports its non-finite loss.
   std::function<void(int64_t, double)> on_step;
 };
 
