@@ -676,11 +676,12 @@ TEST(CheckpointChecksums, EveryFileCarriesItsSizeAndCrc32c) {
   EXPECT_EQ(r.meta().count("meta_crc32c"), 0u);
 }
 
-TEST(CheckpointChecksums, EachDamageIsDetectedAndNamed) {
+TEST(CheckpointChecksums, EachDamageIsNamedAndLatestIntactSkipsIt) {
   const TensorMap ref = reference_tensors(0);
   for (const auto& damage : damages()) {
     SCOPED_TRACE(damage.what);
     fs::path d = fresh_dir("damage");
+    save_sharded(d, 3, ref);
     save_sharded(d, 4, ref);
     const fs::path step = d / "step-00000004";
     damage.apply(step);
@@ -692,6 +693,16 @@ TEST(CheckpointChecksums, EachDamageIsDetectedAndNamed) {
       EXPECT_NE(e.find("checkpoint " + step.string() + " is damaged (" + damage.file + ": "), std::string::npos) << e;
       EXPECT_NE(e.find(damage.needle), std::string::npos) << e;
     }
+    // What resume: auto takes: the newest intact one, newest first, each skipped one said.
+    CheckpointStore store(d.string(), 3);
+    EXPECT_EQ(*store.latest(), step.string());  // complete, though damaged
+    std::vector<std::string> skipped;
+    EXPECT_EQ(store.latest_intact(&skipped), (d / "step-00000003").string());
+    EXPECT_EQ(skipped, std::vector<std::string>{verify});
+    damage.apply(d / "step-00000003");
+    skipped.clear();
+    EXPECT_FALSE(store.latest_intact(&skipped));
+    EXPECT_EQ(skipped.size(), 2u);
   }
 }
 
@@ -723,28 +734,6 @@ TEST(CheckpointChecksums, CheckpointsWithoutChecksumsStillLoad) {
   fs::remove(step / "rank-00001.safetensors");
   EXPECT_NE(error_of([&] { CheckpointReader(step.string()).verify(); }).find("rank-00001.safetensors: missing"),
             std::string::npos);
-}
-
-TEST(CheckpointChecksums, LatestIntactSkipsDamagedCheckpointsNewestFirst) {
-  const TensorMap ref = reference_tensors(0);
-  for (const auto& damage : damages()) {
-    SCOPED_TRACE(damage.what);
-    fs::path d = fresh_dir("latest_intact");
-    save_sharded(d, 3, ref);
-    save_sharded(d, 4, ref);
-    damage.apply(d / "step-00000004");
-    CheckpointStore store(d.string(), 3);
-    EXPECT_EQ(*store.latest(), (d / "step-00000004").string());  // complete, though damaged
-    std::vector<std::string> skipped;
-    EXPECT_EQ(store.latest_intact(&skipped), (d / "step-00000003").string());
-    ASSERT_EQ(skipped.size(), 1u);
-    EXPECT_NE(skipped[0].find("step-00000004 is damaged (" + std::string(damage.file)), std::string::npos)
-        << skipped[0];
-    damage.apply(d / "step-00000003");
-    skipped.clear();
-    EXPECT_FALSE(store.latest_intact(&skipped));
-    EXPECT_EQ(skipped.size(), 2u);
-  }
 }
 
 TEST(CheckpointSaveErrors, AFullDiskIsTheSameErrorOnEveryRankAndKeepsThePreviousCheckpoint) {
