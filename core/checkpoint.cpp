@@ -1,6 +1,11 @@
 #include "core/checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <boost/crc.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -36,6 +41,21 @@
 // whether any rank failed and the first failure's message, so all ranks throw the same
 // error together instead of some waiting out a timeout in the next collective.
 
+// Note [Checkpoint checksums]
+// Every file of a step folder carries its byte count and CRC-32C (Castagnoli, the
+// polynomial storage and network hardware checks), kept in meta.json:
+//   "checksums": {"rank-00000.safetensors": {"bytes": 4096, "crc32c": "0x1a2b3c4d"}, ...}
+//   "meta_crc32c": "0x..."  the CRC-32C of meta.json's canonical content: the document
+//                           without this key, dumped compactly with sorted keys (as
+//                           nlohmann::json dumps an object), so a flipped byte anywhere in
+//                           the file is caught whether or not it still parses.
+// A rank computes its file's CRC from the bytes as it writes them (no second read) and
+// the save's agreement after the write carries every rank's size and CRC to rank 0,
+// which records them. The reader verifies a file once, the first time it opens it, by
+// reading it whole (a resume reads every byte anyway); verify() checks every file. A
+// folder without these keys (written before them) loads unverified. A damaged file is a
+// tetra::Error "checkpoint <folder> is damaged (<file>: <what differs>)".
+
 namespace tetra::core {
 
 namespace fs = std::filesystem;
@@ -48,11 +68,89 @@ constexpr const char* kFormat1 = "tetra-checkpoint-1";
 constexpr int kFormat = 2;
 constexpr const char* kSlicesKey = "tetra.slices";
 // meta.json keys that are the checkpoint's own, not the user's meta.
-const char* const kReserved[] = {"format", "step",  "epoch", "step_in_epoch",
-                                 "world",  "files", "index"};
+const char* const kReserved[] = {"format", "step",  "epoch",     "step_in_epoch", "world",
+                                 "files",  "index", "checksums", "meta_crc32c"};
+constexpr const char* kChecksums = "checksums";
+constexpr const char* kMetaCrc = "meta_crc32c";
 // Ranks wait in a save's collectives while the slowest writes its file, which for a large
 // model on a slow filesystem takes longer than the communicators' default timeout.
 constexpr collectives::Duration kSaveTimeout = std::chrono::minutes(30);
+
+using Crc32c = boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true>;
+
+std::string crc_text(uint32_t crc) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", crc);
+  return buf;
+}
+
+uint32_t crc_of(const std::string& bytes) {
+  Crc32c crc;
+  crc.process_bytes(bytes.data(), bytes.size());
+  return crc.checksum();
+}
+
+// The CRC of meta.json's canonical content (Note [Checkpoint checksums]).
+std::string meta_crc(nlohmann::json doc) {
+  doc.erase(kMetaCrc);
+  return crc_text(crc_of(doc.dump()));
+}
+
+// The size and CRC-32C of one file, reading it once; "" when it matches `expected`
+// ({"bytes", "crc32c"}), else what differs ("CRC-32C 0x... expected 0x...").
+std::string check_file(const std::string& path, const nlohmann::json& expected) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT ? "missing" : std::string("cannot open: ") + std::strerror(errno);
+  Crc32c crc;
+  uint64_t size = 0;
+  std::vector<char> buf(size_t{1} << 20);
+  std::string why;
+  for (;;) {
+    const ssize_t r = ::read(fd, buf.data(), buf.size());
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      why = std::string("cannot read: ") + std::strerror(errno);
+      break;
+    }
+    if (r == 0) break;
+    crc.process_bytes(buf.data(), static_cast<size_t>(r));
+    size += static_cast<uint64_t>(r);
+  }
+  ::close(fd);
+  if (!why.empty()) return why;
+  const uint64_t want = expected.value("bytes", uint64_t{0});
+  if (size != want)
+    return std::to_string(size) + " bytes, expected " + std::to_string(want) + " (truncated?)";
+  const std::string got = crc_text(crc.checksum()), crc_want = expected.value("crc32c", "");
+  if (got != crc_want) return "CRC-32C " + got + " expected " + crc_want;
+  return "";
+}
+
+Error damaged_file(const std::string& folder, const std::string& file, const std::string& why) {
+  return Error("checkpoint " + folder + " is damaged (" + file + ": " + why + ")");
+}
+
+// Writes and fsyncs a file of a temporary step folder (the folder's rename is what makes
+// it count, so no temporary file of its own). Errors name the file and errno's text.
+void write_synced(const fs::path& path, const std::string& bytes) {
+  auto fail = [&](int fd) {
+    const std::string why = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    ::unlink(path.c_str());
+    return Error("checkpoint: cannot write " + path.string() + ": " + why);
+  };
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw fail(fd);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) throw fail(fd);
+    done += static_cast<size_t>(w);
+  }
+  if (::fsync(fd) != 0) throw fail(fd);
+  if (::close(fd) != 0) throw fail(-1);
+}
 
 std::string step_name(int64_t step) {
   char buf[32];
@@ -247,8 +345,9 @@ std::string agree(collectives::Communicator* world, const std::string& error) {
                      static_cast<size_t>(text.numel()));
 }
 
-// This rank's whole tensors and slices as one safetensors file.
-void write_part(const fs::path& file, const Checkpoint& ckpt, int rank) {
+// This rank's whole tensors and slices as one safetensors file; returns its byte count and
+// CRC-32C, computed from the bytes written.
+std::pair<int64_t, uint32_t> write_part(const fs::path& file, const Checkpoint& ckpt, int rank) {
   const std::string who = "checkpoint: rank " + std::to_string(rank);
   TensorMap tensors;
   for (const auto& [name, t] : ckpt.tensors) {
@@ -272,11 +371,14 @@ void write_part(const fs::path& file, const Checkpoint& ckpt, int rank) {
   }
   std::map<std::string, std::string> metadata;
   if (!slices.empty()) metadata[kSlicesKey] = slices.dump();
+  std::string bytes;
   try {
-    save_safetensors(file.string(), tensors, metadata);
+    bytes = safetensors_bytes(tensors, metadata);
   } catch (const std::exception& e) {
     throw Error(who + " could not write " + file.string() + ": " + e.what());
   }
+  write_synced(file, bytes);  // its errors name the file and the cause
+  return {static_cast<int64_t>(bytes.size()), crc_of(bytes)};
 }
 
 }  // namespace
@@ -290,6 +392,20 @@ std::optional<std::string> CheckpointStore::latest() const {
   auto all = list();
   if (all.empty()) return std::nullopt;
   return all.back();
+}
+
+std::optional<std::string> CheckpointStore::latest_intact(
+    std::vector<std::string>* skipped) const {
+  auto all = list();
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    try {
+      CheckpointReader(*it).verify();
+      return *it;
+    } catch (const Error& e) {
+      if (skipped) skipped->push_back(e.what());
+    }
+  }
+  return std::nullopt;
 }
 
 std::string CheckpointStore::save(const Checkpoint& ckpt, collectives::Communicator* world) {
@@ -311,6 +427,13 @@ std::string CheckpointStore::save(const Checkpoint& ckpt, collectives::Communica
   }
 
   std::string error;
+  auto fail = [&](const std::string& why) {  // every rank, with the agreed message
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp_dir, ec);  // where possible: a read-only folder keeps nothing anyway
+    }
+    throw CheckpointSaveError(why);
+  };
   if (rank == 0)
     error = attempt([&] {
       std::error_code ec;
@@ -321,26 +444,30 @@ std::string CheckpointStore::save(const Checkpoint& ckpt, collectives::Communica
       if (ec) throw Error("checkpoint: cannot create " + tmp_dir.string() + ": " + ec.message());
     });
   error = agree(world, error);
-  if (!error.empty()) throw Error(error);
+  if (!error.empty()) fail(error);
 
   // Every rank writes its file, even an empty one: the folder then says which ranks wrote.
-  error = agree(world, attempt([&] { write_part(tmp_dir / rank_file(rank), ckpt, rank); }));
-  if (!error.empty()) {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(tmp_dir, ec);
-    }
-    throw Error(error);
-  }
+  std::pair<int64_t, uint32_t> sum{-1, 0};
+  error = agree(world, attempt([&] { sum = write_part(tmp_dir / rank_file(rank), ckpt, rank); }));
+  if (!error.empty()) fail(error);
+  // Every rank's size and CRC to rank 0 (Note [Checkpoint checksums]): slot r is rank r's.
+  at::Tensor sums = at::zeros({2 * size}, at::kLong);
+  sums.data_ptr<int64_t>()[2 * rank] = sum.first;
+  sums.data_ptr<int64_t>()[2 * rank + 1] = static_cast<int64_t>(sum.second);
+  if (world) world->allreduce(sums, {collectives::ReduceOp::kSum, kSaveTimeout})->wait();
 
   if (rank == 0) {
     error = attempt([&] {
       Index index;
       std::vector<std::string> files;
+      nlohmann::json checksums = nlohmann::json::object();
       for (int r = 0; r < size; ++r) {
         files.push_back(rank_file(r));
         SafetensorsFile file((tmp_dir / files.back()).string());  // the header only
         index_file(index, files.back(), file, where);
+        const int64_t* got = sums.data_ptr<int64_t>() + 2 * r;
+        checksums[files.back()] = {{"bytes", got[0]},
+                                   {"crc32c", crc_text(static_cast<uint32_t>(got[1]))}};
       }
       check_index(index, where);
       nlohmann::json meta = ckpt.meta.is_object() ? ckpt.meta : nlohmann::json::object();
@@ -351,14 +478,16 @@ std::string CheckpointStore::save(const Checkpoint& ckpt, collectives::Communica
       meta["world"] = size;
       meta["files"] = files;
       meta["index"] = index_json(index);
-      write_file_atomic((tmp_dir / kMeta).string(), meta.dump(1) + "\n");
+      meta[kChecksums] = checksums;
+      meta[kMetaCrc] = meta_crc(meta);
+      write_synced(tmp_dir / kMeta, meta.dump(1) + "\n");
       fsync_dir(tmp_dir.string());
 
       // Replace an older checkpoint of the same step (a rerun) only once the new one is whole.
       std::error_code ec;
       if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);
       fs::rename(tmp_dir, final_dir, ec);
-      if (ec) throw Error("checkpoint: cannot rename " + tmp_dir.string() + ": " + ec.message());
+      if (ec) throw Error("checkpoint: cannot rename " + tmp_dir.string() + " to " + final_dir.string() + ": " + ec.message());
       fsync_dir(dir_);
 
       // Keep the newest K; drop temporaries a killed run left behind.
@@ -371,14 +500,10 @@ std::string CheckpointStore::save(const Checkpoint& ckpt, collectives::Communica
           fs::remove_all(e.path(), ec);
       }
     });
-    if (!error.empty()) {
-      std::error_code ec;
-      fs::remove_all(tmp_dir, ec);
-    }
   }
   // No rank returns before the checkpoint exists (or all know that it does not).
   error = agree(world, error);
-  if (!error.empty()) throw Error(error);
+  if (!error.empty()) fail(error);
   return final_dir.string();
 }
 
@@ -429,6 +554,14 @@ CheckpointReader::CheckpointReader(const std::string& path) : open_(std::make_un
     }
   }
   if (!doc.is_object()) throw damaged("not a JSON object");
+  if (doc.contains(kMetaCrc)) {
+    const std::string want = doc[kMetaCrc].is_string() ? doc[kMetaCrc].get<std::string>() : "",
+                      got = meta_crc(doc);
+    if (got != want) throw damaged_file(folder_, kMeta, "CRC-32C " + got + " expected " + want);
+    const auto& sums = doc.value(kChecksums, nlohmann::json::object());
+    if (!sums.is_object()) throw damaged("\"checksums\" is not an object");
+    checksums_ = sums;
+  }
 
   const std::string where = "checkpoint " + folder_;
   Index index;
@@ -526,11 +659,24 @@ const std::vector<Part>& CheckpointReader::parts(const std::string& name) const 
 const SafetensorsFile& CheckpointReader::file(const std::string& name) const {
   std::lock_guard<std::mutex> lock(open_->mu);
   auto it = open_->open.find(name);
-  if (it == open_->open.end())
-    it = open_->open
-             .emplace(name, std::make_unique<SafetensorsFile>((fs::path(folder_) / name).string()))
-             .first;
+  if (it == open_->open.end()) {
+    const std::string path = (fs::path(folder_) / name).string();
+    // Verified once, on first open (Note [Checkpoint checksums]); a file the index names
+    // that is absent is damage whether or not the folder has checksums.
+    auto sum = checksums_.find(name);
+    if (sum != checksums_.end()) {
+      const std::string why = check_file(path, *sum);
+      if (!why.empty()) throw damaged_file(folder_, name, why);
+    } else if (!fs::exists(path)) {
+      throw damaged_file(folder_, name, "missing");
+    }
+    it = open_->open.emplace(name, std::make_unique<SafetensorsFile>(path)).first;
+  }
   return *it->second;
+}
+
+void CheckpointReader::verify() const {
+  for (const auto& f : files_) file(f);
 }
 
 void CheckpointReader::read_into(const std::string& name, const Entry& e, int64_t begin,

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/error.h"
 #include "core/safetensors.h"
 
 namespace tetra::collectives {
@@ -39,6 +40,14 @@ struct Slice {
   std::vector<int64_t> shape;  // the whole tensor's shape
   int64_t begin = 0;           // first element, in the whole tensor's row-major flattened order
   torch::Tensor data;          // 1-D contiguous: elements [begin, begin + data.numel())
+};
+
+// A save failed (a full disk, a read-only or unwritable folder, a rank that could not
+// write): every rank of the save throws the same one, naming the file and the cause, and
+// the previous checkpoint is untouched.
+class CheckpointSaveError : public Error {
+ public:
+  using Error::Error;
 };
 
 struct Checkpoint {
@@ -58,14 +67,18 @@ class CheckpointStore {
   // when given: every rank calls it with its own part (its whole tensors and slices);
   // step, epoch, step_in_epoch and meta are taken from rank 0 (the ranks must agree on
   // step). Without `world`, a single process (rank 0 of 1). Rank 0 checks that the parts
-  // of every tensor cover it exactly once, with one shape and dtype: otherwise, or when
-  // any rank fails to write, every rank throws the same tetra::Error and no step-* folder
-  // appears. Removes the oldest beyond `keep` and stale temporary folders. `world` agrees
+  // of every tensor cover it exactly once, with one shape and dtype, and records every
+  // file's size and CRC-32C: otherwise, or when any rank fails to write (a full disk, a
+  // read-only folder), every rank throws the same CheckpointSaveError and no step-*
+  // folder appears. Removes the oldest beyond `keep` and stale temporary folders. `world` agrees
   // through small CPU tensors: an mpi, local, gloo or replicate communicator, not nccl.
   std::string save(const Checkpoint& ckpt, collectives::Communicator* world = nullptr);
 
   // The newest complete checkpoint in the folder, if any.
   std::optional<std::string> latest() const;
+  // The newest checkpoint whose every file has its recorded size and CRC-32C (what
+  // `resume: auto` takes); each newer damaged one is skipped, its error added to `skipped`.
+  std::optional<std::string> latest_intact(std::vector<std::string>* skipped = nullptr) const;
   // Every complete checkpoint, oldest first.
   std::vector<std::string> list() const;
 
@@ -84,8 +97,10 @@ class CheckpointStore {
 };
 
 // Reads a checkpoint of any format and layout, loading no more than is asked: meta.json
-// at construction, a file's header when a tensor in it is first read, then only the bytes
-// of the ranges read. Each object opens its own files (no shared state), so thread-ranks
+// at construction (its checksum checked), a file when a tensor in it is first read (read
+// whole once to check its size and CRC-32C, then its header), then only the bytes of the
+// ranges read. A damaged file is a tetra::Error "checkpoint <folder> is damaged (<file>:
+// <why>)". Each object opens its own files (no shared state), so thread-ranks
 // may each read the same folder with their own reader; one reader may also be shared.
 class CheckpointReader {
  public:
@@ -103,6 +118,10 @@ class CheckpointReader {
   int world() const { return world_; }                  // ranks that wrote it
   int format() const { return format_; }                // 1 (one whole-tensor file) or 2
   const std::vector<std::string>& files() const { return files_; }  // file names in folder()
+
+  // Checks every file (meta.json is checked at construction): a tetra::Error naming the
+  // first damaged or missing one. Checkpoints written before checksums: their files exist.
+  void verify() const;
 
   std::vector<std::string> names() const;  // every tensor, sorted
   bool contains(const std::string& name) const { return index_.count(name) != 0; }
@@ -143,6 +162,7 @@ class CheckpointReader {
   int world_ = 1, format_ = 2;
   std::vector<std::string> files_;
   std::map<std::string, Entry> index_;
+  nlohmann::json checksums_ = nlohmann::json::object();  // file -> {bytes, crc32c}; may be empty
   struct Files;  // the rank files opened so far, behind a mutex (the reader stays movable)
   std::unique_ptr<Files> open_;
 };

@@ -256,6 +256,7 @@ CheckpointSpec parse_checkpoint(Section& c, const std::string& name) {
     spec.resume = "auto";
   }
   spec.safetensors = c.string("safetensors", "");
+  spec.on_error = c.word("on_error", spec.on_error, on_checkpoint_error_names());
   c.finish();
   return spec;
 }
@@ -436,6 +437,13 @@ const std::vector<std::string>& on_nonfinite_names() {
   return names;
 }
 const std::string& to_string(OnNonfinite action) { return on_nonfinite_names().at(static_cast<size_t>(action)); }
+const std::vector<std::string>& on_checkpoint_error_names() {
+  static const std::vector<std::string> names = {"stop", "warn"};
+  return names;
+}
+const std::string& to_string(OnCheckpointError on_error) {
+  return on_checkpoint_error_names().at(static_cast<size_t>(on_error));
+}
 
 // ---- writing a spec back (the C++ Plan builder) ----------------------------------------
 
@@ -564,6 +572,7 @@ YAML::Node to_yaml(const CheckpointSpec& c) {
   put(n, "keep", c.keep, def.keep);
   put(n, "resume", c.resume, def.resume);
   put(n, "safetensors", c.safetensors, def.safetensors);
+  if (c.on_error != def.on_error) n["on_error"] = to_string(c.on_error);
   return n;
 }
 

@@ -95,12 +95,20 @@ struct TrainSpec {
   OnNonfinite on_nonfinite = OnNonfinite::kStop;
 };
 
+// What a failed checkpoint save (full disk, read-only folder) does to the run.
+enum class OnCheckpointError { kStop, kWarn };
+const std::vector<std::string>& on_checkpoint_error_names();  // stop warn
+const std::string& to_string(OnCheckpointError on_error);
+
 struct CheckpointSpec {
   std::string dir;            // default runs/<name>/ckpt; "" = no checkpoints
   int64_t every_steps = 0;    // 0 = only at the end
   int64_t keep = 3;           // newest K kept; >= 1
   std::string resume = "auto"; // auto (newest in dir, if any) | never | a checkpoint path
   std::string safetensors;    // when set, the final weights are exported there
+  // A failed save: stop ends the run with its error; warn prints it on rank 0, counts it
+  // (metrics' checkpoint_failures) and trains on. The previous checkpoint stays intact.
+  OnCheckpointError on_error = OnCheckpointError::kStop;
 };
 
 struct LogSpec {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <cmath>
@@ -528,21 +529,36 @@ TrainResult Trainer::run() {
   }
   if (!trace_path.empty()) trace_.enable(world_rank, spec_.name + " rank " + std::to_string(world_rank));
 
-  // Resume: auto takes the newest checkpoint in checkpoint.dir when there is one.
+  // Resume: auto takes the newest intact checkpoint in checkpoint.dir when there is one.
   if (ck.resume != "never") {
-    std::string from;
-    if (ck.resume == "auto") {
-      if (checkpoints) {
-        if (auto latest = CheckpointStore(ck.dir, ck.keep).latest()) from = *latest;
-      }
-    } else {
-      if (!CheckpointStore::resolve(ck.resume))
-        throw ConfigError("checkpoint.resume: no checkpoint at " + ck.resume);
-      from = ck.resume;
-    }
+    if (ck.resume != "auto" && !CheckpointStore::resolve(ck.resume))
+      throw ConfigError("checkpoint.resume: no checkpoint at " + ck.resume);
     // Rank 0 decides which checkpoint every rank resumes (the ranks could otherwise see
-    // the folder at different moments of a save, or through different mounts).
+    // the folder at different moments of a save, or through different mounts), after
+    // checking its every file's size and CRC-32C: auto skips a damaged one with a warning
+    // for the one before; an explicit path that is damaged is an error. The decision
+    // travels as the folder, or as "\n" + the error that every rank then throws.
+    std::string from;
+    if (world_rank == 0) {
+      try {
+        if (ck.resume != "auto") {
+          CheckpointReader chosen(ck.resume);
+          chosen.verify();
+          from = chosen.folder();
+        } else if (checkpoints) {
+          std::vector<std::string> skipped;
+          auto good = CheckpointStore(ck.dir, ck.keep).latest_intact(&skipped);
+          const std::string then = good ? "resuming from " + fs::path(*good).filename().string()
+                                        : "no intact checkpoint is left: starting afresh";
+          for (const auto& why : skipped) std::fprintf(stderr, "warning: %s; %s\n", why.c_str(), then.c_str());
+          if (good) from = *good;
+        }
+      } catch (const Error& e) {
+        from = std::string("\n") + e.what();
+      }
+    }
     if (ranks_ && ranks_->size() > 1) from = broadcast_string(*ranks_, from);
+    if (!from.empty() && from[0] == '\n') throw Error(from.substr(1));
     if (!from.empty()) restore(from);
   }
 
@@ -561,6 +577,23 @@ TrainResult Trainer::run() {
   int64_t interval_samples = 0;
   std::string last_checkpoint;
   int64_t last_saved = resumed_from_.empty() ? -1 : step_;  // a resumed step is on disk
+  int64_t checkpoint_failures = 0;
+  // Every rank saves (a collective); a failed save is the same CheckpointSaveError on every
+  // rank, so all take the same checkpoint.on_error decision.
+  auto save_now = [&] {
+    try {
+      std::string saved = save_checkpoint(step_, epoch_, step_in_epoch_);
+      if (write) last_checkpoint = saved;
+    } catch (const CheckpointSaveError& e) {
+      if (ck.on_error == OnCheckpointError::kStop) throw;
+      ++checkpoint_failures;
+      if (write) {
+        std::fprintf(stderr, "warning: %s (checkpoint.on_error: warn, training goes on)\n", e.what());
+        metrics.write({{"step", step_}, {"checkpoint_failures", checkpoint_failures},
+                       {"checkpoint_error", e.what()}});
+      }
+    }
+  };
 
   auto run_eval = [&](int64_t step) {
     EvalResult e = evaluate();
@@ -673,17 +706,13 @@ TrainResult Trainer::run() {
       last_eval_step = step_;
     }
     if (checkpoints && ck.every_steps > 0 && step_ % ck.every_steps == 0 && step_ < total_steps_) {
-      std::string saved = save_checkpoint(step_, epoch_, step_in_epoch_);  // every rank: a collective
-      if (write) last_checkpoint = saved;
+      save_now();
       last_saved = step_;
     }
   }
   progress.finish();
   if (last_eval_step != step_) last_eval = run_eval(step_);
-  if (checkpoints && last_saved != step_) {
-    std::string saved = save_checkpoint(step_, epoch_, step_in_epoch_);
-    if (write) last_checkpoint = saved;
-  }
+  if (checkpoints && last_saved != step_) save_now();
   if (!ck.safetensors.empty()) {
     TensorMap weights = this->weights();  // collective
     if (write)

@@ -3,15 +3,18 @@
 //
 //   ckpt show PATH [--parts]                      step, ranks, files, every tensor
 //   ckpt export PATH -o OUT.safetensors [--all]   consolidated whole tensors
+//   ckpt verify PATH                              every file's size and CRC-32C
 //
-// PATH is a step folder (runs/job/ckpt/step-00000500) or a folder of them (its newest).
+// PATH is a step folder (runs/job/ckpt/step-00000500) or a folder of them (its newest;
+// `verify` checks every one of them).
 // `export` writes the model's weights by default: the tensors named "model/...", without
 // that prefix (the names the trainer's checkpoint.safetensors export uses, which any
 // safetensors reader loads into the same model); `--all` writes every tensor (optimizer
 // state, RNG) under its checkpoint name. Tensors are read one at a time, from the byte
 // ranges of the rank files that hold them.
 //
-// Exit status: 0 done; 2 the command line, the checkpoint or the output is wrong (the
+// Exit status: 0 done; 1 `verify` found a damaged checkpoint (each named, with the file
+// and what differs); 2 the command line, the checkpoint or the output is wrong (the
 // message, "ckpt: error: ...", names the file).
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -31,6 +34,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using tetra::core::CheckpointReader;
+using tetra::core::CheckpointStore;
 using tetra::core::range_str;
 using tetra::core::shape_str;
 
@@ -121,6 +125,32 @@ int export_weights(const std::string& path, const std::string& output, bool all)
   return 0;
 }
 
+// Checks meta.json and every file of the checkpoint at `path`, or of every checkpoint in
+// the folder `path`: 0 when all are intact, 1 when any is damaged.
+int verify(const std::string& path) {
+  std::vector<std::string> folders;
+  if (fs::exists(fs::path(path) / "meta.json")) {
+    folders.push_back(path);
+  } else {
+    folders = CheckpointStore(path, 1).list();
+    if (folders.empty())
+      throw tetra::Error("no checkpoint at " + path + " (expected a step-* folder with meta.json)");
+  }
+  int damaged = 0;
+  for (const auto& folder : folders) {
+    try {
+      CheckpointReader(folder).verify();
+      std::printf("ok       %s\n", folder.c_str());
+    } catch (const tetra::Error& e) {
+      ++damaged;
+      std::printf("DAMAGED  %s\n", e.what());
+    }
+  }
+  std::printf("ckpt: %zu checkpoint%s, %d damaged\n", folders.size(), folders.size() == 1 ? "" : "s",
+              damaged);
+  return damaged ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -144,6 +174,11 @@ int main(int argc, char** argv) {
       "--all", all,
       "every tensor under its checkpoint name (default: the model/ tensors, without the prefix)");
 
+  CLI::App* verify_cmd =
+      app.add_subcommand("verify", "every file's size and CRC-32C (exit 1 when damaged)");
+  verify_cmd->add_option("path", path, "a step-* folder, or a folder of them (each one)")
+      ->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -152,6 +187,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (show_cmd->parsed()) return show(path, parts);
+    if (verify_cmd->parsed()) return verify(path);
     return export_weights(path, output, all);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ckpt: error: %s\n", e.what());

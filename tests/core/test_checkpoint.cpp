@@ -1,10 +1,18 @@
 // Safetensors round trip, the atomic, keep-K checkpoint store, and sharded checkpoints:
-// thread-ranks writing slices, any range read back by a reader of any layout.
+// thread-ranks writing slices, any range read back by a reader of any layout. Checksums:
+// each kind of damage detected and named, the fallback to the newest intact checkpoint, and
+// saves onto a full or read-only filesystem (a tmpfs the test mounts) failing cleanly.
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+
+#include <boost/crc.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -16,7 +24,10 @@
 #include "collectives/error.h"
 #include "collectives/local.h"
 #include "core/checkpoint.h"
+#include "core/job_spec.h"
+#include "core/runtime.h"
 #include "core/safetensors.h"
+#include "core/trainer.h"
 
 using namespace tetra::core;
 namespace fs = std::filesystem;
@@ -542,9 +553,12 @@ TEST(ShardedCheckpoint, ADamagedIndexOrRankFileIsAClearError) {
   std::ofstream(f1, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() - 8);
   CheckpointReader r(step.string());
   EXPECT_TRUE(torch::equal(r.read_flat("model/w", 0, 12), ref.at("model/w").reshape({-1}).slice(0, 0, 12)));
-  expect_error([&] { r.read("model/w"); }, f1.string());
-  // An index whose parts leave a gap.
+  expect_error([&] { r.read("model/w"); }, "checkpoint " + step.string() + " is damaged (rank-00001.safetensors: ");
+  // An index whose parts leave a gap (without its checksum, which would catch any edit
+  // first: this is the index's own check, as a checkpoint from before checksums has).
   nlohmann::json meta = nlohmann::json::parse(read_all(step / "meta.json"));
+  meta.erase("meta_crc32c");
+  meta.erase("checksums");
   meta["index"]["model/w"]["parts"][1]["begin"] = 13;
   std::ofstream(step / "meta.json", std::ios::trunc) << meta.dump();
   expect_error([&] { CheckpointReader bad(step.string()); }, "model/w");
@@ -553,4 +567,312 @@ TEST(ShardedCheckpoint, ADamagedIndexOrRankFileIsAClearError) {
   meta["index"]["model/w"]["parts"][1]["file"] = "../../etc/passwd";
   std::ofstream(step / "meta.json", std::ios::trunc) << meta.dump();
   expect_error([&] { CheckpointReader bad(step.string()); }, "is damaged");
+}
+
+// ---- checksums, damage, fallback, failed saves ------------------------------------------
+
+namespace {
+
+using Crc32c = boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true>;
+
+void write_all(const fs::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// The message of the tetra::Error `fn` throws ("" when it throws none).
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const tetra::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A small tmpfs mounted at a fresh folder for the test's life; skips when mounting is not
+// permitted (not root, or a container without CAP_SYS_ADMIN).
+class Tmpfs {
+ public:
+  Tmpfs(const std::string& name, const std::string& size) : dir_(fresh_dir(name)), size_(size) {
+    if (::mount("tmpfs", dir_.c_str(), "tmpfs", 0, ("size=" + size_).c_str()) != 0)
+      reason_ = "cannot mount a tmpfs at " + dir_.string() + ": " + std::strerror(errno) +
+                " (these tests need root)";
+  }
+  ~Tmpfs() {
+    if (reason_.empty()) ::umount2(dir_.c_str(), MNT_DETACH);
+  }
+  const std::string& skip_reason() const { return reason_; }
+  const fs::path& dir() const { return dir_; }
+  void read_only() {
+    ASSERT_EQ(::mount(nullptr, dir_.c_str(), nullptr, MS_REMOUNT | MS_RDONLY, ("size=" + size_).c_str()), 0)
+        << std::strerror(errno);
+  }
+
+ private:
+  fs::path dir_;
+  std::string size_, reason_;
+};
+
+// Flips one bit of byte `at` of a file (from its end when `at` is negative).
+void flip_byte(const fs::path& p, int64_t at) {
+  std::string bytes = read_all(p);
+  const size_t i = at < 0 ? bytes.size() + at : static_cast<size_t>(at);
+  bytes[i] = static_cast<char>(bytes[i] ^ 0x10);
+  write_all(p, bytes);
+}
+
+// Each kind of damage, to step folder `step`: what it did, and the file the error must name.
+struct Damage {
+  const char* what;
+  const char* file;
+  const char* needle;  // what the error says differs
+  std::function<void(const fs::path&)> apply;
+};
+
+std::vector<Damage> damages() {
+  return {
+      {"truncated rank file", "rank-00001.safetensors", "expected",
+       [](const fs::path& s) {
+         const std::string b = read_all(s / "rank-00001.safetensors");
+         write_all(s / "rank-00001.safetensors", b.substr(0, b.size() - 8));
+       }},
+      {"flipped byte in a rank file", "rank-00002.safetensors", "CRC-32C",
+       [](const fs::path& s) { flip_byte(s / "rank-00002.safetensors", -3); }},
+      {"flipped byte in meta.json", "meta.json", "CRC-32C",
+       [](const fs::path& s) {
+         // A digit of "step_in_epoch": 4 -> 5 keeps the JSON valid, so only the checksum can tell.
+         std::string m = read_all(s / "meta.json");
+         const size_t at = m.find("\"step_in_epoch\": 4");
+         ASSERT_NE(at, std::string::npos) << m;
+         m[at + 17] = '5';
+         write_all(s / "meta.json", m);
+       }},
+      {"missing shard", "rank-00002.safetensors", "missing",
+       [](const fs::path& s) { fs::remove(s / "rank-00002.safetensors"); }},
+  };
+}
+
+}  // namespace
+
+TEST(CheckpointChecksums, EveryFileCarriesItsSizeAndCrc32c) {
+  fs::path d = fresh_dir("checksums");
+  save_sharded(d, 4, reference_tensors(0));
+  const fs::path step = d / "step-00000004";
+  const auto meta = nlohmann::json::parse(read_all(step / "meta.json"));
+  ASSERT_TRUE(meta.contains("meta_crc32c")) << meta.dump();
+  ASSERT_EQ(meta["checksums"].size(), 3u) << meta.dump();
+  for (const auto& f : {"rank-00000.safetensors", "rank-00001.safetensors", "rank-00002.safetensors"}) {
+    const std::string bytes = read_all(step / f);
+    Crc32c crc;
+    crc.process_bytes(bytes.data(), bytes.size());
+    char want[16];
+    std::snprintf(want, sizeof(want), "0x%08x", crc.checksum());
+    EXPECT_EQ(meta["checksums"][f]["bytes"].get<size_t>(), bytes.size()) << f;
+    EXPECT_EQ(meta["checksums"][f]["crc32c"].get<std::string>(), want) << f;
+  }
+  CheckpointReader r(step.string());
+  EXPECT_NO_THROW(r.verify());
+  EXPECT_EQ(r.meta().count("checksums"), 0u);  // the user's meta only
+  EXPECT_EQ(r.meta().count("meta_crc32c"), 0u);
+}
+
+TEST(CheckpointChecksums, EachDamageIsNamedAndLatestIntactSkipsIt) {
+  const TensorMap ref = reference_tensors(0);
+  for (const auto& damage : damages()) {
+    SCOPED_TRACE(damage.what);
+    fs::path d = fresh_dir("damage");
+    save_sharded(d, 3, ref);
+    save_sharded(d, 4, ref);
+    const fs::path step = d / "step-00000004";
+    damage.apply(step);
+    // verify() (what resume and `ckpt verify` run) and a plain load both refuse it, naming
+    // the folder, the file and what differs.
+    const std::string verify = error_of([&] { CheckpointReader(step.string()).verify(); });
+    const std::string load = error_of([&] { CheckpointStore::load(step.string()); });
+    for (const std::string& e : {verify, load}) {
+      EXPECT_NE(e.find("checkpoint " + step.string() + " is damaged (" + damage.file + ": "), std::string::npos) << e;
+      EXPECT_NE(e.find(damage.needle), std::string::npos) << e;
+    }
+    // What resume: auto takes: the newest intact one, newest first, each skipped one said.
+    CheckpointStore store(d.string(), 3);
+    EXPECT_EQ(*store.latest(), step.string());  // complete, though damaged
+    std::vector<std::string> skipped;
+    EXPECT_EQ(store.latest_intact(&skipped), (d / "step-00000003").string());
+    EXPECT_EQ(skipped, std::vector<std::string>{verify});
+    damage.apply(d / "step-00000003");
+    skipped.clear();
+    EXPECT_FALSE(store.latest_intact(&skipped));
+    EXPECT_EQ(skipped.size(), 2u);
+  }
+}
+
+TEST(CheckpointChecksums, ARangeReadVerifiesOnlyTheFilesItOpens) {
+  fs::path d = fresh_dir("lazy_verify");
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(d, 4, ref);
+  const fs::path step = d / "step-00000004";
+  flip_byte(step / "rank-00002.safetensors", -1);
+  CheckpointReader r(step.string());
+  // Elements 0..23 of model/w live in ranks 0 and 1: intact, read.
+  EXPECT_TRUE(torch::equal(r.read_flat("model/w", 0, 24), ref.at("model/w").reshape({-1}).slice(0, 0, 24)));
+  EXPECT_NE(error_of([&] { r.read("model/w"); }).find("rank-00002.safetensors: CRC-32C"), std::string::npos);
+}
+
+TEST(CheckpointChecksums, CheckpointsWithoutChecksumsStillLoad) {
+  fs::path d = fresh_dir("no_checksums");
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(d, 4, ref);
+  const fs::path step = d / "step-00000004";
+  auto meta = nlohmann::json::parse(read_all(step / "meta.json"));
+  meta.erase("checksums");
+  meta.erase("meta_crc32c");
+  write_all(step / "meta.json", meta.dump(1));
+  Checkpoint c = CheckpointStore::load(step.string());
+  for (const auto& [name, t] : ref) EXPECT_TRUE(torch::equal(c.tensors.at(name), t)) << name;
+  EXPECT_NO_THROW(CheckpointReader(step.string()).verify());
+  // A file the index names is still required.
+  fs::remove(step / "rank-00001.safetensors");
+  EXPECT_NE(error_of([&] { CheckpointReader(step.string()).verify(); }).find("rank-00001.safetensors: missing"),
+            std::string::npos);
+}
+
+TEST(CheckpointSaveErrors, AFullDiskIsTheSameErrorOnEveryRankAndKeepsThePreviousCheckpoint) {
+  Tmpfs disk("full_disk", "64k");
+  if (!disk.skip_reason().empty()) GTEST_SKIP() << disk.skip_reason();
+  const fs::path d = disk.dir() / "ckpt";
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(d, 1, ref);
+  // Rank 1's part of step 2 (400 KB) does not fit in 64 KiB.
+  const std::vector<std::string> errors = save_on_three(d, [&](int rank) {
+    Checkpoint c = rank_part(rank, 2, ref);
+    if (rank == 1) c.tensors["optim/big"] = torch::ones({100000});
+    return c;
+  });
+  expect_same_error(errors, "checkpoint: cannot write " + (d / ".step-00000002.tmp" / "rank-00001.safetensors").string() +
+                                ": No space left on device");
+  EXPECT_EQ(entries_of(d), std::vector<std::string>{"step-00000001"});  // the temporary folder is gone
+  CheckpointReader r((d / "step-00000001").string());
+  EXPECT_NO_THROW(r.verify());
+  EXPECT_TRUE(torch::equal(r.read("model/w"), ref.at("model/w")));
+}
+
+TEST(CheckpointSaveErrors, AReadOnlyFolderIsAClearErrorAndKeepsThePreviousCheckpoint) {
+  Tmpfs disk("read_only", "1m");
+  if (!disk.skip_reason().empty()) GTEST_SKIP() << disk.skip_reason();
+  const TensorMap ref = reference_tensors(0);
+  save_sharded(disk.dir(), 1, ref);
+  disk.read_only();
+  const std::vector<std::string> errors =
+      save_on_three(disk.dir(), [&](int rank) { return rank_part(rank, 2, ref); });
+  expect_same_error(errors, "checkpoint: cannot create " + (disk.dir() / ".step-00000002.tmp").string() +
+                                ": Read-only file system");
+  try {
+    CheckpointStore(disk.dir().string(), 3).save(rank_part(0, 2, ref));  // one process, too
+    FAIL() << "saved on a read-only folder";
+  } catch (const CheckpointSaveError& e) {
+    EXPECT_NE(std::string(e.what()).find("Read-only file system"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(CheckpointStore(disk.dir().string(), 3).latest_intact(), (disk.dir() / "step-00000001").string());
+}
+
+// ---- the trainer: resume fallback and checkpoint.on_error -----------------------------
+
+namespace {
+
+const char* kJob = R"(
+model: {type: mlp, hidden: [32], dropout: 0.2}
+data: {type: synthetic, shape: [24], classes: 4, train_samples: 512, test_samples: 64, batch_size: 16}
+optimizer: {type: adamw, lr: 0.01}
+train: {max_steps: 30, seed: 3, threads: 1, eval_every: 0}
+log: {metrics: "", progress: off}
+)";
+
+JobSpec job(std::vector<std::string> sets) {
+  return parse_job_string(kJob, "test", sets, SectionRegistry{}).spec;
+}
+
+struct Interrupt {};
+
+}  // namespace
+
+TEST(CheckpointResume, AutoSkipsADamagedCheckpointAndTheRunMatchesAnUninterruptedOne) {
+  set_threads(1);
+  const fs::path d = fresh_dir("resume_fallback");
+  auto with = [&](const std::string& dir) {
+    return job({"checkpoint.dir=" + (d / dir).string(), "checkpoint.every_steps=10"});
+  };
+  Trainer whole_run(with("a"));
+  TrainResult whole = whole_run.run();
+  ASSERT_EQ(whole.losses.size(), 30u);
+
+  TrainerOptions stop_at_25;
+  stop_at_25.on_step = [](int64_t step, double) {
+    if (step == 25) throw Interrupt{};
+  };
+  EXPECT_THROW(Trainer(with("b"), stop_at_25).run(), Interrupt);
+  const fs::path bad = d / "b" / "step-00000020";
+  flip_byte(bad / "rank-00000.safetensors", -5);
+
+  testing::internal::CaptureStderr();
+  Trainer resumed_run(with("b"));
+  TrainResult rest = resumed_run.run();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("warning: checkpoint " + bad.string() + " is damaged (rank-00000.safetensors: CRC-32C 0x"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("); resuming from step-00000010"), std::string::npos) << err;
+  EXPECT_EQ(rest.resumed_from, (d / "b" / "step-00000010").string());
+  ASSERT_EQ(rest.losses.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) EXPECT_EQ(rest.losses[i], whole.losses[10 + i]) << "step " << 11 + i;
+  const TensorMap a = whole_run.weights(), b = resumed_run.weights();
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+}
+
+TEST(CheckpointResume, AnExplicitDamagedCheckpointIsAnErrorNotAFallback) {
+  set_threads(1);
+  const fs::path d = fresh_dir("resume_explicit");
+  Trainer(job({"checkpoint.dir=" + d.string(), "checkpoint.every_steps=10", "train.max_steps=20"})).run();
+  fs::remove(d / "step-00000020" / "rank-00000.safetensors");
+  const std::string e = error_of([&] {
+    Trainer(job({"checkpoint.dir=" + (d / "next").string(), "checkpoint.resume=" + (d / "step-00000020").string()}))
+        .run();
+  });
+  EXPECT_NE(e.find("checkpoint " + (d / "step-00000020").string() + " is damaged (rank-00000.safetensors: missing)"),
+            std::string::npos)
+      << e;
+}
+
+TEST(CheckpointOnError, WarnTrainsOnPastAReadOnlyFolderStopEndsTheRun) {
+  Tmpfs disk("on_error", "1m");
+  if (!disk.skip_reason().empty()) GTEST_SKIP() << disk.skip_reason();
+  set_threads(1);
+  const fs::path d = fresh_dir("on_error_logs");
+  std::vector<std::string> sets = {"checkpoint.dir=" + disk.dir().string(), "checkpoint.every_steps=10",
+                                   "train.max_steps=10", "checkpoint.on_error=warn"};
+  Trainer(job(sets)).run();  // step-00000010 on the tmpfs
+  disk.read_only();
+
+  sets[2] = "train.max_steps=30";
+  sets.push_back("log.metrics=" + (d / "metrics.jsonl").string());
+  testing::internal::CaptureStderr();
+  TrainResult r = Trainer(job(sets)).run();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(r.final_step, 30);  // trained on past both failed saves (step 20, the end)
+  EXPECT_EQ(r.resumed_from, (disk.dir() / "step-00000010").string());
+  EXPECT_NE(err.find("warning: checkpoint: cannot create " + (disk.dir() / ".step-00000020.tmp").string() +
+                     ": Read-only file system"),
+            std::string::npos)
+      << err;
+  int64_t failures = 0;
+  std::ifstream metrics(d / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    auto rec = nlohmann::json::parse(line);
+    if (rec.contains("checkpoint_failures")) failures = rec["checkpoint_failures"].get<int64_t>();
+  }
+  EXPECT_EQ(failures, 2);
+  EXPECT_EQ(CheckpointStore(disk.dir().string(), 3).latest_intact(), (disk.dir() / "step-00000010").string());
+
+  sets[3] = "checkpoint.on_error=stop";
+  EXPECT_THROW(Trainer(job(sets)).run(), CheckpointSaveError);
 }

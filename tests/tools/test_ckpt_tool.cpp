@@ -180,7 +180,8 @@ TEST(CkptTool, BadPathsExit2NamingThem) {
   o = run(d, {"export", step.string(), "--all", "-o", (d / "x.safetensors").string()});
   EXPECT_EQ(o.status, 2) << o.out << o.err;
   EXPECT_NE(o.err.find("ckpt: error:"), std::string::npos) << o.err;
-  EXPECT_NE(o.err.find(f2.string()), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("checkpoint " + step.string() + " is damaged (rank-00002.safetensors: "), std::string::npos)
+      << o.err;
   EXPECT_EQ(o.err.find("terminate"), std::string::npos) << o.err;
   EXPECT_FALSE(fs::exists(d / "x.safetensors"));
   std::ofstream(step / "meta.json", std::ios::trunc) << "{ damaged";
@@ -190,4 +191,35 @@ TEST(CkptTool, BadPathsExit2NamingThem) {
 
   o = run(d, {});  // no subcommand
   EXPECT_EQ(o.status, 2) << o.out << o.err;
+}
+
+TEST(CkptTool, VerifyChecksEveryFileOfEveryCheckpointAndNamesTheDamage) {
+  fs::path d = fresh_dir("verify");
+  const fs::path step = write_sharded(d / "ckpt", originals());
+  Outcome o = run(d, {"verify", step.string()});
+  EXPECT_EQ(o.status, 0) << o.out << o.err;
+  EXPECT_NE(o.out.find("ok       " + step.string()), std::string::npos) << o.out;
+
+  // A second, older checkpoint; then one flipped byte in the newest's rank 1 file.
+  const fs::path older = d / "ckpt" / "step-00000039";
+  fs::copy(step, older);
+  std::string bytes = slurp(step / "rank-00001.safetensors");
+  bytes[bytes.size() - 2] ^= 0x01;
+  std::ofstream(step / "rank-00001.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+  o = run(d, {"verify", (d / "ckpt").string()});  // a folder: every checkpoint in it
+  EXPECT_EQ(o.status, 1) << o.out << o.err;
+  EXPECT_NE(o.out.find("ok       " + older.string()), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("DAMAGED  checkpoint " + step.string() + " is damaged (rank-00001.safetensors: CRC-32C 0x"),
+            std::string::npos)
+      << o.out;
+  EXPECT_NE(o.out.find("2 checkpoints, 1 damaged"), std::string::npos) << o.out;
+
+  fs::remove(older / "rank-00002.safetensors");  // a missing shard
+  o = run(d, {"verify", older.string()});
+  EXPECT_EQ(o.status, 1) << o.out << o.err;
+  EXPECT_NE(o.out.find("(rank-00002.safetensors: missing)"), std::string::npos) << o.out;
+
+  o = run(d, {"verify", (d / "nothing").string()});
+  EXPECT_EQ(o.status, 2) << o.out << o.err;
+  EXPECT_NE(o.err.find((d / "nothing").string()), std::string::npos) << o.err;
 }
