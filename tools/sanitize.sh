@@ -21,7 +21,12 @@
 #         report there is noise about code tetra does not own (tsan.supp lists those
 #         libraries for the parts of them the chosen tests still reach).
 #
-# ctest args given after the mode replace the default selection (e.g. -R core_test_config).
+# ctest args given after the mode replace the default selection (e.g. -R '^Config').
+# With TETRA_SAN_TARGETS, the binaries not built show as *_NOT_BUILT tests: add
+# -E NOT_BUILT to the selection, e.g.
+#   TETRA_SAN_TARGETS="core_test_config collectives_test_local" \
+#     tools/sanitize.sh asan -L 'core|collectives' -E 'NOT_BUILT|install'
+
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
