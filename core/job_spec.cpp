@@ -239,7 +239,9 @@ TrainSpec parse_train(Section& t) {
   spec.threads =
       static_cast<int>(t.integer("threads", def.threads, 0, std::numeric_limits<int>::max()));
   spec.precision = t.word("precision", def.precision, precision_names());
-  spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1);
+  // Bounded like pipeline.micro_batches: the plan multiplies it by the data ranks, and an
+  // unbounded value overflowed that product (a division by zero in `train --check`).
+  spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1, 1 << 20);
   spec.on_nonfinite = t.word("on_nonfinite", def.on_nonfinite, on_nonfinite_names());
   t.finish();
   return spec;

@@ -715,5 +715,37 @@ TEST(ConfigValid, MlpMayHaveNoHiddenLayers) {
   EXPECT_TRUE(parse("model:\n  hidden: []\n").model.hidden.empty());
 }
 
+// ---- regressions: inputs that once crashed the parser (tools/fuzz.sh) ---------------------
+
+// A plugin that owns the data axis and is off: enough for mesh.data > 1 to reach the plan's
+// rules without linking a strategy.
+SectionRegistry data_axis_plugin() {
+  SectionRegistry plugins;
+  plugins.add("data_parallel", [](Section& s, const JobSpec&) -> std::shared_ptr<const PluginConfig> {
+    s.finish();
+    return nullptr;
+  }, "data");
+  return plugins;
+}
+
+TEST(ConfigRegressions, HugeAccumulationStepsIsAnErrorNotADivisionByZero) {
+  // 4 data ranks x 2^62 micro-batches overflowed int64 to 0 in Plan::issues, which then
+  // took batch_size % 0: `train --check` died of SIGFPE. The key is bounded like
+  // pipeline.micro_batches now.
+  EXPECT_EQ(errors_of("mesh: {data: 4}\ntrain: {accumulation_steps: 4611686018427387904}\n", {},
+                      data_axis_plugin()),
+            "job.yaml:2:29: error: train.accumulation_steps: must be in [1, 1048576], got "
+            "4611686018427387904");
+  EXPECT_EQ(errors_of("mesh: {data: 4}\n", {"train.accumulation_steps=4611686018427387904"},
+                      data_axis_plugin()),
+            "--set train.accumulation_steps=4611686018427387904: error: train.accumulation_steps: "
+            "must be in [1, 1048576], got 4611686018427387904");
+  // The largest allowed still reaches the plan's rule, with its numbers.
+  EXPECT_NE(errors_of("mesh: {data: 4}\ndata: {batch_size: 8}\ntrain: {accumulation_steps: 1048576}\n",
+                      {}, data_axis_plugin())
+                .find("does not split into 4 data-parallel ranks x 1048576 micro-batches"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace tetra::core

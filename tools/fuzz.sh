@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# tools/fuzz.sh [runs] [libFuzzer args...]
+#
+# Builds fuzz-job-spec (tools/fuzz/fuzz_job_spec.cpp) in the asan-ubsan preset's tree
+# (build-asan/: clang, ASan + UBSan + libFuzzer coverage on tetra's code; the same
+# instrumented libraries the sanitizer suite runs) and fuzzes the job-spec parser and
+# its --set overrides for `runs` inputs (default 1000000), starting from
+# tools/fuzz/corpus (configs/*.yaml and hand-written override inputs) with the
+# dictionary tools/fuzz/job_spec.dict. New inputs go to build-asan/fuzz/corpus, never
+# into the repo; a crash, leak, timeout or OOM leaves its input in build-asan/fuzz/
+# (crash-*, leak-*, timeout-*, oom-*) and a non-zero exit. Reproduce one with
+#   build-asan/bin/fuzz-job-spec build-asan/fuzz/crash-...
+# and add it to tests/core/test_config.cpp once the parser is fixed.
+#
+# Guards: -timeout=10 (a hang), -rss_limit_mb=2048, -max_total_time (FUZZ_MAX_S, default
+# 3 hours) so a slow machine cannot run for ever.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+runs=${1:-1000000}
+shift || true
+
+export ASAN_OPTIONS="detect_leaks=1:allocator_may_return_null=1"
+export LSAN_OPTIONS="suppressions=$root/tools/sanitizers/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$root/tools/sanitizers/ubsan.supp"
+
+nice -n 19 cmake --preset asan-ubsan >/dev/null
+nice -n 19 cmake --build build-asan -j2 --target fuzz-job-spec
+
+out=build-asan/fuzz
+mkdir -p "$out/corpus"
+t0=$SECONDS
+rc=0
+nice -n 19 build-asan/bin/fuzz-job-spec "$out/corpus" tools/fuzz/corpus \
+  -dict=tools/fuzz/job_spec.dict -runs="$runs" -timeout=10 -rss_limit_mb=2048 \
+  -max_total_time="${FUZZ_MAX_S:-10800}" -max_len=4096 -artifact_prefix="$out/" \
+  -print_final_stats=1 "$@" || rc=$?
+echo "fuzz.sh: $runs runs asked, $((SECONDS - t0)) s, exit $rc"
+exit $rc
