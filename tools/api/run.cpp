@@ -229,6 +229,9 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
     TrainResult result = run_in(spec, options, plan, launch, world);
     collectives::Monitor::stop();
     return result;
+  } catch (const PreemptedError&) {
+    collectives::Monitor::stop();  // every rank stops at the agreed step: a clean goodbye
+    throw;
   } catch (const std::exception& e) {
     // A communication error may be the echo of a peer's death: let the monitor say so
     // (it ends this process with kExitPeerLost) before this rank reports its own failure.
