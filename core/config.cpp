@@ -433,6 +433,39 @@ ConfigDocument ConfigDocument::load_file(const std::string& path, Diagnostics& d
   return from_string(text, path, diag);
 }
 
+namespace {
+
+// The offset of the first byte that does not start or continue a well-formed UTF-8
+// sequence, or npos. YAML is UTF-8 text, and yaml-cpp 0.7 can spin for minutes on bytes
+// such as 0xFF (found by tools/fuzz): they are refused before it sees them.
+size_t first_non_utf8(const std::string& text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || (len == 2 && c < 0xC2) || (len == 4 && c > 0xF4) || i + len > n) return i;
+    for (size_t k = 1; k < len; ++k)
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+    i += len;
+  }
+  return std::string::npos;
+}
+
+// "byte 0xff at line 3, column 7"
+std::string describe_byte(const std::string& text, size_t at) {
+  size_t line = 1, col = 1;
+  for (size_t i = 0; i < at; ++i) {
+    if (text[i] == '\n') ++line, col = 1;
+    else ++col;
+  }
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned char>(text[at]));
+  return std::string("byte ") + hex + " at line " + std::to_string(line) + ", column " + std::to_string(col);
+}
+
+}  // namespace
+
 ConfigDocument ConfigDocument::from_string(const std::string& text, const std::string& name,
                                            Diagnostics& diag) {
   ConfigDocument doc;
@@ -441,6 +474,11 @@ ConfigDocument ConfigDocument::from_string(const std::string& text, const std::s
   SourceLocation here;
   here.file = name;
   std::vector<YAML::Node> docs;
+  if (const size_t bad = first_non_utf8(text); bad != std::string::npos) {
+    diag.error(here, "the job file is not UTF-8 text (" + describe_byte(text, bad) +
+                         "); YAML files are UTF-8: save it as UTF-8 or remove that byte");
+    return doc;
+  }
   try {
     docs = YAML::LoadAll(text);
   } catch (const YAML::DeepRecursion& e) {
@@ -516,6 +554,9 @@ void ConfigDocument::apply_override(const std::string& assignment, Diagnostics& 
   YAML::Node value;
   if (trim(value_text).empty()) {
     value = YAML::Node(std::string());  // `--set log.metrics=` sets the empty string
+  } else if (const size_t bad = first_non_utf8(value_text); bad != std::string::npos) {
+    diag.error(where, key + ": the value is not UTF-8 text (" + describe_byte(value_text, bad) + ")");
+    return;
   } else {
     try {
       value = YAML::Load(value_text);

@@ -747,5 +747,19 @@ TEST(ConfigRegressions, HugeAccumulationStepsIsAnErrorNotADivisionByZero) {
             std::string::npos);
 }
 
+TEST(ConfigRegressions, BytesThatAreNotUtf8AreAnErrorNotAHangInsideYamlCpp) {
+  // tools/fuzz found it: 0xFF bytes in a comment made yaml-cpp 0.7's LoadAll spin for
+  // minutes (train --check never answered). The text is refused before yaml-cpp reads it.
+  std::ifstream in(std::string(TETRA_SOURCE_DIR) + "/tools/fuzz/findings/timeout-yaml-loadall.yaml", std::ios::binary);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  ASSERT_FALSE(text.empty());
+  const std::string e = errors_of(text, {}, data_axis_plugin());
+  EXPECT_NE(e.find("the job file is not UTF-8 text (byte 0xff at line 3, column 76)"), std::string::npos) << e;
+  EXPECT_NE(errors_of("mesh: {data: 4}\n", {"name=ab\xff"}, data_axis_plugin()).find("name: the value is not UTF-8 text"),
+            std::string::npos);
+  // UTF-8 itself is fine.
+  EXPECT_NO_THROW(parse_job_string("name: \"caf\xc3\xa9 \xe2\x9c\x93\"\nmesh: {data: 4}\n", "job.yaml", {}, data_axis_plugin()));
+}
+
 }  // namespace
 }  // namespace tetra::core
