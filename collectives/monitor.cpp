@@ -75,6 +75,9 @@ int st_size() { return st().size; }
 // enough that rank 0 is not flooded (a quarter second, 5 ms per rank beyond 50 ranks).
 int64_t report_every_us() { return std::max<int64_t>(250'000, int64_t{5'000} * st_size()); }
 
+// Never throws: a name with bytes that are not UTF-8 is written with U+FFFD instead.
+std::string text_of(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
 bool send_line(int fd, const std::string& line) {
   if (fd < 0) return false;
   std::lock_guard<std::mutex> lock(st().send_mu);
@@ -145,7 +148,7 @@ std::string report_json() {
   nlohmann::json comms = nlohmann::json::array();
   for (const MemberProgress& m : local_progress())
     if (m.group && m.group->agreed) comms.push_back(to_json(m));
-  return nlohmann::json({{"t", "report"}, {"where", process_description()}, {"comms", std::move(comms)}}).dump();
+  return text_of(nlohmann::json({{"t", "report"}, {"where", process_description()}, {"comms", std::move(comms)}}));
 }
 
 std::vector<MemberProgress> parse_report(const nlohmann::json& comms) {
@@ -172,7 +175,7 @@ void server_peer_gone(Peer& p, const std::string& how) {
     std::lock_guard<std::mutex> lock(s.mu);
     text = who(p.rank, s.where[p.rank]) + " died: " + how + "; " + last_seen(s.reports[p.rank]);
   }
-  server_broadcast(nlohmann::json({{"t", "lost"}, {"text", text}}).dump(), p.fd);
+  server_broadcast(text_of(nlohmann::json({{"t", "lost"}, {"text", text}})), p.fd);
   lost(text);
 }
 
@@ -202,7 +205,7 @@ void server_line(Peer& p, const std::string& line) {
         s.failure_deadline_us = wall_us() + std::chrono::duration_cast<std::chrono::microseconds>(s.options.failure_grace).count();
       }
     }
-    server_broadcast(nlohmann::json({{"t", "failed"}, {"text", text}}).dump(), p.fd);
+    server_broadcast(text_of(nlohmann::json({{"t", "failed"}, {"text", text}})), p.fd);
   } else if (t == "query") {
     const std::string id = j.value("identity", "");
     nlohmann::json members = nlohmann::json::array();
@@ -215,11 +218,11 @@ void server_line(Peer& p, const std::string& line) {
     }
     for (const MemberProgress& m : local_progress())
       if (m.group && m.group->identity == id) members.push_back(to_json(m));
-    send_line(p.fd, nlohmann::json({{"t", "state"}, {"id", j.value("id", int64_t{0})}, {"members", members}}).dump());
+    send_line(p.fd, text_of(nlohmann::json({{"t", "state"}, {"id", j.value("id", int64_t{0})}, {"members", members}})));
   }
 }
 
-void server_loop() {
+void server_loop_body() {
   State& s = st();
   std::string last_report;
   int64_t last_sent = 0;
@@ -320,7 +323,7 @@ void client_line(const std::string& line) {
   }
 }
 
-void client_loop() {
+void client_loop_body() {
   State& s = st();
   std::string last_report;
   int64_t last_sent = 0;
@@ -339,6 +342,15 @@ void client_loop() {
       for (const auto& l : lines) client_line(l);
       if (!open) {
         if (s.up.goodbye || s.stop.load()) return;  // rank 0 ended cleanly
+        {
+          std::lock_guard<std::mutex> lock(s.mu);
+          if (!s.failure.empty()) {
+            // Rank 0 failed and said so: its end is no death; the grace period runs on.
+            ::close(s.up.fd);
+            s.up.fd = -1;
+            continue;
+          }
+        }
         std::string failure;
         {
           std::lock_guard<std::mutex> lock(s.mu);
@@ -352,7 +364,7 @@ void client_loop() {
       }
     }
     const int64_t now = wall_us();
-    if (!s.up.goodbye && now - s.up.heard_us > kSilentUs) {
+    if (s.up.fd >= 0 && !s.up.goodbye && now - s.up.heard_us > kSilentUs) {
       std::string text;
       {
         std::lock_guard<std::mutex> lock(s.mu);
@@ -363,7 +375,7 @@ void client_loop() {
     }
     if (now - last_sent >= report_every_us()) {
       std::string r = report_json();
-      if (r != last_report || now - last_sent >= kHeartbeatEveryUs) {
+      if (s.up.fd >= 0 && (r != last_report || now - last_sent >= kHeartbeatEveryUs)) {
         send_line(s.up.fd, r);
         last_report = std::move(r);
         last_sent = now;
@@ -377,6 +389,18 @@ void client_loop() {
     if (!failure.empty()) lost(failure);
   }
 }
+
+// The monitor must never take the process down: whatever escapes ends the monitoring
+// with a line on stderr, and the job goes on without it.
+void guarded(void (*body)(), const char* role) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tetra: the monitor's %s stopped: %s (dead ranks will no longer be named)\n", role, e.what());
+  }
+}
+void server_loop() { guarded(server_loop_body, "server"); }
+void client_loop() { guarded(client_loop_body, "client"); }
 
 // Rank 0's address to every rank, over the world (its first op).
 std::string share_address(Communicator& world, const std::string& mine, Duration timeout) {
@@ -463,7 +487,7 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
     s.up = Peer{};
     s.up.fd = connect_to(address.substr(0, colon), address.substr(colon + 1), Clock::now() + options.timeout);
     s.up.heard_us = wall_us();
-    send_line(s.up.fd, nlohmann::json({{"t", "hello"}, {"rank", s.rank}, {"where", process_description()}}).dump());
+    send_line(s.up.fd, text_of(nlohmann::json({{"t", "hello"}, {"rank", s.rank}, {"where", process_description()}})));
   }
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -473,20 +497,21 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
   s.thread = std::thread(s.server ? server_loop : client_loop);
 }
 
-void Monitor::stop() {
+namespace {
+
+// Ends the monitor thread after the goodbye (or failure) line `last` went out, and closes
+// everything: a process that is ending must not leave the thread running into its exit
+// (static destruction).
+void halt(const std::string& last) {
   State& s = st();
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (!s.running) return;
     s.running = false;
+    if (s.server) s.outbox.push_back(last);  // the server thread sends it before it stops
   }
   s.ending = true;
-  if (s.server) {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.outbox.push_back(R"({"t":"bye"})");  // the server thread sends it before it stops
-  } else {
-    send_line(s.up.fd, R"({"t":"bye"})");
-  }
+  if (!s.server) send_line(s.up.fd, last);
   s.stop = true;
   ssize_t ignored = ::write(s.wake[1], "x", 1);
   (void)ignored;
@@ -496,7 +521,7 @@ void Monitor::stop() {
     s.peers.clear();
     ::close(s.listen_fd);
     s.listen_fd = -1;
-  } else {
+  } else if (s.up.fd >= 0) {
     ::close(s.up.fd);
     s.up.fd = -1;
   }
@@ -505,33 +530,19 @@ void Monitor::stop() {
   std::lock_guard<std::mutex> lock(s.mu);
   s.reports.clear();
   s.failure.clear();
+  s.outbox.clear();
 }
+
+}  // namespace
+
+void Monitor::stop() { halt(R"({"t":"bye"})"); }
 
 void Monitor::report_failure(const std::string& message) {
   State& s = st();
   s.ending = true;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (!s.running) return;
-  }
   const std::string first = message.substr(0, std::min<size_t>(message.size(), 2000));
-  if (s.server) {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.outbox.push_back(nlohmann::json({{"t", "failed"}, {"text", who(0, process_description()) + " failed: " + first}}).dump());
-    ssize_t ignored = ::write(s.wake[1], "x", 1);
-    (void)ignored;
-  } else {
-    send_line(s.up.fd, nlohmann::json({{"t", "fail"}, {"message", first}}).dump());
-    return;
-  }
-  // This process exits soon: let the server thread send it first.
-  for (int i = 0; i < 100; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      if (s.outbox.empty()) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  halt(s.server ? text_of(nlohmann::json({{"t", "failed"}, {"text", who(0, process_description()) + " failed: " + first}}))
+                : text_of(nlohmann::json({{"t", "fail"}, {"message", first}})));
 }
 
 void Monitor::ending() { st().ending = true; }
@@ -561,7 +572,7 @@ std::vector<MemberProgress> Monitor::remote_members(const std::string& identity)
   }
   const int64_t id = s.next_query++;
   lock.unlock();
-  send_line(s.up.fd, nlohmann::json({{"t", "query"}, {"id", id}, {"identity", identity}}).dump());
+  send_line(s.up.fd, text_of(nlohmann::json({{"t", "query"}, {"id", id}, {"identity", identity}})));
   lock.lock();
   s.answered.wait_for(lock, std::chrono::seconds(3), [&] { return s.answers.count(id) != 0; });
   auto it = s.answers.find(id);

@@ -56,8 +56,9 @@ void watch_loop();
 }  // namespace
 
 std::string process_description() {
-  static const std::string d = "host " + hardware::hostname() + ", pid " + std::to_string(::getpid());
-  return d;
+  // Leaked: the monitor and watchdog threads may read it while the process exits.
+  static const std::string* d = new std::string("host " + hardware::hostname() + ", pid " + std::to_string(::getpid()));
+  return *d;
 }
 
 void watch(Communicator* comm) {
