@@ -30,7 +30,7 @@ train=$(realpath "$build/bin/train")
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mkdir -p "$out"
 
-# The job of one strategy on np ranks: 120 steps, a checkpoint every 10, the weights
+# The job of one strategy on np ranks: 300 steps, a checkpoint every 10, the weights
 # exported at the end.
 job() {  # strategy dir
   local mesh extra
@@ -44,7 +44,7 @@ name: kill-$1
 model: {type: mlp, hidden: [256, 128, 64]}
 data: {type: synthetic, batch_size: 64}
 optimizer: {type: sgd, lr: 0.05}
-train: {max_steps: 120, seed: 7, threads: 1}
+train: {max_steps: 300, seed: 7, threads: 1}
 mesh: $mesh
 $extra
 collectives: {backend: $( [[ $launcher == gloo ]] && echo gloo || echo mpi ), timeout_s: 120}
@@ -90,6 +90,7 @@ run_to_end() {  # dir
 now() { date +%s.%N; }
 
 printf '%-9s %5s %5s %8s %10s %8s %s\n' strategy trial rank "kill at" "exit (s)" resumed "statuses / note"
+# "kill at": seconds after the first step; "exit": seconds from the kill until the last rank ended.
 for s in $strategies; do
   ref="$out/$s-reference"; rm -rf "$ref"; mkdir -p "$ref"; job "$s" "$ref"
   t0=$(now); run_to_end "$ref" || { echo "$s: the uninterrupted run failed: $(cat "$ref"/err*.txt | tail -5)"; continue; }
@@ -98,8 +99,11 @@ for s in $strategies; do
   for ((t = 1; t <= trials; t++)); do
     d="$out/$s-$t"; rm -rf "$d"; mkdir -p "$d"; job "$s" "$d"
     victim=$((RANDOM % np))
-    at=$(python3 -c "import random; print(f'{random.uniform(1.0, max(1.5, 0.8 * $full)):.2f}')")
+    at=$(python3 -c "import random; print(f'{random.uniform(0.0, 0.5 * $full):.2f}')")
     launch "$d"
+    # A random moment of training: after the first step (a kill during start-up, before
+    # the monitor is up, is bounded by collectives.timeout_s only).
+    for _ in $(seq 1200); do [[ -s $d/metrics.jsonl ]] && break; sleep 0.05; done
     sleep "$at"
     pids=($(cat "$d/pids"))
     kill -9 "${pids[$victim]}" 2>/dev/null
@@ -116,9 +120,10 @@ for s in $strategies; do
     worst=$(python3 -c "print(max($worst, $last))")
     note=""
     if [[ $launcher == gloo ]]; then
-      survivors=$(cat "$d"/err*.txt | grep -c "rank $victim (host .*) died" || true)
+      survivors=$(cat "$d"/err*.txt | grep -c "rank $victim (host [^)]*) died" || true)
       [[ $survivors -eq $((np - 1)) ]] && named=$((named + 1)) || note="named by $survivors of $((np - 1)) survivors"
     fi
+    for f in "$d"/out*.txt "$d"/err*.txt; do [[ -e $f ]] && mv "$f" "$d/killed-$(basename "$f")"; done
     # The kill may land after the run ended: then there is nothing to resume.
     if run_to_end "$d" >/dev/null 2>&1 && cmp -s "$d/final.safetensors" "$ref/final.safetensors"; then
       matched=$((matched + 1)); res=same
