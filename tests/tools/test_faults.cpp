@@ -42,7 +42,7 @@ std::string long_job(const fs::path& d, const std::string& backend, int ranks, c
                       "optimizer: {type: sgd, lr: 0.01}\n"
                       "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
                    << (strategy.empty() ? "mesh: {data: " + std::to_string(ranks) + "}\n" : strategy + "\n")
-                      "collectives: {backend: "
+                   << "collectives: {backend: "
                    << backend << ", timeout_s: 600}\n"
                       "checkpoint: {dir: \"\"}\n"
                       "log: {every: 1, progress: off, metrics: "
