@@ -96,6 +96,18 @@ inline std::string case_name(const char* op, at::ScalarType dt, int64_t n, const
 }
 
 // Waits; a failure is a gtest failure (and false), never an exception out of the suite.
+// The message a failed op's wait() throws ("" when it succeeded).
+inline std::string error_of(const WorkPtr& w) {
+  try {
+    w->wait();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
 inline bool wait_ok(const WorkPtr& w) {
   try {
     w->wait();

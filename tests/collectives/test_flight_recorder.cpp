@@ -15,6 +15,7 @@
 
 #include "collectives/local.h"
 #include "collectives/watchdog.h"
+#include "tests/collectives/conformance.h"
 
 namespace tetra::collectives {
 namespace {
@@ -22,16 +23,9 @@ namespace {
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
-std::string error_of(const WorkPtr& w) {
-  try {
-    w->wait();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using conformance::contains;
+using conformance::error_of;
 
 HealthOptions checked(Duration stall = Duration(0)) {
   HealthOptions h;

@@ -30,16 +30,9 @@ struct Shape {
 
 std::string shape_name(const Shape& s) { return std::to_string(s.D) + "x" + std::to_string(s.R); }
 
-std::string error_of(const WorkPtr& w) {
-  try {
-    w->wait();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using conformance::contains;
+using conformance::error_of;
 
 // The inner groups [d][r] and outer groups [r][d] of a D x R layout, all local.
 struct Groups {

@@ -55,16 +55,9 @@ INSTANTIATE_TEST_SUITE_P(Sizes, LocalWorld, ::testing::Range(1, 9),
 
 // ---- local-specific -------------------------------------------------------------
 
-std::string error_of(const WorkPtr& w) {
-  try {
-    w->wait();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using conformance::contains;
+using conformance::error_of;
 
 template <typename F>
 double seconds_of(F&& f) {
