@@ -7,8 +7,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "collectives/error.h"
+#include "collectives/watchdog.h"
 
 namespace tetra::collectives {
 
@@ -195,24 +200,91 @@ class GlooCommunicator final : public Communicator {
   }
 };
 
+// Every rank signs in under its own key, then waits for all the others. A rank that never
+// comes (not started, killed while starting, another WORLD_SIZE or MASTER_PORT) is named
+// when the wait ends, instead of c10d's "2/3 clients joined" or a hang in gloo's own
+// connect, which waits for each peer's address with no name. Rank 0 serves the store and
+// decides: when its wait ends it posts who is missing, and gives the others a moment to
+// read it before it leaves (its leaving closes the store).
+void await_everyone(c10d::Store& store, int rank, int size, const std::string& where, Duration timeout) {
+  const std::string prefix = "tetra/joined/", failed = "tetra/rendezvous_failed", seen = "tetra/failure_seen/";
+  auto bytes = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    store.set(keys[static_cast<size_t>(rank)], bytes(process_description()));
+    // The others defer to rank 0's verdict, so they wait a little longer than it does.
+    const Deadline end = Clock::now() + timeout + (rank == 0 ? Duration(0) : std::chrono::seconds(10));
+    for (auto nap = std::chrono::milliseconds(1);; nap = std::min(nap * 2, std::chrono::milliseconds(100))) {
+      if (store.check(keys)) return;
+      if (rank != 0 && store.check({failed})) {
+        const std::vector<uint8_t> why = store.get(failed);
+        store.set(seen + std::to_string(rank), bytes("1"));
+        throw PeerLostError(where + ": " + std::string(why.begin(), why.end()));
+      }
+      if (Clock::now() >= end) break;
+      std::this_thread::sleep_for(nap);
+    }
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r)
+      if (!store.check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+    if (missing.empty()) return;  // the last one came as the time ran out
+    std::string names;
+    for (size_t i = 0; i < missing.size() && i < 16; ++i) names += (i ? ", " : "") + std::to_string(missing[i]);
+    if (missing.size() > 16) names += ", ... (" + std::to_string(missing.size()) + " in all)";
+    const std::string why =
+        std::string("rank") + (missing.size() > 1 ? "s " : " ") + names + " of " + std::to_string(size) +
+        " never joined within " + std::to_string(timeout.count() / 1000) + " s (" +
+        std::to_string(size - static_cast<int>(missing.size())) +
+        " did). Was every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE? "
+        "A rank that died while starting says why in its own output";
+    if (rank == 0) {
+      store.set(failed, bytes(why));
+      std::vector<std::string> readers;
+      for (int r = 1; r < size; ++r)
+        if (store.check({keys[static_cast<size_t>(r)]})) readers.push_back(seen + std::to_string(r));
+      for (const Deadline linger = Clock::now() + std::chrono::seconds(5);
+           !readers.empty() && !store.check(readers) && Clock::now() < linger;)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    throw PeerLostError(where + ": " + why);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The store is rank 0's: a broken connection means rank 0 went away.
+    const std::string m = e.what();
+    throw PeerLostError(where + ": rank 0, which serves the rendezvous, went away (" + m.substr(0, m.find('\n')) +
+                        "); its own output says why");
+  }
+}
+
 }  // namespace
 
 CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port, const WorldOptions& options) {
+  const std::string where = "gloo: rendezvous at " + addr + ":" + std::to_string(port) + " as rank " +
+                            std::to_string(rank) + " of " + std::to_string(size);
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(port);
   so.isServer = rank == 0;
   so.numWorkers = static_cast<std::size_t>(size);
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // await_everyone waits, and names who is missing
   so.timeout = options.timeout;
+  c10::intrusive_ptr<c10d::TCPStore> store;
   try {
-    auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    throw CommError(where + ": " + m.substr(0, m.find('\n')) +
+                    (rank == 0 ? "" : " (rank 0 serves the rendezvous: did it start, at that address and port?)"));
+  }
+  await_everyone(*store, rank, size, where, options.timeout);
+  try {
     auto world = std::make_shared<GlooCommunicator>(rank, size, "gloo world", store, options.timeout);
     world->name_group("gloo:" + addr + ":" + std::to_string(port));
     return world;
   } catch (const std::exception& e) {
     std::string m = e.what();
-    throw CommError("gloo: cannot rendezvous at " + addr + ":" + std::to_string(port) + " as rank " +
-                    std::to_string(rank) + " of " + std::to_string(size) + ": " + m.substr(0, m.find('\n')));
+    throw CommError(where + ": " + m.substr(0, m.find('\n')));
   }
 }
 

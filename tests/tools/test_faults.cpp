@@ -34,7 +34,8 @@ using Clock = std::chrono::steady_clock;
 
 // A long job (data parallel on `ranks`, unless `strategy` says more): it is killed long
 // before it ends.
-std::string long_job(const fs::path& d, const std::string& backend, int ranks, const std::string& strategy = "") {
+std::string long_job(const fs::path& d, const std::string& backend, int ranks, const std::string& strategy = "",
+                     int timeout_s = 600) {
   const fs::path p = d / "job.yaml";
   std::ofstream(p) << "name: faults\n"
                       "model: {type: mlp, hidden: [64, 64]}\n"
@@ -43,7 +44,7 @@ std::string long_job(const fs::path& d, const std::string& backend, int ranks, c
                       "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
                    << (strategy.empty() ? "mesh: {data: " + std::to_string(ranks) + "}\n" : strategy + "\n")
                    << "collectives: {backend: "
-                   << backend << ", timeout_s: 600}\n"
+                   << backend << ", timeout_s: " << timeout_s << "}\n"
                       "checkpoint: {dir: \"\"}\n"
                       "log: {every: 1, progress: off, metrics: "
                    << (d / "m.jsonl").string() << ", dir: " << d.string() << "}\n";
@@ -94,11 +95,13 @@ int wait_within(pid_t pid, std::chrono::seconds limit, double* took = nullptr) {
 struct GlooJob {
   fs::path dir;
   std::vector<pid_t> pids;
-  // torchrun's variables, one process per rank, no launcher watching them.
-  GlooJob(const std::string& name, int ranks, const std::string& strategy = "") : dir(fresh_dir("faults", name)) {
-    const std::string job = long_job(dir, "gloo", ranks, strategy);
+  // torchrun's variables, one process per rank, no launcher watching them; only the first
+  // `started` ranks are started (all of them unless told).
+  GlooJob(const std::string& name, int ranks, const std::string& strategy = "", int started = -1, int timeout_s = 600)
+      : dir(fresh_dir("faults", name)) {
+    const std::string job = long_job(dir, "gloo", ranks, strategy, timeout_s);
     const int port = free_port();
-    for (int r = 0; r < ranks; ++r)
+    for (int r = 0; r < (started < 0 ? ranks : started); ++r)
       pids.push_back(spawn_tool(kTrain, {job}, dir / ("out" + std::to_string(r) + ".txt"),
                                 dir / ("err" + std::to_string(r) + ".txt"),
                                 {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(ranks),
@@ -149,6 +152,21 @@ TEST(Faults, AKilledPipelineStageIsNamed) {
   GlooJob job("gloo_pipeline", 4,
               "mesh: {pipeline: 2, data: 2}\npipeline: {schedule: 1f1b, micro_batches: 4}");
   expect_survivors_name_the_dead(job, 3);
+}
+
+// Before the monitor is up, a rank that never joins (not started, or killed while
+// starting) cannot be told from a slow one: the rendezvous waits collectives.timeout_s,
+// then every rank that came names the ones that did not.
+TEST(Faults, ARankThatNeverJoinsIsNamedWhenTheRendezvousTimesOut) {
+  GlooJob job("never_joined", 4, "", /*started=*/2, /*timeout_s=*/3);
+  for (int r = 0; r < 2; ++r) {
+    const int status = wait_within(job.pids[static_cast<size_t>(r)], std::chrono::seconds(60));
+    const std::string err = job.err(r);
+    EXPECT_EQ(status, tetra::kExitPeerLost) << "rank " << r << ": " << err;
+    EXPECT_NE(err.find("ranks 2, 3 of 4 never joined within 3 s (2 did)"), std::string::npos) << err;
+    EXPECT_NE(err.find("MASTER_PORT"), std::string::npos) << err;
+    EXPECT_EQ(err.find("terminate called"), std::string::npos) << err;
+  }
 }
 
 TEST(Faults, SigusrOneDumpsTheFlightRecorderAndTheJobGoesOn) {
