@@ -306,7 +306,6 @@ MemberProgress Communicator::progress() const {
   {
     std::lock_guard<std::mutex> lock(mu_);
     m.collectives_started = run_.collectives_started;
-    m.collectives_ended = run_.collectives_ended;
     m.sends_started = run_.sends_started;
     m.recvs_started = run_.recvs_started;
     current = run_.current;
@@ -423,7 +422,6 @@ void Communicator::end(uint64_t record) {
   if (!record) return;
   std::lock_guard<std::mutex> lock(mu_);
   run_.current = 0;
-  run_.collectives_ended = run_.collectives_started;
 }
 
 std::string Communicator::diagnose_record(uint64_t record) const {

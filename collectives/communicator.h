@@ -173,8 +173,8 @@ struct MemberProgress {
   std::shared_ptr<const GroupInfo> group;
   std::string owner;  // the member's recorder owner ("rank 3")
   std::string where;  // "host h, pid p"
-  int64_t collectives_started = 0, collectives_ended = 0;  // highest sequence numbers
-  std::vector<int64_t> sends_started, recvs_started;        // how many began, per peer (group rank)
+  int64_t collectives_started = 0;                    // the highest sequence number begun
+  std::vector<int64_t> sends_started, recvs_started;  // how many began, per peer (group rank)
   bool running = false;
   OpRecord current;  // the op running now (when running)
   bool has_last = false;
@@ -318,7 +318,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int64_t collectives_ = 0, splits_ = 0;          // issued so far (issue order)
   std::map<std::pair<int, int>, int64_t> sends_, recvs_;  // issued per (peer, tag)
   struct Running {
-    int64_t collectives_started = 0, collectives_ended = 0;
+    int64_t collectives_started = 0;
     std::vector<int64_t> sends_started, recvs_started;
     uint64_t current = 0, last = 0;  // record ids
   } run_;  // guarded by mu_

@@ -64,6 +64,18 @@ std::string OpRecord::describe() const {
   return s + shape_text(dtype, shape);
 }
 
+std::string OpRecord::describe_at(int64_t now_us) const {
+  if (state == OpState::kStarted) return describe() + " (running for " + seconds_text(now_us - started_us) + ")";
+  return describe() + " (" + to_string(state) + ")";
+}
+
+std::string seconds_text(int64_t us) {
+  std::ostringstream os;
+  os.precision(us >= 10'000'000 ? 0 : 1);
+  os << std::fixed << static_cast<double>(us) / 1e6 << " s";
+  return os.str();
+}
+
 size_t FlightRecorder::default_capacity() {
   if (const char* v = std::getenv("TETRA_FLIGHT_RECORDER_ENTRIES")) {
     char* end = nullptr;
@@ -287,31 +299,19 @@ struct Rank {
   int64_t dumped_us = 0;      // when its dump was taken
 };
 
-std::string seconds(int64_t us) {
-  std::ostringstream os;
-  os.precision(us >= 10'000'000 ? 0 : 1);
-  os << std::fixed << static_cast<double>(us) / 1e6 << " s";
-  return os.str();
-}
-
 std::string list(const std::vector<std::string>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? (i + 1 == v.size() ? " and " : ", ") : "") + v[i];
   return s;
 }
 
-// "its last op was send #77 on pipeline to rank 1 (finished)" / "(still running, 63 s)"
+// "its last op was send to 1 tag 0 #77 on pipeline Float[1024] (running for 63 s)"
 std::string last_op(const Rank& r) {
-  const int64_t now = r.dumped_us;
   const OpRecord* last = nullptr;
   for (const OpRecord& o : r.ops)
     if (o.state != OpState::kQueued && (!last || o.started_us >= last->started_us)) last = &o;
   if (!last) return "it recorded no op";
-  std::string s = "its last op was " + last->describe();
-  if (last->peer >= 0 && last->p2p) s += (last->op.rfind("send", 0) == 0 ? " to rank " : " from rank ") + std::to_string(last->peer);
-  if (last->state == OpState::kStarted) s += " (still running, " + seconds(now - last->started_us) + ")";
-  else s += std::string(" (") + to_string(last->state) + ")";
-  return s;
+  return "its last op was " + last->describe_at(r.dumped_us);
 }
 
 }  // namespace
@@ -398,10 +398,10 @@ std::string analyze(const std::vector<nlohmann::json>& dumps) {
         std::string f;
         for (const Rank* b : behind)
           f += (f.empty() ? "" : "; ") + b->who + " never entered " + front_op->op + " #" + std::to_string(front) + " on " +
-               gname + " (" + list(waiting) + " waiting " + seconds(longest) + "); " + last_op(*b);
+               gname + " (" + list(waiting) + " waiting " + seconds_text(longest) + "); " + last_op(*b);
         if (!absent.empty())
           f += (f.empty() ? "" : "; ") + list(absent) + " of " + gname + " left no dump (dead, or its dump is not here): " +
-               list(waiting) + " wait in " + front_op->op + " #" + std::to_string(front) + " for " + seconds(longest);
+               list(waiting) + " wait in " + front_op->op + " #" + std::to_string(front) + " for " + seconds_text(longest);
         findings.insert(findings.begin(), f);
       }
     }
@@ -416,8 +416,7 @@ std::string analyze(const std::vector<nlohmann::json>& dumps) {
             if (s.p2p && s.op.rfind("send", 0) == 0 && s.peer == rank && s.tag == o.tag && s.state != OpState::kQueued)
               sent = std::max(sent, s.seq);
         if (sent >= o.seq) continue;
-        std::string f = ranks[m.first].who + " waits " + seconds(ranks[m.first].dumped_us - o.started_us) + " in " + o.describe() + " from rank " +
-                        std::to_string(o.peer) + " of the group; ";
+        std::string f = ranks[m.first].who + " waits " + seconds_text(ranks[m.first].dumped_us - o.started_us) + " in " + o.describe() + "; ";
         if (peer == ms.end())
           f += "that rank left no record on " + gname;
         else

@@ -63,11 +63,15 @@ struct OpRecord {
   OpState state = OpState::kQueued;
   int64_t queued_us = 0, started_us = 0, ended_us = 0;  // wall clock, microseconds since the epoch
   std::string error;
-  // "allreduce sum #12 on data (of mesh ...) Float[1024]"
+  // "allreduce sum #12 on data (of mesh ...) Float[1024]", "send to 1 tag 0 #77 on pipeline
+  // Float[1024]" (a send's or receive's op names its peer and tag).
   std::string describe() const;
+  // describe() and how the op stood at `now_us`: "... (running for 62 s)", "... (finished)".
+  std::string describe_at(int64_t now_us) const;
 };
 
 int64_t wall_us();  // microseconds since the epoch (system clock)
+std::string seconds_text(int64_t us);  // "0.3 s", "62 s"
 
 class FlightRecorder : public std::enable_shared_from_this<FlightRecorder> {
  public:

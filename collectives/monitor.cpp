@@ -118,16 +118,7 @@ std::string last_seen(const std::vector<MemberProgress>& report) {
     else if (!m.running && m.has_last && (!best || (!best->running && m.last.started_us > best->last.started_us))) best = &m;
   }
   if (!best) return "it had reported no op";
-  const OpRecord& o = best->running ? best->current : best->last;
-  std::string s = "it was last in " + o.describe();
-  if (o.p2p && o.peer >= 0) s += (o.op.rfind("send", 0) == 0 ? " to rank " : " from rank ") + std::to_string(o.peer);
-  if (best->running) {
-    const int64_t us = wall_us() - o.started_us;
-    s += " (running for " + std::to_string(us / 1'000'000) + " s)";
-  } else {
-    s += " (" + std::string(to_string(o.state)) + ")";
-  }
-  return s;
+  return "it was last in " + (best->running ? best->current : best->last).describe_at(wall_us());
 }
 
 [[noreturn]] void end_process(const std::string& text) {

@@ -31,23 +31,10 @@ Watchdog& dog() {
 
 std::atomic<bool> dump_requested{false};
 
-std::string seconds(int64_t us) {
-  std::ostringstream os;
-  os.precision(us >= 10'000'000 ? 0 : 1);
-  os << std::fixed << static_cast<double>(us) / 1e6 << " s";
-  return os.str();
-}
-
-std::string peer_text(const OpRecord& o) {
-  if (!o.p2p || o.peer < 0) return "";
-  return (o.op.rfind("send", 0) == 0 ? " to rank " : " from rank ") + std::to_string(o.peer);
-}
-
 // Where a member is: its running op, else its last one.
 std::string whereabouts(const MemberProgress& m, int64_t now) {
-  if (m.running)
-    return "in " + m.current.describe() + peer_text(m.current) + " for " + seconds(now - m.current.started_us);
-  if (m.has_last) return "idle since " + m.last.describe() + peer_text(m.last) + " (" + to_string(m.last.state) + ")";
+  if (m.running) return "in " + m.current.describe_at(now);
+  if (m.has_last) return "idle since " + m.last.describe_at(now);
   return "has run no op on it";
 }
 
@@ -146,7 +133,6 @@ nlohmann::json to_json(const MemberProgress& m) {
   nlohmann::json j = {{"owner", m.owner},
                       {"where", m.where},
                       {"collectives_started", m.collectives_started},
-                      {"collectives_ended", m.collectives_ended},
                       {"sends_started", m.sends_started},
                       {"recvs_started", m.recvs_started}};
   if (m.running) j["current"] = to_json(m.current);
@@ -161,7 +147,6 @@ MemberProgress member_progress_from_json(const nlohmann::json& j) {
   m.owner = j.value("owner", "");
   m.where = j.value("where", "");
   m.collectives_started = j.value("collectives_started", int64_t{0});
-  m.collectives_ended = j.value("collectives_ended", int64_t{0});
   m.sends_started = j.value("sends_started", std::vector<int64_t>{});
   m.recvs_started = j.value("recvs_started", std::vector<int64_t>{});
   if (j.contains("current")) m.running = true, m.current = op_record_from_json(j["current"]);
@@ -213,9 +198,9 @@ void watch_loop() {
       if (now >= st.next_us) {
         const std::string why = diagnose(op, group_members(*op.group));
         const std::string path = FlightRecorder::dump("stall: " + op.describe());
-        std::fprintf(stderr, "tetra: stall: %s (%s) has waited %s in %s%s: %s%s%s\n", s.progress.owner.c_str(),
-                     process_description().c_str(), seconds(now - op.started_us).c_str(), op.describe().c_str(),
-                     peer_text(op).c_str(), why.c_str(), path.empty() ? "" : "; flight recorder: ", path.c_str());
+        std::fprintf(stderr, "tetra: stall: %s (%s) has waited %s in %s: %s%s%s\n", s.progress.owner.c_str(),
+                     process_description().c_str(), seconds_text(now - op.started_us).c_str(), op.describe().c_str(),
+                     why.c_str(), path.empty() ? "" : "; flight recorder: ", path.c_str());
         std::fflush(stderr);
         st.interval_us *= 2;  // 60 s, 120 s, 240 s, ... until the op's timeout
         st.next_us = now + st.interval_us;
