@@ -394,13 +394,14 @@ std::optional<std::string> CheckpointStore::latest() const {
   return all.back();
 }
 
-std::optional<std::string> CheckpointStore::latest_intact(
+std::optional<CheckpointReader> CheckpointStore::latest_intact(
     std::vector<std::string>* skipped) const {
   auto all = list();
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     try {
-      CheckpointReader(*it).verify();
-      return *it;
+      CheckpointReader reader(*it);
+      reader.verify();
+      return reader;
     } catch (const Error& e) {
       if (skipped) skipped->push_back(e.what());
     }

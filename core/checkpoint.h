@@ -59,6 +59,8 @@ struct Checkpoint {
   nlohmann::json meta = nlohmann::json::object();  // anything else (metrics, job name)
 };
 
+class CheckpointReader;
+
 class CheckpointStore {
  public:
   CheckpointStore(std::string dir, int64_t keep);
@@ -77,8 +79,9 @@ class CheckpointStore {
   // The newest complete checkpoint in the folder, if any.
   std::optional<std::string> latest() const;
   // The newest checkpoint whose every file has its recorded size and CRC-32C (what
-  // `resume: auto` takes); each newer damaged one is skipped, its error added to `skipped`.
-  std::optional<std::string> latest_intact(std::vector<std::string>* skipped = nullptr) const;
+  // `resume: auto` takes), as the reader that checked it: its files are open and need no
+  // second read. Each newer damaged one is skipped, its error added to `skipped`.
+  std::optional<CheckpointReader> latest_intact(std::vector<std::string>* skipped = nullptr) const;
   // Every complete checkpoint, oldest first.
   std::vector<std::string> list() const;
 

@@ -474,8 +474,7 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
   return writer() ? folder : "";
 }
 
-void Trainer::restore(const std::string& path) {
-  CheckpointReader ckpt(path);
+void Trainer::restore(const CheckpointReader& ckpt) {
   const nlohmann::json& meta = ckpt.meta();
   auto expect = [&](const char* key, const nlohmann::json& now) {
     if (meta.contains(key) && meta[key] != now)
@@ -539,27 +538,30 @@ TrainResult Trainer::run() {
     // for the one before; an explicit path that is damaged is an error. The decision
     // travels as the folder, or as "\n" + the error that every rank then throws.
     std::string from;
+    std::optional<CheckpointReader> verified;  // rank 0's: its files read and checked once
     if (world_rank == 0) {
       try {
         if (ck.resume != "auto") {
-          CheckpointReader chosen(ck.resume);
-          chosen.verify();
-          from = chosen.folder();
+          verified.emplace(ck.resume);
+          verified->verify();
         } else if (checkpoints) {
           std::vector<std::string> skipped;
-          auto good = CheckpointStore(ck.dir, ck.keep).latest_intact(&skipped);
-          const std::string then = good ? "resuming from " + fs::path(*good).filename().string()
-                                        : "no intact checkpoint is left: starting afresh";
+          verified = CheckpointStore(ck.dir, ck.keep).latest_intact(&skipped);
+          const std::string then = verified ? "resuming from " + fs::path(verified->folder()).filename().string()
+                                            : "no intact checkpoint is left: starting afresh";
           for (const auto& why : skipped) std::fprintf(stderr, "warning: %s; %s\n", why.c_str(), then.c_str());
-          if (good) from = *good;
         }
+        if (verified) from = verified->folder();
       } catch (const Error& e) {
         from = std::string("\n") + e.what();
       }
     }
     if (ranks_ && ranks_->size() > 1) from = broadcast_string(*ranks_, from);
     if (!from.empty() && from[0] == '\n') throw Error(from.substr(1));
-    if (!from.empty()) restore(from);
+    if (!from.empty()) {
+      if (!verified) verified.emplace(from);
+      restore(*verified);
+    }
   }
 
   MetricsWriter metrics;

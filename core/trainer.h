@@ -128,7 +128,7 @@ class Trainer {
   TensorMap weights();
 
  private:
-  void restore(const std::string& path);
+  void restore(const CheckpointReader& ckpt);
   std::string save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch);
   // What one step did (Note [One decision per step]).
   struct StepOutcome {
