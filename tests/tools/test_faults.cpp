@@ -225,4 +225,36 @@ TEST(Faults, UnderMpirunAKilledRankEndsTheJobWithinThirtySeconds) {
   std::printf("mpirun ended %.2f s after a rank was killed (status %d)\n", took, status);
 }
 
+// SIGTERM to mpirun itself (Ctrl-C, a batch system that signals only the launcher): Open
+// MPI 4.1 does not forward it, but ends the job in steps: SIGCONT to the ranks, then after
+// odls_base_sigkill_timeout seconds SIGTERM, then as long after SIGKILL. With the timeout
+// long enough for a step and a save, the ranks write their agreed checkpoint; mpirun still
+// exits 1 (its own abort), not 4.
+TEST(Faults, SigtermToMpirunCheckpointsWhenTheKillTimeoutLeavesTimeForIt) {
+  const fs::path d = fresh_dir("faults", "mpirun_sigterm");
+  std::string job = long_job(d, "mpi", 2);
+  {
+    std::string text = slurp(job);
+    const std::string none = "checkpoint: {dir: \"\"}";
+    text.replace(text.find(none), none.size(), "checkpoint: {dir: " + (d / "ckpt").string() + "}");
+    std::ofstream(job) << text;
+  }
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const pid_t mpirun = spawn_tool(TETRA_MPIEXEC,
+                                  {"--oversubscribe", "--bind-to", "none", "--mca", "odls_base_sigkill_timeout", "8",
+                                   "-np", "2", kTrain, job},
+                                  d / "out.txt", d / "err.txt");
+  ASSERT_TRUE(wait_for_steps(d / "m.jsonl", 3, std::chrono::seconds(120))) << slurp(d / "err.txt");
+  kill(mpirun, SIGTERM);
+  const int status = wait_within(mpirun, std::chrono::seconds(60));
+  const std::string err = slurp(d / "err.txt");
+  EXPECT_NE(status, -1) << err;
+  EXPECT_NE(err.find("train: preempted at step "), std::string::npos) << err;
+  size_t saved = 0;
+  if (fs::exists(d / "ckpt"))
+    for (const auto& e : fs::directory_iterator(d / "ckpt")) saved += e.path().filename().string().rfind("step-", 0) == 0;
+  EXPECT_EQ(saved, 1u) << err;
+}
+
 }  // namespace
