@@ -2,6 +2,8 @@
 #include "core/config.h"
 
 #include <yaml-cpp/depthguard.h>
+#include <yaml-cpp/eventhandler.h>
+#include <yaml-cpp/parser.h>
 
 #include <algorithm>
 #include <cctype>
@@ -11,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -452,6 +455,41 @@ size_t first_non_utf8(const std::string& text) {
   return std::string::npos;
 }
 
+// yaml-cpp 0.7's LoadAll never returns on a document that starts at a token no rule takes,
+// such as a ',' outside [ ] or { } (",\n", "- a\n,\n"; found by tools/fuzz; upstream
+// jbeder/yaml-cpp#1040, fixed by #1319 in 0.8.x): each round yields another empty document
+// at the same place, forever, in growing memory. This pass walks the documents through the
+// event parser first and stops at a document that starts where the one before did.
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  YAML::Mark start;
+  void OnDocumentStart(const YAML::Mark& mark) override { start = mark; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+void check_documents_advance(const std::string& text) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentStarts docs;
+  std::optional<YAML::Mark> before;
+  while (parser.HandleNextDocument(docs)) {
+    if (before && docs.start.pos == before->pos) {
+      const bool comma = docs.start.pos >= 0 && static_cast<size_t>(docs.start.pos) < text.size() &&
+                         text[static_cast<size_t>(docs.start.pos)] == ',';
+      throw YAML::ParserException(docs.start, comma ? "a ',' outside [ ] or { } (a comma separates the items of a flow list or mapping)"
+                                                    : "cannot parse past this point");
+    }
+    before = docs.start;
+  }
+}
+
 // "byte 0xff at line 3, column 7"
 std::string describe_byte(const std::string& text, size_t at) {
   size_t line = 1, col = 1;
@@ -480,6 +518,7 @@ ConfigDocument ConfigDocument::from_string(const std::string& text, const std::s
     return doc;
   }
   try {
+    check_documents_advance(text);
     docs = YAML::LoadAll(text);
   } catch (const YAML::DeepRecursion& e) {
     diag.error(mark_location(st, e.mark), "invalid YAML: lists or mappings nested too deeply (" +

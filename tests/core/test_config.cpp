@@ -761,5 +761,22 @@ TEST(ConfigRegressions, BytesThatAreNotUtf8AreAnErrorNotAHangInsideYamlCpp) {
   EXPECT_NO_THROW(parse_job_string("name: \"caf\xc3\xa9 \xe2\x9c\x93\"\nmesh: {data: 4}\n", "job.yaml", {}, data_axis_plugin()));
 }
 
+TEST(ConfigRegressions, ACommaOutsideAFlowCollectionIsAnErrorNotAHangInsideYamlCpp) {
+  // tools/fuzz found it: a line starting with ',' (a stray comma in a comment's place) made
+  // yaml-cpp 0.7's LoadAll loop for ever, eating memory (jbeder/yaml-cpp#1040). The
+  // documents are walked first and the one that does not advance is an error at its place.
+  std::ifstream in(std::string(TETRA_SOURCE_DIR) + "/tools/fuzz/findings/timeout-yaml-loadall-comma.yaml",
+                   std::ios::binary);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  ASSERT_FALSE(text.empty());
+  const std::string e = errors_of(text, {}, data_axis_plugin());
+  EXPECT_NE(e.find("job.yaml:2:1: error: invalid YAML: a ',' outside [ ] or { }"), std::string::npos) << e;
+  for (const char* t : {",\n", ", {a: 1}\n", "---\n,\n", "name: x\n...\n,\n", "- a\n,\n", "  ,\n"})
+    EXPECT_NE(errors_of(t, {}, data_axis_plugin()).find("invalid YAML: a ',' outside"), std::string::npos) << t;
+  // A comma inside a flow collection, or in a value, is still fine.
+  EXPECT_NO_THROW(parse_job_string("name: \"a, b\"\nmesh: {data: 4}\nmodel: {type: mlp, hidden: [8, 8]}\n", "job.yaml", {},
+                                   data_axis_plugin()));
+}
+
 }  // namespace
 }  // namespace tetra::core

@@ -45,7 +45,8 @@ bool escaped(const std::string& what) {
   static const std::string kPrefix = "fuzz.yaml: error: ";
   if (what.rfind(kPrefix, 0) != 0) return false;
   const std::string msg = what.substr(kPrefix.size());
-  for (const char* known : {"job file is empty", "invalid YAML", "a job file holds", "cannot read job file"})
+  for (const char* known : {"job file is empty", "invalid YAML", "a job file holds", "cannot read job file",
+                            "the job file is not UTF-8 text"})
     if (msg.rfind(known, 0) == 0) return false;
   size_t i = 0;
   while (i < msg.size() && (std::isalnum(static_cast<unsigned char>(msg[i])) || msg[i] == '_' ||
