@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "collectives/running_op.h"
 #include "collectives/watchdog.h"
 
 namespace tetra::collectives {
@@ -371,6 +372,7 @@ void Communicator::progress_loop() {
       begin(item.record);
       try {
         item.work->start();
+        const RunningOpTimeout running(item.timeout);
         item.fn(Clock::now() + item.timeout);
       } catch (const PeerLostError& e) {
         error_text = item.work->what() + ": " + e.what();
@@ -716,6 +718,21 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
 }
 
 #undef TETRA_VALIDATE
+
+// ---- the running op's timeout (collectives/running_op.h) ------------------------------
+
+namespace {
+thread_local Duration running_timeout{-1};  // -1: no op runs on this thread
+}  // namespace
+
+Duration running_op_timeout(Deadline deadline) {
+  if (running_timeout.count() >= 0) return running_timeout;
+  auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+  return Duration(std::max<int64_t>(0, (left.count() + 500) / 1000));
+}
+
+RunningOpTimeout::RunningOpTimeout(Duration timeout) : saved_(running_timeout) { running_timeout = timeout; }
+RunningOpTimeout::~RunningOpTimeout() { running_timeout = saved_; }
 
 // ---- arithmetic ---------------------------------------------------------------------
 

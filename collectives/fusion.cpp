@@ -28,6 +28,7 @@ void FusedAllreduce::run(Communicator& comm, const std::vector<at::Tensor>& tens
   auto* base = static_cast<char*>(buffer_.data_ptr());
   int64_t off = 0;
   for (const auto& t : tensors) {
+    if (t.numel() == 0) continue;  // an empty tensor's data_ptr() is null: memcpy may not see it
     if (cpu && t.is_contiguous())
       std::memcpy(base + off * esz, t.data_ptr(), t.numel() * esz);
     else
@@ -37,6 +38,7 @@ void FusedAllreduce::run(Communicator& comm, const std::vector<at::Tensor>& tens
   comm.allreduce(buffer_, opts)->wait();
   off = 0;
   for (const auto& t : tensors) {
+    if (t.numel() == 0) continue;
     if (cpu && t.is_contiguous())
       std::memcpy(t.data_ptr(), base + off * esz, t.numel() * esz);
     else

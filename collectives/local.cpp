@@ -11,6 +11,8 @@
 #include <thread>
 #include <tuple>
 
+#include "collectives/running_op.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -223,13 +225,6 @@ struct Shared {
   std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> mailbox_;
 };
 
-// The timeout an op was given, from its deadline (the base computes the deadline right
-// before calling the backend), for messages.
-Duration timeout_of(Deadline deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
-  return Duration(std::max<int64_t>(0, (left.count() + 500) / 1000));
-}
-
 class LocalCommunicator final : public Communicator {
  public:
   LocalCommunicator(int rank, int size, std::string name, std::shared_ptr<Shared> shared)
@@ -324,7 +319,7 @@ class LocalCommunicator final : public Communicator {
 
   void backend_recv(const at::Tensor& tensor, int src, int tag, Deadline deadline) override {
     guarded([&] {
-      at::Tensor m = shared_->take(src, rank(), tag, deadline, timeout_of(deadline));
+      at::Tensor m = shared_->take(src, rank(), tag, deadline, running_op_timeout(deadline));
       if (m.scalar_type() != tensor.scalar_type() || m.numel() != tensor.numel())
         throw CommError("recv from " + std::to_string(src) + " tag " + std::to_string(tag) + ": rank " +
                         std::to_string(src) + " sent " + describe(m) + ", rank " +
@@ -345,7 +340,7 @@ class LocalCommunicator final : public Communicator {
                                               Deadline deadline) override {
     std::shared_ptr<Communicator> result;
     guarded([&] {
-      const Duration timeout = timeout_of(deadline);
+      const Duration timeout = running_op_timeout(deadline);
       Slot& me = slot(rank());
       me.kind = Kind::kSplit;
       me.color = color;
@@ -399,7 +394,7 @@ class LocalCommunicator final : public Communicator {
   // Posts this rank's op, meets the others, and checks they all posted the same.
   Op begin(Kind kind, const char* what, Deadline deadline, const at::Tensor& in, const at::Tensor& out,
            ReduceOp op, int root) {
-    Op o{what, deadline, timeout_of(deadline), slot(rank())};
+    Op o{what, deadline, running_op_timeout(deadline), slot(rank())};
     Slot& s = o.mine;
     s.kind = kind;
     s.op = op;

@@ -136,7 +136,7 @@ TEST(Local, TimeoutNamesTheAbsentRank) {
     }
   });
   EXPECT_GE(took, 0.15);
-  EXPECT_LT(took, 5.0);
+  EXPECT_LT(took, 30.0);  // ended, not the 300 s default (room for a starved sanitizer run)
   // Broken on both ranks now: later ops fail at once, even with the default timeout.
   EXPECT_TRUE(contains(error_of(comms[0]->barrier()), "an earlier op on this communicator failed"));
   took = seconds_of([&] {
@@ -144,7 +144,7 @@ TEST(Local, TimeoutNamesTheAbsentRank) {
     EXPECT_TRUE(contains(e, "the group was aborted")) << e;
     EXPECT_TRUE(contains(e, "rank 0 failed")) << e;
   });
-  EXPECT_LT(took, 1.0);
+  EXPECT_LT(took, 30.0);  // at once, not after the 300 s default
   comms.clear();  // shuts down without hanging
 }
 
@@ -243,7 +243,7 @@ TEST(Local, ErrorOnOneRankReleasesThePeers) {
       EXPECT_TRUE(contains(e, "rank 1 failed: recv from 0 tag 3")) << e;
     }
   });
-  EXPECT_LT(took, 5.0);
+  EXPECT_LT(took, 30.0);  // released, not after the 300 s default
 }
 
 TEST(Local, RunLocalRanksRethrowsAndReleasesPeers) {
@@ -259,7 +259,7 @@ TEST(Local, RunLocalRanksRethrowsAndReleasesPeers) {
       EXPECT_TRUE(contains(e.what(), "boom on rank 1")) << e.what();
     }
   });
-  EXPECT_LT(took, 10.0);
+  EXPECT_LT(took, 30.0);
 }
 
 TEST(Local, SendRecvMismatchNamesBoth) {
