@@ -277,6 +277,11 @@ void Communicator::set_identity(std::string identity, bool agreed) {
   group_ = std::move(g);
 }
 
+void Communicator::quiet() {
+  unwatch(this);  // after this the watchdog thread no longer reads health_
+  health_.stall_warning = Duration(0);
+}
+
 void Communicator::share_recorder(std::shared_ptr<FlightRecorder> recorder) {
   std::lock_guard<std::mutex> lock(mu_);
   recorder_ = std::move(recorder);

@@ -249,8 +249,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // composite (hierarchical) records with the rank it serves.
   void share_recorder(std::shared_ptr<FlightRecorder> recorder);
   // No stall warnings or timeout diagnosis of its own: for a composite whose members are
-  // watched themselves.
-  void quiet() { health_.stall_warning = Duration(0); }
+  // watched themselves. It leaves the watchdog first, which reads health() from its own
+  // thread (TSan found the write racing that read when this was a plain assignment).
+  void quiet();
 
   // Blocking primitives, run on the progress thread, one at a time. Tensors are
   // validated (contiguous, supported dtype, sizes agree locally). For in-place
