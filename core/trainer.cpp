@@ -562,6 +562,7 @@ TrainResult Trainer::run() {
       if (!verified) verified.emplace(from);
       restore(*verified);
     }
+    verified.reset();  // its files stay open while it lives; keep: N may delete the folder later
   }
 
   MetricsWriter metrics;
