@@ -12,7 +12,9 @@
 #         with the system compiler, which is not the point of this run). Leaks are checked
 #         (LSan) with lsan.supp for Open MPI's, hwloc's and LibTorch's process-lifetime
 #         allocations; UBSan halts on the first report. mpirun tests get the same
-#         environment: ranks started by a local mpirun inherit it.
+#         environment: ranks started by a local mpirun inherit it, with
+#         tools/sanitizers/keep_dsos.c preloaded so that Open MPI's components stay
+#         mapped at exit and lsan.supp can name them.
 #   tsan  TSan (preset tsan, build-tsan/). Default: the collectives label without the mpi
 #         label (the local backend's thread ranks, progress threads, fusion, flight
 #         recorder, hierarchical, launch). Real mpirun jobs and the tensor-heavy suites
@@ -69,7 +71,13 @@ rc=0
 case "$mode" in
   asan|all)
     if (($#)); then args=("$@"); else args=(-E tools_install_example); fi
-    run_one asan-ubsan build-asan "${args[@]}" || rc=1 ;;&
+    # Open MPI unloads its components in MPI_Finalize, and LSan then cannot name the
+    # frames of what they kept for the process (keep_dsos.c): keep them mapped.
+    mkdir -p build-asan
+    cc -O1 -shared -fPIC -o build-asan/keep_dsos.so tools/sanitizers/keep_dsos.c
+    export LD_PRELOAD="$root/build-asan/keep_dsos.so${LD_PRELOAD:+:$LD_PRELOAD}"
+    run_one asan-ubsan build-asan "${args[@]}" || rc=1
+    unset LD_PRELOAD ;;&
   tsan|all)
     if (($#)); then args=("$@"); else
       args=(-L collectives -LE mpi)
