@@ -403,34 +403,87 @@ std::string share_address(Communicator& world, const std::string& mine, Duration
   return std::string(static_cast<const char*>(bytes.data_ptr()));
 }
 
-int connect_to(const std::string& host, const std::string& port, Deadline deadline) {
-  std::string last = "no attempt";
-  while (Clock::now() < deadline) {
-    addrinfo hints{}, *res = nullptr;
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
-    if (rc != 0) {
-      last = gai_strerror(rc);
-    } else {
-      for (addrinfo* a = res; a; a = a->ai_next) {
-        const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-        if (fd < 0) continue;
-        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-          ::freeaddrinfo(res);
-          int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-          return fd;
-        }
-        last = std::strerror(errno);
-        ::close(fd);
+// One attempt at host:port, waiting at most `patience` for the connection (an address of
+// another network may drop packets instead of refusing them). -1 and `why` on failure.
+int try_connect(const std::string& host, const std::string& port, Duration patience, std::string& why) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) {
+    why = gai_strerror(rc);
+    return -1;
+  }
+  int found = -1;
+  for (addrinfo* a = res; a && found < 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const int flags = ::fcntl(fd, F_GETFL);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    int err = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      const int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(patience).count());
+      if (::poll(&p, 1, ms) == 1) {
+        socklen_t len = sizeof(err);
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      } else {
+        err = ETIMEDOUT;
       }
-      ::freeaddrinfo(res);
+    }
+    if (err == 0) {
+      ::fcntl(fd, F_SETFL, flags);
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      found = fd;
+    } else {
+      why = std::strerror(err);
+      ::close(fd);
+    }
+  }
+  ::freeaddrinfo(res);
+  return found;
+}
+
+// Rank 0's address as it shares it: "name,10.0.0.1,192.168.1.7:port", its hostname and its
+// interfaces' addresses (or TETRA_MONITOR_ADDR alone), so that a host where the name does
+// not resolve, or resolves to another address, still reaches it.
+std::string advertised_address(int port) {
+  std::vector<std::string> names;
+  if (const char* host = std::getenv("TETRA_MONITOR_ADDR"); host && *host) {
+    names.emplace_back(host);
+  } else {
+    names.push_back(hardware::hostname());
+    for (const std::string& a : hardware::ipv4_addresses()) names.push_back(a);
+  }
+  const std::string tail = ":" + std::to_string(port);
+  std::string out;
+  for (const std::string& n : names)
+    if (out.size() + n.size() + 1 + tail.size() <= 255) out += (out.empty() ? "" : ",") + n;
+  return out + tail;
+}
+
+int connect_to(const std::string& address, Deadline deadline) {
+  const size_t colon = address.rfind(':');
+  const std::string port = address.substr(colon + 1);
+  std::vector<std::string> hosts;
+  for (size_t b = 0; b < colon;) {
+    const size_t e = std::min(address.find(',', b), colon);
+    hosts.push_back(address.substr(b, e - b));
+    b = e + 1;
+  }
+  std::vector<std::string> why(hosts.size(), "no attempt");
+  while (Clock::now() < deadline) {
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      const int fd = try_connect(hosts[i], port, std::chrono::seconds(2), why[i]);
+      if (fd >= 0) return fd;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  throw CommError("monitor: cannot connect to rank 0 at " + host + ":" + port + ": " + last +
-                  " (set TETRA_MONITOR_ADDR to an address of rank 0's host that this host reaches)");
+  std::string tried;
+  for (size_t i = 0; i < hosts.size(); ++i) tried += (i ? "; " : "") + hosts[i] + ": " + why[i];
+  throw CommError("monitor: cannot connect to rank 0 on port " + port + " (" + tried +
+                  "). Set TETRA_MONITOR_ADDR to an address of rank 0's host that this host reaches");
 }
 
 }  // namespace
@@ -467,16 +520,16 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
     socklen_t len = sizeof(addr);
     ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
     s.listen_fd = fd;
-    const char* host = std::getenv("TETRA_MONITOR_ADDR");
-    address = std::string(host ? host : hardware::hostname()) + ":" + std::to_string(ntohs(addr.sin_port));
+    address = advertised_address(ntohs(addr.sin_port));
   }
   address = share_address(world, address, options.timeout);
   if (::pipe(s.wake) != 0) throw CommError(std::string("monitor: pipe: ") + std::strerror(errno));
   ::fcntl(s.wake[0], F_SETFL, O_NONBLOCK);
   if (!s.server) {
-    const size_t colon = address.rfind(':');
     s.up = Peer{};
-    s.up.fd = connect_to(address.substr(0, colon), address.substr(colon + 1), Clock::now() + options.timeout);
+    // Rank 0 listened before it shared its addresses: a rank that reaches none of them
+    // within 20 s will not (a name that does not resolve here, a network between).
+    s.up.fd = connect_to(address, Clock::now() + std::min<Duration>(options.timeout, std::chrono::seconds(20)));
     s.up.heard_us = wall_us();
     send_line(s.up.fd, text_of(nlohmann::json({{"t", "hello"}, {"rank", s.rank}, {"where", process_description()}})));
   }

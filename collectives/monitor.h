@@ -4,8 +4,9 @@
 //
 // Note [Monitor]
 // Rank 0 listens on a TCP port (TETRA_MONITOR_PORT, else any free one) and tells the
-// others its address through the world's first broadcast; every other rank connects
-// (TETRA_MONITOR_ADDR overrides the address, for hosts that do not resolve rank 0's name).
+// others its addresses through the world's first broadcast: its hostname and the IPv4
+// address of each of its interfaces, tried in that order, so that a host where the name
+// does not resolve still connects (TETRA_MONITOR_ADDR replaces the list).
 // Over the connection each process sends, about once a second when something changed,
 // the progress of its communicators (Note [Stall warnings]); rank 0 keeps the latest of
 // every rank and answers queries for a group.

@@ -3,10 +3,15 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tetra::hardware {
 
 std::string hostname();
+// This host's IPv4 addresses on interfaces that are up, loopback excluded, in the kernel's
+// interface order ("10.213.0.1"). What another host may reach this one at when its name
+// does not resolve there (test hosts, containers, clusters without DNS for compute nodes).
+std::vector<std::string> ipv4_addresses();
 // Logical CPUs in this process's affinity mask (what it may really run on).
 int usable_cores();
 // Logical CPUs on the host.
