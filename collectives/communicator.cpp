@@ -337,6 +337,7 @@ void Communicator::stop_progress_thread() {
 }
 
 WorkPtr Communicator::enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout) {
+  if (timeout == kDefaultTimeout) timeout = health_.timeout;
   auto work = std::make_shared<Work>(name_ + ": " + what, waiters_);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -495,6 +496,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 }  // namespace
 
 WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration timeout) {
+  if (timeout == kDefaultTimeout) timeout = health_.timeout;  // Note [Health checks]
   OpRecord r;
   r.op = std::string(d.kind) == "split" ? "split" : d.op;  // the color differs by rank
   r.peer = d.peer;

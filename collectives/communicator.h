@@ -149,9 +149,12 @@ struct Traffic {
 //   TETRA_COLLECTIVES_CHECK (1/on), else off.
 // - stall_warning: an op that has run this long gets a warning naming who has not joined
 //   (collectives/watchdog.h), repeated at a growing interval until its timeout.
+// - timeout: the timeout of an op whose options leave it at kDefaultTimeout (the job's
+//   collectives.timeout_s), and of a split's set-up.
 struct HealthOptions {
   bool check = false;
   Duration stall_warning = std::chrono::seconds(60);
+  Duration timeout = kDefaultTimeout;
 };
 HealthOptions health_options();
 void set_health_options(const HealthOptions& options);

@@ -148,6 +148,22 @@ TEST(Local, TimeoutNamesTheAbsentRank) {
   comms.clear();  // shuts down without hanging
 }
 
+// An op whose options leave the timeout at its default takes the process's (the job's
+// collectives.timeout_s through HealthOptions), not a fixed 300 s.
+TEST(Local, AnOpWithTheDefaultTimeoutTakesTheJobsTimeout) {
+  HealthOptions health = health_options();
+  health.timeout = 200ms;
+  ScopedHealthOptions scoped(health);
+  auto comms = make_local_group(2);
+  WorkPtr w = comms[0]->allreduce(at::ones({10}));  // AllreduceOptions{}: the default
+  double took = seconds_of([&] {
+    const std::string e = error_of(w);
+    EXPECT_TRUE(contains(e, "rank 1 of 2 did not join within 200 ms")) << e;
+  });
+  EXPECT_LT(took, 30.0);  // ended, not the 300 s default
+  comms.clear();
+}
+
 TEST(Local, TimeoutNamesSeveralAbsentRanks) {
   auto comms = make_local_group(4);
   AllreduceOptions opts;
