@@ -14,6 +14,7 @@
 #include <mpi.h>
 #include <sched.h>
 
+#include <atomic>
 #include <cctype>
 #include <climits>
 #include <cmath>
@@ -147,6 +148,7 @@ struct Runtime {
   bool initialized = false;
   bool owns_mpi = false;  // we called MPI_Init_thread, so we finalise
   bool exited = false;    // the atexit handler ran
+  std::atomic<bool> failing{false};  // mpi_exit_without_finalize
 
   std::mutex mu;  // live communicators, orphans
   std::set<class MpiCommunicator*> live;
@@ -563,7 +565,7 @@ void at_exit() {
       if (MPI_Test(&p.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done) pending.push_back(p.what);
     }
   }
-  if (!rt.owns_mpi) return;
+  if (!rt.owns_mpi || rt.failing) return;
   if (!pending.empty()) {
     int rank = -1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -581,6 +583,12 @@ void at_exit() {
   }
   MPI_Finalize();
 }
+
+}  // namespace
+
+void mpi_exit_without_finalize() { runtime().failing = true; }
+
+namespace {
 
 std::string short_version(const std::string& full) {
   std::string s = full.substr(0, full.find(','));

@@ -8,7 +8,8 @@
 //   locals is shut down there and its destructor later does nothing. A process that
 //   exits with an op it had to abandon (a timeout, see below) still pending does not
 //   call MPI_Finalize (whose fence would wait for the peer that never came); it says so
-//   on stderr and mpirun ends the job.
+//   on stderr and mpirun ends the job. Nor does a process that ends with an error
+//   (mpi_exit_without_finalize).
 // * Each communicator owns a dup of MPI_COMM_WORLD (never the world itself), with
 //   MPI_ERRORS_RETURN: every MPI return code becomes a CommError naming the MPI call,
 //   MPI's error string and mpi.cpp's line.
@@ -69,6 +70,14 @@ CommunicatorPtr mpi_world(const WorldOptions& options = {});
 // (issue it from the thread that issues comm's ops). Throws CommError if comm is not an
 // mpi communicator.
 CommunicatorPtr mpi_split_shared(Communicator& comm, Duration timeout = kDefaultTimeout);
+
+// Marks this process as ending with an error: at exit it does not call MPI_Finalize. The
+// finalize's fence waits for every rank, and a rank that failed early (its peers still
+// in a collective, or already waiting for it) would hang there instead of exiting, so
+// mpirun, which ends the whole job when one rank exits non-zero, would never hear of
+// it. `train` calls it on every path that exits non-zero; Open MPI then reports the
+// rank that ended without finalising, and mpirun ends the job.
+void mpi_exit_without_finalize();
 
 // MPI_Get_library_version's first line: "Open MPI v4.1.4, package: Debian OpenMPI, ...".
 std::string mpi_library_version();

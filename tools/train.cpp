@@ -21,6 +21,7 @@
 
 #include "collectives/error.h"
 #include "collectives/launch.h"
+#include "collectives/mpi.h"
 #include "core/job_spec.h"
 #include "core/report.h"
 #include "core/runtime.h"
@@ -70,16 +71,29 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
   if (!spec.log.trace.empty()) std::printf("  trace        %s\n", spec.log.trace.c_str());
 }
 
+int train_main(int argc, char** argv);
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const int code = train_main(argc, argv);
+  // A rank that fails must exit, not wait in MPI_Finalize for ranks that wait for it:
+  // mpirun then ends the job (collectives/mpi.h). A preempted run ends on every rank at
+  // the same step, and finalises as a finished one does.
+  if (code != 0 && code != kExitPreempted) tetra::collectives::mpi_exit_without_finalize();
+  return code;
+}
+
+namespace {
+
+int train_main(int argc, char** argv) {
   tetra::core::prepare_process(argc, argv);
 
   CLI::App app{"train: runs a tetra job spec (YAML)", "train"};
   std::string job;
   std::vector<std::string> sets;
   bool check = false, print_config = false, dry_run = false, json = false;
-  int np = 0;
+  int np = 0, ranks_per_host = 0;
   app.add_option("job", job, "the job file (YAML)")->required();
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
@@ -88,6 +102,10 @@ int main(int argc, char** argv) {
   app.add_flag("--dry-run", dry_run, "build the plan (data, model, batch, memory) and exit");
   app.add_option("--np", np, "with --dry-run: the processes the job will be launched on (default: this launch's, "
                              "else the mesh's); checks the mesh fits and lays out every rank")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--ranks-per-host", ranks_per_host,
+                 "with --dry-run: processes per host (default: this launch's local ranks, else all on this host); "
+                 "shows which axes stay inside a host")
       ->check(CLI::PositiveNumber);
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
   app.footer("Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
@@ -119,7 +137,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (dry_run) {  // the plan, on one process, whatever the mesh: nothing communicates
-      const std::string plan = tetra::dry_run(spec, {}, np, json);
+      tetra::DryRunOptions how;
+      how.np = np;
+      how.ranks_per_host = ranks_per_host;
+      how.json = json;
+      const std::string plan = tetra::dry_run(spec, {}, how);
       if (speak) std::printf("%s", plan.c_str());
       return 0;
     }
@@ -153,3 +175,5 @@ int main(int argc, char** argv) {
     return kExitFailed;
   }
 }
+
+}  // namespace
