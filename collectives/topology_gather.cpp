@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "collectives/error.h"
+#include "hardware/host.h"
 
 namespace tetra::collectives {
 
@@ -62,6 +63,55 @@ hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
   } catch (const std::invalid_argument& e) {
     throw CommError("gather_topology over " + comm.name() + ": " + e.what());
   }
+}
+
+HostMap gather_hosts(Communicator& comm, Duration timeout) {
+  constexpr int64_t kName = 65;  // HOST_NAME_MAX + 1
+  const std::string mine = hardware::hostname().substr(0, kName - 1);
+  at::Tensor buf = at::zeros({kName}, at::kByte);
+  std::memcpy(buf.data_ptr<uint8_t>(), mine.data(), mine.size());
+  at::Tensor all = at::empty({comm.size() * kName}, at::kByte);
+  AllgatherOptions opts;
+  opts.timeout = timeout;
+  comm.allgather(buf, all, opts)->wait();
+  HostMap m;
+  const char* bytes = reinterpret_cast<const char*>(all.data_ptr<uint8_t>());
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::string name(bytes + r * kName, strnlen(bytes + r * kName, kName));
+    const auto it = std::find(m.hosts.begin(), m.hosts.end(), name);
+    m.host_of.push_back(static_cast<int>(it - m.hosts.begin()));
+    if (it == m.hosts.end()) m.hosts.push_back(name);
+  }
+  return m;
+}
+
+int HostMap::ranks_on(int h) const { return static_cast<int>(std::count(host_of.begin(), host_of.end(), h)); }
+
+int HostMap::ranks_per_host() const {
+  if (hosts.empty()) return 0;
+  const int n = ranks_on(0);
+  for (int h = 1; h < static_cast<int>(hosts.size()); ++h)
+    if (ranks_on(h) != n) return 0;
+  return n;
+}
+
+std::string HostMap::describe(size_t max) const {
+  std::string out;
+  for (size_t h = 0; h < hosts.size() && h < max; ++h) {
+    std::vector<int> ranks;
+    for (int r = 0; r < static_cast<int>(host_of.size()); ++r)
+      if (host_of[static_cast<size_t>(r)] == static_cast<int>(h)) ranks.push_back(r);
+    std::string runs;
+    for (size_t i = 0; i < ranks.size();) {
+      size_t j = i;
+      while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+      runs += (runs.empty() ? "" : ",") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+      i = j + 1;
+    }
+    out += (out.empty() ? "" : ", ") + hosts[h] + (ranks.size() == 1 ? ": rank " : ": ranks ") + runs;
+  }
+  if (hosts.size() > max) out += ", ... (" + std::to_string(hosts.size()) + " hosts)";
+  return out;
 }
 
 }  // namespace tetra::collectives

@@ -2,6 +2,9 @@
 // ranks end with the same merged hardware::Topology.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "collectives/communicator.h"
 #include "collectives/launch.h"
 #include "hardware/topology.h"
@@ -21,5 +24,20 @@ hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
 hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
                                    const hardware::HostTopology& host,
                                    Duration timeout = kDefaultTimeout);
+
+// Where the ranks of a communicator run, by hostname: what needs only the hosts (the
+// banner, hierarchical allreduce), not their hardware. One allgather of 64-byte names.
+struct HostMap {
+  std::vector<std::string> hosts;  // distinct hostnames, in order of their lowest rank
+  std::vector<int> host_of;        // per rank: its index in `hosts`
+  // Ranks on host h.
+  int ranks_on(int h) const;
+  // The same number of ranks on every host: that number; 0 when they differ.
+  int ranks_per_host() const;
+  // "tetra-host1: ranks 0-1, tetra-host2: ranks 2-3" (runs of ranks; the first `max`
+  // hosts, then "... (N hosts)").
+  std::string describe(size_t max = 4) const;
+};
+HostMap gather_hosts(Communicator& comm, Duration timeout = kDefaultTimeout);
 
 }  // namespace tetra::collectives

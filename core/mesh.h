@@ -53,6 +53,12 @@ class MeshLayout {
   std::vector<int> group(int rank, const std::string& axis) const;
   // "rank 3: pipeline 1, data 1" lines.
   std::string table() const;
+  // Where each axis's groups fall when `ranks_per_host` consecutive ranks share a host
+  // (as mpirun --map-by slot, srun's block distribution and torchrun place them), one
+  // line per axis of more than one rank:
+  //   "data      x2  inside a host (every group on one host)"
+  //   "pipeline  x2  across 2 hosts (1 rank of each group per host)"
+  std::vector<std::string> host_placement(int ranks_per_host) const;
 
  private:
   int axis_index(const std::string& axis) const;

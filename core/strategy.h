@@ -121,6 +121,10 @@ class Strategy {
   // communication in all (for "how much did backward hide").
   virtual double wait_seconds() const { return 0; }
   virtual double comm_seconds() const { return 0; }
+  // What it decided on attaching that the job spec alone does not say (hierarchical
+  // allreduce turned on because the data group spans hosts, say), for the run's opening
+  // lines; "" when there is nothing to say.
+  virtual std::string decision() const { return ""; }
 };
 
 // The bytes of model state one rank holds (deduplicated by storage): what ZeRO shards.

@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "collectives/topology_gather.h"
 #include "core/bucketer.h"
-#include "hardware/host.h"
 
 namespace tetra::data_parallel {
 
@@ -41,6 +41,19 @@ class DataParallel final : public core::Strategy {
         skip_allreduce_(env_int("TETRA_BENCH_SKIP_ALLREDUCE") != 0) {}
   std::string name() const override { return "data_parallel"; }
   std::string gradient_axis() const override { return "data"; }
+
+  std::string decision() const override {
+    if (!comm_ || hosts_ <= 1) return "";
+    const std::string where = std::to_string(comm_->size()) + " data ranks on " + std::to_string(hosts_) + " hosts";
+    if (hier_)
+      return "data_parallel: hierarchical allreduce over " + where + " (" + std::to_string(intra_->size()) +
+             " per host): reduce-scatter inside each host, allreduce across hosts, allgather inside" +
+             (opt_.hierarchical == Hierarchy::kAuto ? "; on by itself because the data group spans hosts" : "");
+    return "data_parallel: flat allreduce over " + where +
+           (opt_.hierarchical == Hierarchy::kOff ? " (data_parallel.hierarchical: off)"
+                                                  : per_host_ <= 0 ? " (hierarchical needs the same number of ranks on every host)"
+                                                                   : " (one rank per host: nothing to reduce inside a host)");
+  }
 
   void attach(core::TrainState& state) override {
     if (!state.mesh || state.mesh->size("data") == 1) return;  // one rank: nothing to do
@@ -112,19 +125,11 @@ class DataParallel final : public core::Strategy {
     if (per_host > 0) {
       color = comm_->rank() / per_host;
     } else {
-      at::Tensor mine = at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(hardware::hostname()) >> 1), at::kLong);
-      at::Tensor all = at::empty({n}, at::kLong);
-      comm_->allgather(mine, all)->wait();
-      std::vector<int64_t> hosts(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + n);
-      std::vector<int64_t> distinct = hosts;
-      std::sort(distinct.begin(), distinct.end());
-      distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-      color = std::find(distinct.begin(), distinct.end(), hosts[comm_->rank()]) - distinct.begin();
-      per_host = static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts[comm_->rank()]));
-      const int hosts_n = static_cast<int>(distinct.size());
-      for (int64_t h : distinct)
-        if (std::count(hosts.begin(), hosts.end(), h) != per_host) per_host = -1;  // uneven: flat only
-      if (opt_.hierarchical == Hierarchy::kAuto) hier_ = hosts_n > 1 && per_host > 1;
+      const collectives::HostMap hosts = collectives::gather_hosts(*comm_);
+      color = hosts.host_of[static_cast<size_t>(comm_->rank())];
+      per_host = hosts.ranks_per_host() > 0 ? hosts.ranks_per_host() : -1;  // uneven: flat only
+      if (opt_.hierarchical == Hierarchy::kAuto) hier_ = hosts.hosts.size() > 1 && per_host > 1;
+      hosts_ = static_cast<int>(hosts.hosts.size());
     }
     if (opt_.hierarchical == Hierarchy::kOn) {
       if (per_host <= 1 || n % per_host != 0)
@@ -133,6 +138,8 @@ class DataParallel final : public core::Strategy {
     }
     if (opt_.hierarchical == Hierarchy::kOff) hier_ = false;
     if (opt_.hierarchical == Hierarchy::kAuto && ranks_per_host_ > 0) hier_ = n / per_host > 1 && per_host > 1;
+    if (ranks_per_host_ > 0) hosts_ = (n + per_host - 1) / per_host;
+    per_host_ = per_host;
     // Every rank splits (collective), even when the mode stays flat.
     intra_ = comm_->split(static_cast<int>(color), comm_->rank(), comm_->name() + " / host");
     inter_ = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
@@ -209,6 +216,7 @@ class DataParallel final : public core::Strategy {
   CommunicatorPtr comm_, intra_, inter_;
   core::Trace* trace_ = nullptr;
   bool hier_ = false;
+  int hosts_ = 1, per_host_ = 0;  // the data group's hosts, and ranks on each (<= 0: uneven)
   bool sync_ = false;
   core::GradientBuckets grads_;  // the layout, the hooks, the .grad views (core's bucketer)
   std::vector<Bucket> buckets_;

@@ -11,6 +11,7 @@
 #include "collectives/backends.h"
 #include "collectives/launch.h"
 #include "collectives/monitor.h"
+#include "collectives/topology_gather.h"
 #include "collectives/watchdog.h"
 #include "core/models.h"
 #include "core/plan.h"
@@ -46,20 +47,11 @@ TrainerOptions trainer_options(const RunOptions& options) {
 }
 
 // Distinct hosts among the world's ranks (an allgather of a hash of each hostname).
-int count_hosts(collectives::Communicator& world) {
-  at::Tensor mine = at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(hardware::hostname()) >> 1), at::kLong);
-  at::Tensor all = at::empty({world.size()}, at::kLong);
-  world.allgather(mine, all)->wait();
-  std::vector<int64_t> v(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
-  std::sort(v.begin(), v.end());
-  return static_cast<int>(std::unique(v.begin(), v.end()) - v.begin());
-}
-
 // Rank -> (pipeline, data, replica) and where it runs, for --dry-run with a world size.
 // Every process is taken to run on this host (the one --dry-run runs on) unless a
 // launcher says how many share it.
 struct RankRow {
-  int rank, process, replica;
+  int rank, process, replica, host;
   std::vector<int> coords;  // per axis of the process mesh
   int threads;
   std::string cpus;  // "" = not pinned
@@ -67,6 +59,7 @@ struct RankRow {
 };
 
 std::vector<RankRow> rank_rows(const Plan& plan, int local_processes) {
+  // local_processes consecutive processes share a host.
   const MeshLayout layout(plan.processes());
   const int R = plan.replicas();
   std::vector<replicate::Placement> where =
@@ -81,18 +74,31 @@ std::vector<RankRow> rank_rows(const Plan& plan, int local_processes) {
   for (int p = 0; p < plan.process_count(); ++p)
     for (int r = 0; r < R; ++r) {
       const replicate::Placement& w = where[static_cast<size_t>(r)];
-      rows.push_back({p * R + r, p, r, layout.coords(p), w.threads,
+      rows.push_back({p * R + r, p, r, p / std::max(1, local_processes), layout.coords(p), w.threads,
                       w.cpus.empty() ? "" : hardware::format_cpu_list(w.cpus), w.why});
     }
   return rows;
 }
 
-std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows) {
-  std::string out = "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) +
-                    " process" + (plan.process_count() == 1 ? "" : "es") +
-                    (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) +
-                    ") on " + hardware::hostname() + "\n";
-  appendf(out, "  %-5s %-8s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "pipeline", "data", "replica", "threads", "cpus");
+int host_count(const std::vector<RankRow>& rows) { return rows.empty() ? 1 : rows.back().host + 1; }
+
+std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows, int per_host) {
+  const int hosts = host_count(rows);
+  std::string out;
+  if (hosts == 1) {
+    out = "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) + " process" +
+          (plan.process_count() == 1 ? "" : "es") +
+          (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ") on " +
+          hardware::hostname() + "\n";
+  } else {
+    out = "hosts      " + std::to_string(hosts) + " x " + std::to_string(per_host) +
+          " processes (consecutive ranks share a host, as mpirun --map-by slot and srun place them)\n";
+    for (const std::string& line : MeshLayout(plan.processes()).host_placement(per_host)) out += "  " + line + "\n";
+    out += "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) + " processes" +
+           (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ")\n";
+  }
+  appendf(out, "  %-5s %-8s %-5s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "host", "pipeline", "data", "replica",
+          "threads", "cpus");
   const auto& axes = plan.processes().axes;
   for (const RankRow& r : rows) {
     auto coord = [&](const std::string& axis) {
@@ -100,13 +106,13 @@ std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows) {
         if (axes[i].name == axis) return r.coords[i];
       return 0;
     };
-    appendf(out, "  %-5d %-8d %-9d %-5d %-8d %-8d %s\n", r.rank, r.process, coord("pipeline"), coord("data"), r.replica,
-            r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
+    appendf(out, "  %-5d %-8d %-5d %-9d %-5d %-8d %-8d %s\n", r.rank, r.process, r.host, coord("pipeline"), coord("data"),
+            r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
   }
   return out;
 }
 
-nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& rows) {
+nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& rows, int per_host) {
   const Plan& plan = trainer.job_plan();
   nlohmann::json j;
   j["job"] = plan.spec().name;
@@ -124,10 +130,13 @@ nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& row
     j["composition"].push_back({{"section", s.section}, {"axis", s.role.axis}, {"active", s.active},
                                 {"what", s.active ? s.role.why : s.note}});
   j["estimate"] = estimate_json(trainer.estimate());  // per rank: memory, and bytes per axis per step
+  j["hosts"] = {{"count", host_count(rows)}, {"processes_per_host", per_host},
+                {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
   for (const RankRow& r : rows) {
-    nlohmann::json row = {{"rank", r.rank}, {"process", r.process}, {"replica", r.replica}, {"threads", r.threads}};
+    nlohmann::json row = {{"rank", r.rank},         {"process", r.process}, {"host", r.host},
+                          {"replica", r.replica},   {"threads", r.threads}};
     for (size_t i = 0; i < axes.size(); ++i) row[axes[i].name] = r.coords[i];
     if (!r.cpus.empty()) row["cpus"] = r.cpus;
     if (r.cpus.empty()) row["not_pinned"] = r.why;
@@ -169,6 +178,13 @@ std::string plan_text(const Trainer& trainer, int threads, bool custom_model) {
 }  // namespace
 
 std::string dry_run(const JobSpec& spec, const RunOptions& options, int np, bool json) {
+  DryRunOptions how;
+  how.np = np;
+  how.json = json;
+  return dry_run(spec, options, how);
+}
+
+std::string dry_run(const JobSpec& spec, const RunOptions& options, const DryRunOptions& how) {
   TrainerOptions topts = trainer_options(options);
   topts.dry_run = true;
   Trainer trainer(spec, topts);
@@ -176,13 +192,15 @@ std::string dry_run(const JobSpec& spec, const RunOptions& options, int np, bool
   const int threads = set_threads(spec.train.threads, plan.replicas());
   // The world the plan is for: np, else the launch this runs in, else the mesh's.
   const collectives::LaunchInfo launch = collectives::detect_launch();
+  const int np = how.np;
   const int world_size = np > 0 ? np : launch.multi_process() ? launch.world_size : 0;
   if (world_size > 0)
     plan.check_world(world_size, np > 0 ? "--np " + std::to_string(np) : launch.launcher + ": " + launch.evidence);
-  const int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
+  int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
+  if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
   const std::vector<RankRow> rows = rank_rows(plan, local);
-  if (json) return plan_json(trainer, rows).dump(2) + "\n";
-  return plan_text(trainer, threads, static_cast<bool>(options.model)) + rank_table(plan, rows);
+  if (how.json) return plan_json(trainer, rows, local).dump(2) + "\n";
+  return plan_text(trainer, threads, static_cast<bool>(options.model)) + rank_table(plan, rows, local);
 }
 
 namespace {
@@ -193,6 +211,7 @@ void set_up_health(const JobSpec& spec) {
   collectives::HealthOptions health = collectives::health_options();
   if (spec.collectives.check) health.check = *spec.collectives.check;
   health.stall_warning = collectives::Duration(static_cast<int64_t>(spec.collectives.stall_warning_s * 1000));
+  health.timeout = collectives::Duration(static_cast<int64_t>(spec.collectives.timeout_s * 1000));
   collectives::set_health_options(health);
   if (!spec.log.dir.empty()) collectives::FlightRecorder::set_dump_dir(spec.log.dir + "/flight");
   collectives::install_flight_recorder_signals();
@@ -244,7 +263,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
 namespace {
 TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& plan,
                    const collectives::LaunchInfo& launch, const collectives::CommunicatorPtr& world) {
-  const int hosts = world ? count_hosts(*world) : 1;
+  const collectives::HostMap hosts = world ? collectives::gather_hosts(*world) : collectives::HostMap{};
   const int threads = set_threads(spec.train.threads, plan.replicas());
   TrainerOptions topts = trainer_options(options);
   topts.world = world;
@@ -252,14 +271,18 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
   topts.on_start = [&](const Trainer& trainer) {
     if (!speak || !trainer.writer() || !options.out) return;
     const std::string ranks = plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replica threads" : "";
-    std::fprintf(options.out,
-                 "tetra %s | job %s | %s%s, %d host%s (rank 0 on %s) | backend %s | device cpu | %d thread%s | %s | %s\n",
-                 "0.1.0", spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), hosts,
-                 hosts == 1 ? "" : "s", hardware::hostname().c_str(), world ? world->backend().c_str() : "none", threads,
-                 threads == 1 ? "" : "s", to_string(spec.train.precision).c_str(), blas_description().c_str());
+    const size_t n_hosts = std::max<size_t>(1, hosts.hosts.size());
+    const std::string where =
+        n_hosts == 1 ? "1 host (" + hardware::hostname() + ")" : std::to_string(n_hosts) + " hosts (" + hosts.describe() + ")";
+    std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device cpu | %d thread%s | %s | %s\n", "0.1.0",
+                 spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), where.c_str(),
+                 world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
+                 to_string(spec.train.precision).c_str(), blas_description().c_str());
     std::fprintf(options.out, "%s; model %s, %lld parameters; %lld steps\n", trainer.dataset().info().description.c_str(),
                  options.model ? "the program's own" : spec.model.type.c_str(),
                  static_cast<long long>(trainer.model_parameters()), static_cast<long long>(trainer.total_steps()));
+    for (const auto& strategy : trainer.strategies())
+      if (const std::string d = strategy->decision(); !d.empty()) std::fprintf(options.out, "%s\n", d.c_str());
     std::fflush(options.out);
   };
   if (plan.replicas() > 1) return replicate::train(spec, topts);

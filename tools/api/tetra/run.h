@@ -50,6 +50,16 @@ struct RunOptions {
 // on this process and never communicates.
 std::string dry_run(const core::JobSpec& spec, const RunOptions& options = {}, int np = 0, bool json = false);
 
+// The same, with where the processes will run: `ranks_per_host` consecutive processes
+// share a host (0: the launch's local ranks when this runs under a launcher, else every
+// process on this host). The plan then says which axes stay inside a host.
+struct DryRunOptions {
+  int np = 0;
+  int ranks_per_host = 0;
+  bool json = false;
+};
+std::string dry_run(const core::JobSpec& spec, const RunOptions& options, const DryRunOptions& how);
+
 // Trains the job in the launch this process runs in and returns this process's result
 // (its first replica's). Collective over the launch: every process calls it with the same
 // job. A job that does not fit the launch is a ConfigError before anything communicates.
