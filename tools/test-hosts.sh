@@ -24,6 +24,9 @@
 #         eval "$(tools/test-hosts.sh env)"
 #         mpirun --hostfile "$(tools/test-hosts.sh hostfile 4)" -np 4 --bind-to none CMD
 #   tools/test-hosts.sh exec HOST CMD [ARGS...]   run a command on one host
+#   tools/test-hosts.sh kill HOST                 SIGKILL every process on HOST at once
+#                                                 (a host that dies: its ranks and Open
+#                                                 MPI's daemon; the host stays up)
 #   tools/test-hosts.sh status                    what is up, and the link
 #   tools/test-hosts.sh down                      removes everything `up` made
 #
@@ -164,7 +167,7 @@ require_up() {
 
 write_hostfile() {  # N -> path
   local n=$1 k i
-  k=$(require_up)
+  k=$(require_up) || exit 2
   local per=$(((n + k - 1) / k))
   local f="$state/hostfile.$n"
   : >"$f"
@@ -208,26 +211,34 @@ case ${1:-} in
       printf 'tetra-host%s: %s %s\n' "$i" "$(nsenter $(ns_of "$i") hostname)" \
         "$(ip -n "tetra-host$i" -4 -o addr show dev eth0 | awk '{print $4}')"
     done ;;
-  hostfile) shift; write_hostfile "${1:-$(nproc)}" ;;
-  env) require_up >/dev/null; mpirun_env ;;
+  hostfile) shift; hf=$(write_hostfile "${1:-$(nproc)}") || exit 2; echo "$hf" ;;
+  env) require_up >/dev/null || exit 2; mpirun_env ;;
   exec)
     shift
-    i=$(host_index "${1:?exec HOST CMD...}")
+    i=$(host_index "${1:?exec HOST CMD...}") || exit 2
     shift
-    require_up >/dev/null
+    require_up >/dev/null || exit 2
     # shellcheck disable=SC2046
     exec nsenter $(ns_of "$i") "$@" ;;
+  kill)
+    i=$(host_index "${2:?kill HOST}") || exit 2
+    require_up >/dev/null || exit 2
+    pids=$(ip netns pids "tetra-host$i")
+    [[ -n $pids ]] || { echo "test-hosts: nothing runs on tetra-host$i"; exit 0; }
+    # shellcheck disable=SC2086
+    kill -9 $pids 2>/dev/null || true
+    echo "test-hosts: killed $(wc -w <<<"$pids") process(es) on tetra-host$i" ;;
   run)
     shift
     [[ ${1:-} == -np || ${1:-} == -n ]] && [[ ${2:-} =~ ^[0-9]+$ ]] || die "run: usage: run -np N [mpirun options] CMD [ARGS...]"
     n=$2
     shift 2
-    hf=$(write_hostfile "$n")
+    hf=$(write_hostfile "$n") || exit 2
     root_opts=()
     [[ $(id -u) -eq 0 ]] && root_opts=(--allow-run-as-root)
     eval "$(mpirun_env)"
     exec mpirun "${root_opts[@]}" -np "$n" --hostfile "$hf" --map-by slot --bind-to none "$@" ;;
   agent) shift; agent "$@" ;;
   -h | --help | help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d;s/^# \{0,1\}//' ;;
-  *) die "unknown command '$1' (up K, run -np N CMD, hostfile [N], env, exec HOST CMD, status, down; --help)" ;;
+  *) die "unknown command '$1' (up K, run -np N CMD, hostfile [N], env, exec HOST CMD, kill HOST, status, down; --help)" ;;
 esac

@@ -320,6 +320,27 @@ TEST(TrainCli, ThreeDAndReplicaConfigsAreValidAndTheDryRunShowsTheComposition) {
   EXPECT_NE(one.out.find("    replica 1: "), std::string::npos) << one.out;
 }
 
+// --ranks-per-host says where the processes will run: the data groups (consecutive
+// ranks) stay inside a host, the pipeline crosses between hosts.
+TEST(TrainCli, DryRunWithRanksPerHostShowsWhichAxesStayInsideAHost) {
+  const std::string cfg = std::string(TETRA_SOURCE_DIR) + "/configs/3d.yaml";
+  Outcome r = run({cfg, "--dry-run", "--np", "4", "--ranks-per-host", "2"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* want : {"hosts      2 x 2 processes (consecutive ranks share a host",
+                           "  pipeline  x2   across 2 hosts (1 rank of each group per host)",
+                           "  data      x2   inside a host (every group on one host)",
+                           "  3     3        1     1         1     0"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  Outcome one = run({cfg, "--dry-run", "--np", "4", "--ranks-per-host", "1"});
+  ASSERT_EQ(one.status, 0) << one.out;
+  EXPECT_NE(one.out.find("  data      x2   across 2 hosts (1 rank of each group per host)"), std::string::npos) << one.out;
+  Outcome j = run({cfg, "--dry-run", "--json", "--np", "4", "--ranks-per-host", "2"});
+  ASSERT_EQ(j.status, 0) << j.out;
+  const nlohmann::json plan = nlohmann::json::parse(j.out.substr(j.out.find('{')));
+  EXPECT_EQ(plan["hosts"]["count"], 2);
+  EXPECT_EQ(plan["ranks"][2]["host"], 1);
+}
+
 // --dry-run --np N lays out every rank without communicating, and checks the mesh fits
 // N; --json is the same plan for tools.
 TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
@@ -327,7 +348,7 @@ TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {
   Outcome r = run({cfg, "--dry-run", "--np", "4", "--set", "replicate.replicas=2"});
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("ranks      8 (4 processes x 2 replicas)"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("  7     3        1         1     1        1        "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  7     3        0     1         1     1        1        "), std::string::npos) << r.out;
   // The per-rank estimate, with the convention its bytes per step are counted in.
   EXPECT_NE(r.out.find("estimate   per rank (per process: each of its replica threads alike)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("ring allreduce 2(n-1)/n x B"), std::string::npos) << r.out;

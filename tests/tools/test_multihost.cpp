@@ -1,0 +1,270 @@
+// Jobs across hosts: two test hosts on this machine (tools/test-hosts.sh: a network and a
+// UTS namespace each, a bridge between them), `mpirun` starting two ranks on each through
+// the script's agent, so ranks on one host talk through shared memory and ranks on
+// different hosts through TCP, as on a cluster. Every strategy follows the single-process
+// run within relative 1e-5 (fp32), losses at every step and every parameter at the end;
+// the plan and topo see two hosts; a host that dies ends the job on the other, named.
+//
+// The hosts need root (namespaces, a bridge); without it, or without iproute2, every case
+// skips and says why.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/safetensors.h"
+#include "tests/tools/spawn.h"
+
+namespace fs = std::filesystem;
+using namespace tetra::testing_tools;
+
+namespace {
+
+const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
+const std::string kTopo = std::string(TETRA_BIN_DIR) + "/topo";
+const std::string kHosts = std::string(TETRA_SOURCE_DIR) + "/tools/test-hosts.sh";
+
+struct Result {
+  int status = -1;
+  std::string out;  // stdout and stderr together
+};
+
+Result run(const std::string& exe, const std::vector<std::string>& args, const fs::path& log) {
+  const pid_t pid = spawn_tool(exe, args, log);
+  Result r;
+  r.status = wait_status(pid);
+  r.out = slurp(log);
+  return r;
+}
+
+// The two hosts, up for the whole suite (the script is idempotent) and down after it.
+class MultiHost : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (::geteuid() != 0) {
+      skip_ = "test hosts need root (network namespaces, a bridge)";
+      return;
+    }
+    const fs::path log = fs::path(testing::TempDir()) / ("test_hosts_up_" + std::to_string(::getpid()) + ".log");
+    const Result up = run(kHosts, {"up", "2"}, log);
+    if (up.status != 0) skip_ = "tools/test-hosts.sh up 2 failed: " + up.out;
+  }
+  static void TearDownTestSuite() {
+    if (!skip_.empty()) return;
+    run(kHosts, {"down"}, fs::path(testing::TempDir()) / ("test_hosts_down_" + std::to_string(::getpid()) + ".log"));
+  }
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+  }
+
+  static inline std::string skip_;
+};
+
+// `train args...` as 4 ranks, 2 on each host.
+Result across(const fs::path& dir, const std::vector<std::string>& args) {
+  std::vector<std::string> all = {"run", "-np", "4", kTrain};
+  all.insert(all.end(), args.begin(), args.end());
+  return run(kHosts, all, dir / "across.log");
+}
+
+fs::path fresh(const std::string& name) { return fresh_dir("multihost", name); }
+
+// step -> loss of the train records.
+std::map<int64_t, double> losses(const fs::path& metrics) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const auto rec = nlohmann::json::parse(line);
+    if (!rec.value("eval", false)) out[rec["step"].get<int64_t>()] = rec["loss"].get<double>();
+  }
+  return out;
+}
+
+// A small Fashion-MNIST MLP, 20 steps, the final weights exported.
+fs::path write_job(const fs::path& d, const std::string& optimizer) {
+  const fs::path p = d / "job.yaml";
+  std::ofstream(p) << "name: multihost\n"
+                      "model: {type: mlp, hidden: [128, 64]}\n"
+                      "data: {type: fashion-mnist, batch_size: 128, eval_samples: 0}\n"
+                   << "optimizer: " << optimizer << "\n"
+                   << "train: {max_steps: 20, seed: 5, threads: 1}\n"
+                      "data_parallel: {bucket_mb: 0.05}\n"
+                      "checkpoint: {dir: \"\"}\n"
+                      "log: {every: 1, progress: plain}\n";
+  return p;
+}
+
+// The job on one process, then across the hosts with `sets`: losses within relative
+// 1e-5 at every step, every parameter within 1e-5 (relative to the tensor's scale).
+// Returns what the run across the hosts printed.
+std::string expect_follows_one_process(const std::string& name, const std::string& optimizer,
+                                       const std::vector<std::string>& sets) {
+  const fs::path d = fresh(name);
+  const std::string job = write_job(d, optimizer).string();
+  auto args = [&](const std::string& tag) {
+    return std::vector<std::string>{job, "--set", "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
+                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string()};
+  };
+  const Result one = run(kTrain, args("one"), d / "one.log");
+  EXPECT_EQ(one.status, 0) << one.out;
+  std::vector<std::string> many_args = args("many");
+  for (const auto& s : sets) {
+    many_args.push_back("--set");
+    many_args.push_back(s);
+  }
+  const Result many = across(d, many_args);
+  EXPECT_EQ(many.status, 0) << many.out;
+  if (one.status != 0 || many.status != 0) return many.out;
+  const auto a = losses(d / "one.jsonl"), b = losses(d / "many.jsonl");
+  EXPECT_EQ(a.size(), 20u);
+  EXPECT_EQ(b.size(), 20u) << many.out;
+  for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-5 * std::abs(loss)) << name << ", step " << step;
+  const auto wa = tetra::core::load_safetensors((d / "one.safetensors").string());
+  const auto wb = tetra::core::load_safetensors((d / "many.safetensors").string());
+  EXPECT_EQ(wa.size(), wb.size());
+  for (const auto& [key, t] : wa) {
+    if (!wb.count(key)) {
+      ADD_FAILURE() << name << ": the run across the hosts has no parameter " << key;
+      continue;
+    }
+    const double scale = std::max(1.0, t.abs().max().item<double>());
+    const double diff = (wb.at(key) - t).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-5 * scale) << name << ": parameter " << key;
+  }
+  return many.out;
+}
+
+bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+
+}  // namespace
+
+// Data parallel over 4 ranks on 2 hosts, plain SGD without clipping (a sum instead of an
+// average would be 4x the step): hierarchical allreduce turns itself on (the data group
+// spans the hosts, two ranks on each), and matches the flat allreduce.
+TEST_F(MultiHost, DataParallelAcrossTwoHostsFollowsOneProcessHierarchicalAndFlat) {
+  const std::string sgd = "{type: sgd, lr: 0.05}";
+  const std::string out = expect_follows_one_process("dp", sgd, {"mesh.data=4"});
+  EXPECT_TRUE(has(out, "2 hosts")) << out;
+  EXPECT_TRUE(has(out, "hierarchical")) << out;
+  expect_follows_one_process("dp_flat", sgd, {"mesh.data=4", "data_parallel.hierarchical=off"});
+}
+
+// pipeline 2 x data 2: the data groups (consecutive ranks) stay inside a host, the
+// pipeline's sends cross between the hosts.
+TEST_F(MultiHost, PipelineTimesDataAcrossTwoHostsFollowsOneProcess) {
+  expect_follows_one_process("pp_dp", "{type: adamw, lr: 2.0e-3}",
+                             {"mesh.pipeline=2", "mesh.data=2", "pipeline.schedule=1f1b", "pipeline.micro_batches=4"});
+}
+
+TEST_F(MultiHost, ZeroThreeAcrossTwoHostsFollowsOneProcessWithPlainSgd) {
+  expect_follows_one_process("zero3", "{type: sgd, lr: 0.05}", {"mesh.data=4", "zero.stage=3"});
+}
+
+// 4 processes x 2 replica threads: 8 data-parallel ranks, 4 on each host.
+TEST_F(MultiHost, ReplicasAcrossTwoHostsFollowOneProcess) {
+  expect_follows_one_process("replicas", "{type: sgd, lr: 0.05}", {"mesh.data=4", "replicate.replicas=2"});
+}
+
+// topo run across the hosts sees two hosts and which ranks live where.
+TEST_F(MultiHost, TopoShowsBothHostsAndTheirRanks) {
+  const fs::path d = fresh("topo");
+  const Result r = run(kHosts, {"run", "-np", "4", kTopo}, d / "topo.log");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(has(r.out, "tetra-host1")) << r.out;
+  EXPECT_TRUE(has(r.out, "tetra-host2")) << r.out;
+}
+
+// Ranks that fail while starting (here: told to reach rank 0's monitor by a name their
+// hosts cannot resolve) exit, with the reason; they do not wait in MPI_Finalize for rank
+// 0, which waits for them, and mpirun ends the job.
+TEST_F(MultiHost, RanksThatFailWhileStartingEndTheJobInsteadOfHanging) {
+  const fs::path d = fresh("early_failure");
+  const std::string job = write_job(d, "{type: sgd, lr: 0.05}").string();
+  const pid_t pid = spawn_tool(kHosts,
+                               {"run", "-np", "4", "-x", "TETRA_MONITOR_ADDR=tetra-host1", kTrain, job, "--set",
+                                "mesh.data=4", "--set", "log.metrics="},
+                               d / "run.log");
+  const auto t0 = std::chrono::steady_clock::now();
+  int st = 0, status = -1;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (status == -1) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    run(kHosts, {"kill", "tetra-host1"}, d / "kill1.log");
+    run(kHosts, {"kill", "tetra-host2"}, d / "kill2.log");
+  }
+  const std::string out = slurp(d / "run.log");
+  ASSERT_NE(status, -1) << "still running 60 s after the ranks failed:\n" << out;
+  EXPECT_NE(status, 0) << out;
+  EXPECT_TRUE(has(out, "monitor: cannot connect to rank 0 on port")) << out;
+  EXPECT_TRUE(has(out, "tetra-host1: ")) << out;  // the name tried, and why it failed
+  std::printf("the job ended %.2f s after it started (status %d)\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), status);
+}
+
+// A host that dies (every process on it killed at once, its daemon too) ends the job on
+// the other host within 30 s, naming the ranks that were lost.
+TEST_F(MultiHost, AHostThatDiesEndsTheJobOnTheOtherNamingItsRanks) {
+  const fs::path d = fresh("host_dies");
+  const fs::path job = d / "job.yaml";
+  std::ofstream(job) << "name: host_dies\n"
+                        "model: {type: mlp, hidden: [64, 64]}\n"
+                        "data: {type: synthetic, batch_size: 48}\n"
+                        "optimizer: {type: sgd, lr: 0.01}\n"
+                        "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
+                        "mesh: {data: 4}\n"
+                        "checkpoint: {dir: \"\"}\n"
+                     << "log: {every: 1, progress: off, metrics: " << (d / "m.jsonl").string() << ", dir: " << d.string()
+                     << "}\n";
+  const pid_t mpirun = spawn_tool(kHosts, {"run", "-np", "4", kTrain, job.string()}, d / "run.log");
+  // Wait until the job is training.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  auto steps = [&] {
+    std::ifstream in(d / "m.jsonl");
+    int n = 0;
+    for (std::string l; std::getline(in, l);) ++n;
+    return n;
+  };
+  while (steps() < 3 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GE(steps(), 3) << slurp(d / "run.log");
+  const Result killed = run(kHosts, {"kill", "tetra-host2"}, d / "kill.log");
+  ASSERT_EQ(killed.status, 0) << killed.out;
+  const auto t0 = std::chrono::steady_clock::now();
+  int st = 0, status = -1;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+    if (waitpid(mpirun, &st, WNOHANG) == mpirun) {
+      status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (status == -1) {
+    kill(mpirun, SIGKILL);
+    waitpid(mpirun, &st, 0);
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string out = slurp(d / "run.log");
+  ASSERT_NE(status, -1) << "the job did not end within 30 s of its host dying:\n" << out;
+  EXPECT_NE(status, 0) << out;
+  EXPECT_TRUE(has(out, "tetra-host2")) << out;
+  std::printf("the job ended %.2f s after tetra-host2 died (status %d)\n", took, status);
+}
