@@ -22,6 +22,7 @@ packages=(
   nlohmann-json3-dev
   libgloo-dev             # headers for LibTorch's c10d Gloo process group
   dataset-fashion-mnist   # /usr/share/datasets/fashion-mnist/*.gz
+  iproute2                # ip, tc: tools/test-hosts.sh (network namespaces as test hosts)
 )
 
 missing=()

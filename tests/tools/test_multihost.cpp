@@ -35,18 +35,39 @@ namespace {
 
 const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
 const std::string kTopo = std::string(TETRA_BIN_DIR) + "/topo";
-const std::string kHosts = std::string(TETRA_SOURCE_DIR) + "/tools/test-hosts.sh";
 
 struct Result {
   int status = -1;
   std::string out;  // stdout and stderr together
 };
 
+const std::string kHosts = std::string(TETRA_SOURCE_DIR) + "/tools/test-hosts.sh";
+
+// Waits up to `limit` for `pid`; -1 (and the process and everything on the hosts
+// killed) when it is still running then.
+int wait_within(pid_t pid, std::chrono::seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  int st = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &st, 0);
+  for (const char* host : {"tetra-host1", "tetra-host2"}) {
+    const pid_t k = spawn_tool(kHosts, {"kill", host}, "/dev/null");
+    waitpid(k, &st, 0);
+  }
+  return -1;
+}
+
+// Runs `exe args...` to its end, at most 5 minutes (a hang is a failure, not ctest's timeout).
 Result run(const std::string& exe, const std::vector<std::string>& args, const fs::path& log) {
   const pid_t pid = spawn_tool(exe, args, log);
   Result r;
-  r.status = wait_status(pid);
+  r.status = wait_within(pid, std::chrono::minutes(5));
   r.out = slurp(log);
+  if (r.status == -1) ADD_FAILURE() << exe << " was still running after 5 minutes:\n" << r.out;
   return r;
 }
 
@@ -198,20 +219,7 @@ TEST_F(MultiHost, RanksThatFailWhileStartingEndTheJobInsteadOfHanging) {
                                 "mesh.data=4", "--set", "log.metrics="},
                                d / "run.log");
   const auto t0 = std::chrono::steady_clock::now();
-  int st = 0, status = -1;
-  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
-    if (waitpid(pid, &st, WNOHANG) == pid) {
-      status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  if (status == -1) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &st, 0);
-    run(kHosts, {"kill", "tetra-host1"}, d / "kill1.log");
-    run(kHosts, {"kill", "tetra-host2"}, d / "kill2.log");
-  }
+  const int status = wait_within(pid, std::chrono::seconds(60));
   const std::string out = slurp(d / "run.log");
   ASSERT_NE(status, -1) << "still running 60 s after the ranks failed:\n" << out;
   EXPECT_NE(status, 0) << out;
@@ -249,18 +257,7 @@ TEST_F(MultiHost, AHostThatDiesEndsTheJobOnTheOtherNamingItsRanks) {
   const Result killed = run(kHosts, {"kill", "tetra-host2"}, d / "kill.log");
   ASSERT_EQ(killed.status, 0) << killed.out;
   const auto t0 = std::chrono::steady_clock::now();
-  int st = 0, status = -1;
-  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
-    if (waitpid(mpirun, &st, WNOHANG) == mpirun) {
-      status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  if (status == -1) {
-    kill(mpirun, SIGKILL);
-    waitpid(mpirun, &st, 0);
-  }
+  const int status = wait_within(mpirun, std::chrono::seconds(30));
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string out = slurp(d / "run.log");
   ASSERT_NE(status, -1) << "the job did not end within 30 s of its host dying:\n" << out;
