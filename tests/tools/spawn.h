@@ -88,4 +88,24 @@ inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir
   return r;
 }
 
+// A job that trains for ever (data parallel on `ranks`, unless `strategy` says more: a
+// mesh line and its sections), written as d/job.yaml; its metrics go to d/m.jsonl and its
+// flight-recorder dumps under d. The fault tests kill or stop it long before it ends.
+inline std::string long_job(const std::filesystem::path& d, const std::string& backend, int ranks,
+                            const std::string& strategy = "", int timeout_s = 600) {
+  const std::filesystem::path p = d / "job.yaml";
+  std::ofstream(p) << "name: faults\n"
+                      "model: {type: mlp, hidden: [64, 64]}\n"
+                      "data: {type: synthetic, batch_size: 48}\n"
+                      "optimizer: {type: sgd, lr: 0.01}\n"
+                      "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
+                   << (strategy.empty() ? "mesh: {data: " + std::to_string(ranks) + "}\n" : strategy + "\n")
+                   << "collectives: {backend: " << backend << ", timeout_s: " << timeout_s
+                   << "}\n"
+                      "checkpoint: {dir: \"\"}\n"
+                      "log: {every: 1, progress: off, metrics: "
+                   << (d / "m.jsonl").string() << ", dir: " << d.string() << "}\n";
+  return p.string();
+}
+
 }  // namespace tetra::testing_tools

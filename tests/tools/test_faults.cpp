@@ -32,25 +32,6 @@ const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
 const std::string kFlight = std::string(TETRA_BIN_DIR) + "/flight";
 using Clock = std::chrono::steady_clock;
 
-// A long job (data parallel on `ranks`, unless `strategy` says more): it is killed long
-// before it ends.
-std::string long_job(const fs::path& d, const std::string& backend, int ranks, const std::string& strategy = "",
-                     int timeout_s = 600) {
-  const fs::path p = d / "job.yaml";
-  std::ofstream(p) << "name: faults\n"
-                      "model: {type: mlp, hidden: [64, 64]}\n"
-                      "data: {type: synthetic, batch_size: 48}\n"
-                      "optimizer: {type: sgd, lr: 0.01}\n"
-                      "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
-                   << (strategy.empty() ? "mesh: {data: " + std::to_string(ranks) + "}\n" : strategy + "\n")
-                   << "collectives: {backend: "
-                   << backend << ", timeout_s: " << timeout_s << "}\n"
-                      "checkpoint: {dir: \"\"}\n"
-                      "log: {every: 1, progress: off, metrics: "
-                   << (d / "m.jsonl").string() << ", dir: " << d.string() << "}\n";
-  return p.string();
-}
-
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};

@@ -233,17 +233,8 @@ TEST_F(MultiHost, RanksThatFailWhileStartingEndTheJobInsteadOfHanging) {
 // the other host within 30 s, naming the ranks that were lost.
 TEST_F(MultiHost, AHostThatDiesEndsTheJobOnTheOtherNamingItsRanks) {
   const fs::path d = fresh("host_dies");
-  const fs::path job = d / "job.yaml";
-  std::ofstream(job) << "name: host_dies\n"
-                        "model: {type: mlp, hidden: [64, 64]}\n"
-                        "data: {type: synthetic, batch_size: 48}\n"
-                        "optimizer: {type: sgd, lr: 0.01}\n"
-                        "train: {max_steps: 1000000, seed: 3, threads: 1}\n"
-                        "mesh: {data: 4}\n"
-                        "checkpoint: {dir: \"\"}\n"
-                     << "log: {every: 1, progress: off, metrics: " << (d / "m.jsonl").string() << ", dir: " << d.string()
-                     << "}\n";
-  const pid_t mpirun = spawn_tool(kHosts, {"run", "-np", "4", kTrain, job.string()}, d / "run.log");
+  const std::string job = long_job(d, "mpi", 4);
+  const pid_t mpirun = spawn_tool(kHosts, {"run", "-np", "4", kTrain, job}, d / "run.log");
   // Wait until the job is training.
   const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(2);
   auto steps = [&] {
