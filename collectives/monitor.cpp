@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "collectives/watchdog.h"
@@ -159,12 +160,53 @@ void server_broadcast(const std::string& line, int except_fd = -1) {
     if (fd != except_fd) send_line(fd, line);
 }
 
+void server_line(Peer& p, const std::string& line);
+
+// The other ranks lost with the first (a host that dies takes all its ranks at once):
+// those whose connections close within `window`, and those as silent as a lost one.
+// Their lines up to the end are read as usual.
+std::vector<int> also_lost(int first_fd, std::chrono::milliseconds window) {
+  State& s = st();
+  std::vector<int> out;
+  std::set<int> done = {first_fd};
+  const int64_t now = wall_us();
+  for (auto& [fd, q] : s.peers)
+    if (!done.count(fd) && !q.goodbye && q.rank >= 0 && now - q.heard_us > kSilentUs) {
+      done.insert(fd);
+      out.push_back(q.rank);
+    }
+  for (const Deadline end = Clock::now() + window; Clock::now() < end;) {
+    std::vector<pollfd> fds;
+    for (auto& [fd, q] : s.peers)
+      if (!done.count(fd) && !q.goodbye && q.rank >= 0) fds.push_back({fd, POLLIN, 0});
+    if (fds.empty() || ::poll(fds.data(), fds.size(), 20) < 0) break;
+    for (const pollfd& f : fds) {
+      if (!f.revents) continue;
+      Peer& q = s.peers[f.fd];
+      std::vector<std::string> lines;
+      const bool open = read_lines(q, lines);
+      for (const auto& l : lines) server_line(q, l);
+      if (!open && !q.goodbye) {
+        done.insert(f.fd);
+        out.push_back(q.rank);
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 void server_peer_gone(Peer& p, const std::string& how) {
   State& s = st();
+  const std::vector<int> others = also_lost(p.fd, std::chrono::milliseconds(300));
   std::string text;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     text = who(p.rank, s.where[p.rank]) + " died: " + how + "; " + last_seen(s.reports[p.rank]);
+    if (!others.empty()) {
+      text += "; lost at the same moment:";
+      for (size_t i = 0; i < others.size(); ++i) text += (i ? ", " : " ") + who(others[i], s.where[others[i]]);
+    }
   }
   server_broadcast(text_of(nlohmann::json({{"t", "lost"}, {"text", text}})), p.fd);
   lost(text);

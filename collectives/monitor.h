@@ -13,7 +13,9 @@
 //
 // A process that dies closes its connection without saying goodbye: the kernel does it
 // for a kill -9, an out-of-memory kill or a crash. Rank 0 sees it at once and tells every
-// other rank, which prints which rank died, on which host, and the op it was last in,
+// other rank, which prints which rank died, on which host, and the op it was last in
+// (with every rank whose connection closed within 300 ms of it: a host that dies takes
+// all its ranks, and they are named together),
 // dumps its flight recorder and exits with kExitPeerLost (3) — whatever it was doing, a
 // collective or a long compute, and whatever the launcher does. When rank 0 dies, the
 // others see their connection close and do the same. A rank that fails with an error says
