@@ -3,14 +3,17 @@
 #pragma once
 
 #include <fcntl.h>
+#include <signal.h>
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern char** environ;
@@ -74,6 +77,24 @@ inline int wait_status(pid_t pid) {
   int st = 0;
   waitpid(pid, &st, 0);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// Waits for `pid` up to `limit`: its exit status (or 128 + signal), and in `took` how long
+// it ran from the call; -1 when it is still running then (it is killed).
+inline int wait_within(pid_t pid, std::chrono::seconds limit, double* took = nullptr) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  int st = 0;
+  while (Clock::now() - start < limit) {
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      if (took) *took = std::chrono::duration<double>(Clock::now() - start).count();
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &st, 0);
+  return -1;
 }
 
 // Runs `exe args...` to its end; its output lands in dir/stdout.txt and dir/stderr.txt.

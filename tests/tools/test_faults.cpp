@@ -57,22 +57,6 @@ bool wait_for_steps(const fs::path& metrics, int steps, std::chrono::seconds lim
   return false;
 }
 
-// Waits for `pid` up to `limit`; -1 when it is still running then (it is killed).
-int wait_within(pid_t pid, std::chrono::seconds limit, double* took = nullptr) {
-  const auto start = Clock::now();
-  int st = 0;
-  while (Clock::now() - start < limit) {
-    if (waitpid(pid, &st, WNOHANG) == pid) {
-      if (took) *took = std::chrono::duration<double>(Clock::now() - start).count();
-      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &st, 0);
-  return -1;
-}
-
 struct GlooJob {
   fs::path dir;
   std::vector<pid_t> pids;

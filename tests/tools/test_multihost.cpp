@@ -43,29 +43,20 @@ struct Result {
 
 const std::string kHosts = std::string(TETRA_SOURCE_DIR) + "/tools/test-hosts.sh";
 
-// Waits up to `limit` for `pid`; -1 (and the process and everything on the hosts
-// killed) when it is still running then.
-int wait_within(pid_t pid, std::chrono::seconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  int st = 0;
-  while (std::chrono::steady_clock::now() < end) {
-    if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &st, 0);
-  for (const char* host : {"tetra-host1", "tetra-host2"}) {
-    const pid_t k = spawn_tool(kHosts, {"kill", host}, "/dev/null");
-    waitpid(k, &st, 0);
-  }
-  return -1;
+// wait_within (spawn.h), and when `pid` is still running at the limit, every process
+// left on the hosts killed too: ranks orphaned by a killed mpirun.
+int wait_on_hosts(pid_t pid, std::chrono::seconds limit) {
+  const int status = wait_within(pid, limit);
+  if (status == -1)
+    for (const char* host : {"tetra-host1", "tetra-host2"}) wait_status(spawn_tool(kHosts, {"kill", host}, "/dev/null"));
+  return status;
 }
 
 // Runs `exe args...` to its end, at most 5 minutes (a hang is a failure, not ctest's timeout).
 Result run(const std::string& exe, const std::vector<std::string>& args, const fs::path& log) {
   const pid_t pid = spawn_tool(exe, args, log);
   Result r;
-  r.status = wait_within(pid, std::chrono::minutes(5));
+  r.status = wait_on_hosts(pid, std::chrono::minutes(5));
   r.out = slurp(log);
   if (r.status == -1) ADD_FAILURE() << exe << " was still running after 5 minutes:\n" << r.out;
   return r;
@@ -219,7 +210,7 @@ TEST_F(MultiHost, RanksThatFailWhileStartingEndTheJobInsteadOfHanging) {
                                 "mesh.data=4", "--set", "log.metrics="},
                                d / "run.log");
   const auto t0 = std::chrono::steady_clock::now();
-  const int status = wait_within(pid, std::chrono::seconds(60));
+  const int status = wait_on_hosts(pid, std::chrono::seconds(60));
   const std::string out = slurp(d / "run.log");
   ASSERT_NE(status, -1) << "still running 60 s after the ranks failed:\n" << out;
   EXPECT_NE(status, 0) << out;
@@ -249,7 +240,7 @@ TEST_F(MultiHost, AHostThatDiesEndsTheJobOnTheOtherNamingItsRanks) {
   const Result killed = run(kHosts, {"kill", "tetra-host2"}, d / "kill.log");
   ASSERT_EQ(killed.status, 0) << killed.out;
   const auto t0 = std::chrono::steady_clock::now();
-  const int status = wait_within(mpirun, std::chrono::seconds(30));
+  const int status = wait_on_hosts(mpirun, std::chrono::seconds(30));
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string out = slurp(d / "run.log");
   ASSERT_NE(status, -1) << "the job did not end within 30 s of its host dying:\n" << out;

@@ -46,7 +46,6 @@ TrainerOptions trainer_options(const RunOptions& options) {
   return t;
 }
 
-// Distinct hosts among the world's ranks (an allgather of a hash of each hostname).
 // Rank -> (pipeline, data, replica) and where it runs, for --dry-run with a world size.
 // Every process is taken to run on this host (the one --dry-run runs on) unless a
 // launcher says how many share it.
@@ -85,18 +84,15 @@ int host_count(const std::vector<RankRow>& rows) { return rows.empty() ? 1 : row
 std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows, int per_host) {
   const int hosts = host_count(rows);
   std::string out;
-  if (hosts == 1) {
-    out = "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) + " process" +
-          (plan.process_count() == 1 ? "" : "es") +
-          (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ") on " +
-          hardware::hostname() + "\n";
-  } else {
+  if (hosts > 1) {
     out = "hosts      " + std::to_string(hosts) + " x " + std::to_string(per_host) +
           " processes (consecutive ranks share a host, as mpirun --map-by slot and srun place them)\n";
     for (const std::string& line : MeshLayout(plan.processes()).host_placement(per_host)) out += "  " + line + "\n";
-    out += "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) + " processes" +
-           (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ")\n";
   }
+  out += "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) + " process" +
+         (plan.process_count() == 1 ? "" : "es") +
+         (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ")" +
+         (hosts == 1 ? " on " + hardware::hostname() : std::string()) + "\n";
   appendf(out, "  %-5s %-8s %-5s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "host", "pipeline", "data", "replica",
           "threads", "cpus");
   const auto& axes = plan.processes().axes;
