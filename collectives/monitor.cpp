@@ -220,6 +220,9 @@ void server_line(Peer& p, const std::string& line) {
   p.heard_us = wall_us();
   if (t == "hello") {
     p.rank = j.value("rank", -1);
+    // Rank 0's own report at once: a rank that joins knows where rank 0 runs (its host and
+    // pid) before the next periodic report, should rank 0 die first.
+    send_line(p.fd, report_json());
     std::lock_guard<std::mutex> lock(s.mu);
     s.where[p.rank] = j.value("where", "");
   } else if (t == "report") {

@@ -78,6 +78,10 @@ struct GlooJob {
 
 void expect_survivors_name_the_dead(GlooJob& job, int dead) {
   ASSERT_TRUE(wait_for_steps(job.dir / "m.jsonl", 5, std::chrono::seconds(120))) << job.err(0);
+  // Ranks report their ops to the monitor every 250 ms: let one report go out, so that the
+  // op the dead rank was in can be named (a rank killed before its first report is named
+  // by host and pid, without an op).
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   kill(job.pids[static_cast<size_t>(dead)], SIGKILL);
   EXPECT_EQ(wait_within(job.pids[static_cast<size_t>(dead)], std::chrono::seconds(10)), 128 + SIGKILL);
   for (size_t r = 0; r < job.pids.size(); ++r) {
