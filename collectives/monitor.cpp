@@ -28,8 +28,10 @@ namespace tetra::collectives {
 
 namespace {
 
-constexpr int64_t kHeartbeatEveryUs = 2'000'000;  // even when nothing did
-constexpr int64_t kSilentUs = 20'000'000;         // no word for this long: the process is gone
+// The monitor's own clock (steady: a step of the system clock is no silence).
+int64_t mono_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
+}
 
 struct Peer {
   int fd = -1;
@@ -37,7 +39,7 @@ struct Peer {
   int rank = -1;
   std::string where;
   bool goodbye = false;  // said bye or fail: its closing is not a death
-  int64_t heard_us = 0;
+  int64_t heard_us = 0;  // mono_us()
 };
 
 struct State {
@@ -61,9 +63,11 @@ struct State {
   int64_t next_query = 1;
   std::map<int64_t, std::vector<MemberProgress>> answers;
   std::condition_variable answered;
-  // a failure another rank reported: end after the grace period
+  // a failure another rank reported: end after the grace period (mono_us)
   std::string failure;
   int64_t failure_deadline_us = 0;
+  // Note [Silence]: from options.silence
+  int64_t silent_us = 20'000'000, heartbeat_us = 2'000'000, stalled_us = 5'000'000;
 };
 
 State& st() {
@@ -153,6 +157,20 @@ std::string who(int rank, const std::string& where) {
   return "rank " + std::to_string(rank) + (where.empty() ? "" : " (" + where + ")");
 }
 
+// Note [Silence]: whether this process itself did not run (its loop came round `gap` late:
+// a paused machine, SIGSTOP, a debugger, a starved CPU). Then every silence it measured
+// is its own, and the caller restarts its peers' clocks instead of blaming them.
+bool stalled(int64_t& last_turn_us, int64_t now) {
+  const int64_t gap = now - last_turn_us;
+  last_turn_us = now;
+  if (gap <= st().stalled_us) return false;
+  std::fprintf(stderr,
+               "tetra: rank %d (%s): the monitor did not run for %s (this machine or process was stopped or starved); "
+               "the other ranks' silence over that time is not held against them\n",
+               st().rank, process_description().c_str(), seconds_text(gap).c_str());
+  return true;
+}
+
 // ---- server (rank 0) ----------------------------------------------------------------------
 
 void server_broadcast(const std::string& line, int except_fd = -1) {
@@ -169,9 +187,9 @@ std::vector<int> also_lost(int first_fd, std::chrono::milliseconds window) {
   State& s = st();
   std::vector<int> out;
   std::set<int> done = {first_fd};
-  const int64_t now = wall_us();
+  const int64_t now = mono_us();
   for (auto& [fd, q] : s.peers)
-    if (!done.count(fd) && !q.goodbye && q.rank >= 0 && now - q.heard_us > kSilentUs) {
+    if (!done.count(fd) && !q.goodbye && q.rank >= 0 && now - q.heard_us > s.silent_us) {
       done.insert(fd);
       out.push_back(q.rank);
     }
@@ -217,7 +235,7 @@ void server_line(Peer& p, const std::string& line) {
   nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return;
   const std::string t = j.value("t", "");
-  p.heard_us = wall_us();
+  p.heard_us = mono_us();
   if (t == "hello") {
     p.rank = j.value("rank", -1);
     // Rank 0's own report at once: a rank that joins knows where rank 0 runs (its host and
@@ -238,7 +256,7 @@ void server_line(Peer& p, const std::string& line) {
       text = who(p.rank, s.where[p.rank]) + " failed: " + j.value("message", "");
       if (s.failure.empty()) {
         s.failure = text;
-        s.failure_deadline_us = wall_us() + std::chrono::duration_cast<std::chrono::microseconds>(s.options.failure_grace).count();
+        s.failure_deadline_us = mono_us() + std::chrono::duration_cast<std::chrono::microseconds>(s.options.failure_grace).count();
       }
     }
     server_broadcast(text_of(nlohmann::json({{"t", "failed"}, {"text", text}})), p.fd);
@@ -261,7 +279,7 @@ void server_line(Peer& p, const std::string& line) {
 void server_loop_body() {
   State& s = st();
   std::string last_report;
-  int64_t last_sent = 0;
+  int64_t last_sent = 0, last_turn = mono_us();
   for (;;) {
     std::vector<std::string> out;
     {
@@ -275,6 +293,8 @@ void server_loop_body() {
     fds.push_back({s.listen_fd, POLLIN, 0});
     for (auto& [fd, p] : s.peers) fds.push_back({fd, POLLIN, 0});
     ::poll(fds.data(), fds.size(), 250);
+    if (stalled(last_turn, mono_us()))
+      for (auto& [fd, p] : s.peers) p.heard_us = mono_us();
     if (fds[0].revents) {
       char b[64];
       while (::read(s.wake[0], b, sizeof(b)) > 0) {
@@ -285,7 +305,7 @@ void server_loop_body() {
       if (fd >= 0) {
         Peer p;
         p.fd = fd;
-        p.heard_us = wall_us();
+        p.heard_us = mono_us();
         s.peers[fd] = p;
       }
     }
@@ -306,21 +326,21 @@ void server_loop_body() {
         }
       }
     }
-    const int64_t now = wall_us();
+    const int64_t now = mono_us();
     // Rank 0's own progress and heartbeat, so the others can name it if it dies.
     if (now - last_sent >= report_every_us()) {
       std::string r = report_json();
-      if (r != last_report || now - last_sent >= kHeartbeatEveryUs) {
+      if (r != last_report || now - last_sent >= s.heartbeat_us) {
         server_broadcast(r);
         last_report = std::move(r);
         last_sent = now;
       }
     }
     for (auto& [fd, p] : s.peers)
-      if (!p.goodbye && p.rank >= 0 && now - p.heard_us > kSilentUs) {
+      if (!p.goodbye && p.rank >= 0 && now - p.heard_us > s.silent_us) {
         Peer copy = p;
-        server_peer_gone(copy, "no word from it for " + std::to_string(kSilentUs / 1'000'000) +
-                                   " s (its host stopped, or the network to it)");
+        server_peer_gone(copy, "no word from it for " + seconds_text(s.silent_us) +
+                                   " (its host stopped, or the network to it)");
       }
     std::string failure;
     {
@@ -344,7 +364,7 @@ void client_line(const std::string& line) {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.failure.empty()) {
       s.failure = j.value("text", "a rank failed");
-      s.failure_deadline_us = wall_us() + std::chrono::duration_cast<std::chrono::microseconds>(s.options.failure_grace).count();
+      s.failure_deadline_us = mono_us() + std::chrono::duration_cast<std::chrono::microseconds>(s.options.failure_grace).count();
     }
   } else if (t == "bye") {
     s.up.goodbye = true;
@@ -362,17 +382,18 @@ void client_line(const std::string& line) {
 void client_loop_body() {
   State& s = st();
   std::string last_report;
-  int64_t last_sent = 0;
+  int64_t last_sent = 0, last_turn = mono_us();
   while (!s.stop.load()) {
     pollfd fds[2] = {{s.wake[0], POLLIN, 0}, {s.up.fd, POLLIN, 0}};
     ::poll(fds, 2, 250);
+    if (stalled(last_turn, mono_us())) s.up.heard_us = mono_us();
     if (fds[0].revents) {
       char b[64];
       while (::read(s.wake[0], b, sizeof(b)) > 0) {
       }
     }
     if (fds[1].revents) {
-      s.up.heard_us = wall_us();
+      s.up.heard_us = mono_us();
       std::vector<std::string> lines;
       const bool open = read_lines(s.up, lines);
       for (const auto& l : lines) client_line(l);
@@ -399,19 +420,19 @@ void client_loop_body() {
         return;
       }
     }
-    const int64_t now = wall_us();
-    if (s.up.fd >= 0 && !s.up.goodbye && now - s.up.heard_us > kSilentUs) {
+    const int64_t now = mono_us();
+    if (s.up.fd >= 0 && !s.up.goodbye && now - s.up.heard_us > s.silent_us) {
       std::string text;
       {
         std::lock_guard<std::mutex> lock(s.mu);
-        text = who(0, s.where[0]) + " died: no word from it for " + std::to_string(kSilentUs / 1'000'000) +
-               " s (its host stopped, or the network to it); " + last_seen(s.reports[0]);
+        text = who(0, s.where[0]) + " died: no word from it for " + seconds_text(s.silent_us) +
+               " (its host stopped, or the network to it); " + last_seen(s.reports[0]);
       }
       lost(text);
     }
     if (now - last_sent >= report_every_us()) {
       std::string r = report_json();
-      if (s.up.fd >= 0 && (r != last_report || now - last_sent >= kHeartbeatEveryUs)) {
+      if (s.up.fd >= 0 && (r != last_report || now - last_sent >= s.heartbeat_us)) {
         send_line(s.up.fd, r);
         last_report = std::move(r);
         last_sent = now;
@@ -539,7 +560,14 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.running || world.size() == 1) return;
   }
+  if (options.silence < std::chrono::seconds(1))
+    throw CommError("monitor: the silence after which a peer is lost must be at least 1 s, got " +
+                    std::to_string(options.silence.count()) + " ms");
   s.options = options;
+  const auto us = [](Duration d) { return std::chrono::duration_cast<std::chrono::microseconds>(d).count(); };
+  s.silent_us = us(options.silence);
+  s.heartbeat_us = std::min<int64_t>(2'000'000, s.silent_us / 4);
+  s.stalled_us = std::max<int64_t>(1'000'000, std::min<int64_t>(5'000'000, s.silent_us / 4));
   s.rank = world.rank();
   s.size = world.size();
   s.server = world.rank() == 0;
@@ -575,7 +603,7 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
     // Rank 0 listened before it shared its addresses: a rank that reaches none of them
     // within 20 s will not (a name that does not resolve here, a network between).
     s.up.fd = connect_to(address, Clock::now() + std::min<Duration>(options.timeout, std::chrono::seconds(20)));
-    s.up.heard_us = wall_us();
+    s.up.heard_us = mono_us();
     send_line(s.up.fd, text_of(nlohmann::json({{"t", "hello"}, {"rank", s.rank}, {"where", process_description()}})));
   }
   {

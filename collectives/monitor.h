@@ -21,6 +21,17 @@
 // others see their connection close and do the same. A rank that fails with an error says
 // so (report_failure); the others end the same way a few seconds later unless they end on
 // their own first. A clean end says goodbye, so nobody mistakes it for a death.
+//
+// Note [Silence]
+// A host that stops (powered off, its network cut) closes nothing: its ranks fall silent.
+// Every process sends at least a heartbeat every min(2 s, silence/4); a rank rank 0 has
+// not heard from for `silence` (collectives.peer_silence_s, 20 s) is lost as above, and so
+// is rank 0 to a rank that has not heard from it. Silence is measured on the steady clock,
+// and only while the measuring process itself runs: when its monitor thread comes round
+// more than min(5 s, silence/4) late (never under 1 s), this process, or the whole
+// machine, was stopped or starved (a paused VM, SIGSTOP, a debugger), so the silence it
+// saw is its own; it restarts every peer's clock and says so on stderr. A rank stopped
+// alone is still lost after `silence`: the others ran and did not hear from it.
 #pragma once
 
 #include <string>
@@ -35,6 +46,8 @@ struct MonitorOptions {
   // How long the others wait after a rank reported a failure before they end (they may
   // be about to fail with the same error and say it themselves).
   Duration failure_grace = std::chrono::seconds(5);
+  // A peer not heard from for this long is lost (Note [Silence]); at least 1 s.
+  Duration silence = std::chrono::seconds(20);
 };
 
 class Monitor {

@@ -292,6 +292,7 @@ CollectivesSpec parse_collectives(Section& c) {
   spec.timeout_s = c.number("timeout_s", spec.timeout_s, 0.001);
   if (c.has("check")) spec.check = c.boolean("check", false);
   spec.stall_warning_s = c.number("stall_warning_s", spec.stall_warning_s, 0);
+  spec.peer_silence_s = c.number("peer_silence_s", spec.peer_silence_s, 1);
   c.finish();
   return spec;
 }
@@ -596,6 +597,7 @@ YAML::Node to_yaml(const CollectivesSpec& c) {
   put(n, "timeout_s", c.timeout_s, def.timeout_s);
   if (c.check) n["check"] = *c.check;
   put(n, "stall_warning_s", c.stall_warning_s, def.stall_warning_s);
+  put(n, "peer_silence_s", c.peer_silence_s, def.peer_silence_s);
   return n;
 }
 

@@ -128,6 +128,10 @@ struct CollectivesSpec {
   // An op waiting this long is reported with the ranks that have not joined it, again at
   // twice the interval until timeout_s (Note [Stall warnings]). 0 = no warnings.
   double stall_warning_s = 60;
+  // A process not heard from for this long (its host stopped, or the network to it) is
+  // lost: every rank ends naming it (Note [Silence] in collectives/monitor.h). Raise it
+  // where machines pause for longer (live migration).
+  double peer_silence_s = 20;
 };
 
 // What a plugin's section parses into. Plugins subclass it with their typed options.

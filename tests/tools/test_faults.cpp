@@ -62,12 +62,15 @@ struct GlooJob {
   std::vector<pid_t> pids;
   // torchrun's variables, one process per rank, no launcher watching them; only the first
   // `started` ranks are started (all of them unless told).
-  GlooJob(const std::string& name, int ranks, const std::string& strategy = "", int started = -1, int timeout_s = 600)
+  GlooJob(const std::string& name, int ranks, const std::string& strategy = "", int started = -1, int timeout_s = 600,
+          const std::vector<std::string>& sets = {})
       : dir(fresh_dir("faults", name)) {
     const std::string job = long_job(dir, "gloo", ranks, strategy, timeout_s);
+    std::vector<std::string> args = {job};
+    for (const std::string& s : sets) args.insert(args.end(), {"--set", s});
     const int port = free_port();
     for (int r = 0; r < (started < 0 ? ranks : started); ++r)
-      pids.push_back(spawn_tool(kTrain, {job}, dir / ("out" + std::to_string(r) + ".txt"),
+      pids.push_back(spawn_tool(kTrain, args, dir / ("out" + std::to_string(r) + ".txt"),
                                 dir / ("err" + std::to_string(r) + ".txt"),
                                 {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(ranks),
                                  "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(ranks),
@@ -136,6 +139,58 @@ TEST(Faults, ARankThatNeverJoinsIsNamedWhenTheRendezvousTimesOut) {
     EXPECT_NE(err.find("MASTER_PORT"), std::string::npos) << err;
     EXPECT_EQ(err.find("terminate called"), std::string::npos) << err;
   }
+}
+
+int steps_logged(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  int lines = 0;
+  for (std::string l; std::getline(in, l);) lines += l.find("\"loss\"") != std::string::npos;
+  return lines;
+}
+
+// Note [Silence]: every rank stopped at once for longer than peer_silence_s (as when the
+// machine pauses) is no death; each says how long it did not run, and training goes on.
+TEST(Faults, RanksStoppedTogetherForLongerThanTheSilenceAreNotTakenForDead) {
+  GlooJob job("stopped_together", 3, "", -1, 600, {"collectives.peer_silence_s=5"});
+  ASSERT_TRUE(wait_for_steps(job.dir / "m.jsonl", 5, std::chrono::seconds(120))) << job.err(0);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  for (pid_t p : job.pids) kill(p, SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::seconds(8));
+  for (pid_t p : job.pids) kill(p, SIGCONT);
+  const int before = steps_logged(job.dir / "m.jsonl");
+  std::this_thread::sleep_for(std::chrono::seconds(7));  // past another silence
+  for (size_t r = 0; r < job.pids.size(); ++r) {
+    const std::string err = job.err(static_cast<int>(r));
+    EXPECT_EQ(waitpid(job.pids[r], nullptr, WNOHANG), 0) << "rank " << r << " ended: " << err;
+    EXPECT_NE(err.find("the monitor did not run for "), std::string::npos) << err;
+    EXPECT_EQ(err.find(" died: "), std::string::npos) << err;
+  }
+  EXPECT_GT(steps_logged(job.dir / "m.jsonl"), before) << "no step after the ranks went on";
+  for (pid_t p : job.pids) kill(p, SIGKILL);
+  for (pid_t p : job.pids) waitpid(p, nullptr, 0);
+}
+
+// ... while a rank stopped alone is lost after the silence: the others ran and did not
+// hear from it.
+TEST(Faults, ARankStoppedAloneIsLostAfterTheSilence) {
+  GlooJob job("stopped_alone", 3, "", -1, 600, {"collectives.peer_silence_s=5"});
+  ASSERT_TRUE(wait_for_steps(job.dir / "m.jsonl", 5, std::chrono::seconds(120))) << job.err(0);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  kill(job.pids[2], SIGSTOP);
+  const auto stopped = Clock::now();
+  for (int r = 0; r < 2; ++r) {
+    const int status = wait_within(job.pids[static_cast<size_t>(r)], std::chrono::seconds(30));
+    const double took = std::chrono::duration<double>(Clock::now() - stopped).count();
+    const std::string err = job.err(r);
+    EXPECT_EQ(status, tetra::kExitPeerLost) << "rank " << r << " (-1: still running after 30 s): " << err;
+    EXPECT_NE(err.find("rank 2 (host "), std::string::npos) << err;
+    EXPECT_NE(err.find("died: no word from it for 5.0 s"), std::string::npos) << err;
+    // Its last heartbeat went out at most 1.25 s (silence/4) before the stop.
+    EXPECT_GE(took, 3.5) << "ended before the silence was up: " << err;
+    std::printf("rank %d ended %.2f s after rank 2 was stopped\n", r, took);
+  }
+  kill(job.pids[2], SIGKILL);
+  waitpid(job.pids[2], nullptr, 0);
 }
 
 TEST(Faults, SigusrOneDumpsTheFlightRecorderAndTheJobGoesOn) {

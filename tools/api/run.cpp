@@ -238,6 +238,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
     // The out-of-band channel that names a dead or failed rank to the others (Note [Monitor]).
     collectives::MonitorOptions mo;
     mo.timeout = wo.timeout;
+    mo.silence = collectives::Duration(static_cast<int64_t>(spec.collectives.peer_silence_s * 1000));
     collectives::Monitor::start(*world, mo);
   }
   try {
