@@ -72,12 +72,16 @@ int64_t Traffic::sent_by(Kind k, int64_t bytes, int n) {
 
 void Traffic::record(Kind k, int64_t bytes, int n) {
   payload[k] += bytes;
+  count[k] += 1;
   ops += 1;
   sent += sent_by(k, bytes, n);
 }
 
 Traffic& Traffic::operator+=(const Traffic& o) {
-  for (int k = 0; k < kKinds; ++k) payload[k] += o.payload[k];
+  for (int k = 0; k < kKinds; ++k) {
+    payload[k] += o.payload[k];
+    count[k] += o.count[k];
+  }
   ops += o.ops;
   sent += o.sent;
   return *this;
@@ -85,7 +89,10 @@ Traffic& Traffic::operator+=(const Traffic& o) {
 
 Traffic Traffic::operator-(const Traffic& o) const {
   Traffic d = *this;
-  for (int k = 0; k < kKinds; ++k) d.payload[k] -= o.payload[k];
+  for (int k = 0; k < kKinds; ++k) {
+    d.payload[k] -= o.payload[k];
+    d.count[k] -= o.count[k];
+  }
   d.ops -= o.ops;
   d.sent -= o.sent;
   return d;
@@ -93,7 +100,7 @@ Traffic Traffic::operator-(const Traffic& o) const {
 
 bool Traffic::operator==(const Traffic& o) const {
   for (int k = 0; k < kKinds; ++k)
-    if (payload[k] != o.payload[k]) return false;
+    if (payload[k] != o.payload[k] || count[k] != o.count[k]) return false;
   return ops == o.ops && sent == o.sent;
 }
 

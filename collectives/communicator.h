@@ -122,6 +122,7 @@ using WorkPtr = std::shared_ptr<Work>;
 struct Traffic {
   enum Kind { kAllreduce, kReduceScatter, kAllgather, kBroadcast, kSend, kRecv, kKinds };
   int64_t payload[kKinds] = {};  // bytes handed to ops of each kind
+  int64_t count[kKinds] = {};    // ops of each kind (a cost model's latency terms)
   int64_t ops = 0;
   int64_t sent = 0;  // this rank's wire bytes (the convention above)
   static const char* name(Kind k);

@@ -108,13 +108,13 @@ std::string MeshLayout::table() const {
   return os.str();
 }
 
-std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
-  std::vector<std::string> out;
+std::vector<AxisSpan> MeshLayout::axis_spans(int ranks_per_host) const {
+  std::vector<AxisSpan> out;
   const int per = std::max(1, ranks_per_host);
   for (const MeshAxis& a : spec_.axes) {
     if (a.size == 1) continue;
     // Every group of the axis: how many hosts it spans, and its most ranks on one host.
-    int most_hosts = 1, fewest_hosts = 1 << 30, most_per_host = 0;
+    AxisSpan span{a.name, a.size, 1, 1 << 30, 0};
     std::vector<bool> seen(static_cast<size_t>(spec_.world_size()), false);
     for (int r = 0; r < spec_.world_size(); ++r) {
       if (seen[static_cast<size_t>(r)]) continue;
@@ -128,20 +128,28 @@ std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
       for (size_t i = 0; i < hosts.size();) {
         size_t j = i;
         while (j < hosts.size() && hosts[j] == hosts[i]) ++j;
-        most_per_host = std::max(most_per_host, static_cast<int>(j - i));
+        span.most_per_host = std::max(span.most_per_host, static_cast<int>(j - i));
         ++distinct;
         i = j;
       }
-      most_hosts = std::max(most_hosts, distinct);
-      fewest_hosts = std::min(fewest_hosts, distinct);
+      span.most_hosts = std::max(span.most_hosts, distinct);
+      span.fewest_hosts = std::min(span.fewest_hosts, distinct);
     }
+    out.push_back(span);
+  }
+  return out;
+}
+
+std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
+  std::vector<std::string> out;
+  for (const AxisSpan& a : axis_spans(ranks_per_host)) {
     std::ostringstream os;
-    os << std::left << std::setw(9) << a.name << " x" << std::setw(3) << a.size << " ";
-    if (most_hosts == 1)
+    os << std::left << std::setw(9) << a.axis << " x" << std::setw(3) << a.size << " ";
+    if (a.most_hosts == 1)
       os << "inside a host (every group on one host)";
     else
-      os << "across " << (fewest_hosts == most_hosts ? "" : std::to_string(fewest_hosts) + "-") << most_hosts
-         << " hosts (" << (most_per_host == 1 ? "1 rank" : "up to " + std::to_string(most_per_host) + " ranks")
+      os << "across " << (a.fewest_hosts == a.most_hosts ? "" : std::to_string(a.fewest_hosts) + "-") << a.most_hosts
+         << " hosts (" << (a.most_per_host == 1 ? "1 rank" : "up to " + std::to_string(a.most_per_host) + " ranks")
          << " of each group per host)";
     out.push_back(os.str());
   }

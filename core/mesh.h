@@ -40,6 +40,14 @@ MeshSpec make_mesh_spec(const std::vector<MeshAxis>& axes);
 // "mesh pipeline=2 x data=2 = 4 ranks, but the world has 3 (mpirun -np 3)".
 void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& world_origin = "");
 
+// Where the groups of one axis fall on hosts of `ranks_per_host` consecutive ranks.
+struct AxisSpan {
+  std::string axis;
+  int size = 1;
+  int most_hosts = 1, fewest_hosts = 1;  // hosts a group spans (1: inside a host)
+  int most_per_host = 1;                 // the most ranks of one group on one host
+};
+
 // Rank <-> coordinates, without any communication.
 class MeshLayout {
  public:
@@ -59,6 +67,8 @@ class MeshLayout {
   //   "data      x2  inside a host (every group on one host)"
   //   "pipeline  x2  across 2 hosts (1 rank of each group per host)"
   std::vector<std::string> host_placement(int ranks_per_host) const;
+  // The same as numbers, one per axis of more than one rank (the cost model's links).
+  std::vector<AxisSpan> axis_spans(int ranks_per_host) const;
 
  private:
   int axis_index(const std::string& axis) const;

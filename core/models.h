@@ -29,6 +29,13 @@ int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets)
 
 int64_t parameter_count(const torch::nn::Module& model);
 
+// Each layer's forward FLOPs for one sample (2 per multiply-add), for the cost model
+// (Note [Cost model]): the matmuls of its Linear and Conv2d modules, and attention's two
+// seq x seq products in a module that holds a `qkv` Linear. Elementwise work (norms,
+// activations, softmax) is not counted. `sample` is one input with its batch dimension
+// of 1; the model runs it once, without gradients, in eval mode.
+std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample);
+
 // A layer's pretty print without the namespaces and the Impl of its type:
 // "Linear(in_features=784, ...)", "GptBlock(d_model=128, ...)", "Residual" for a program's
 // own "(anonymous namespace)::ResidualImpl".

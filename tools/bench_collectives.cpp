@@ -14,6 +14,16 @@
 //   --fused N     also time N tensors of --min-bytes: N separate calls vs one fused call.
 //   --rounds R    times each size R times (alternating with --bare) and keeps the best.
 //   -c            checks every result.   --json  one JSON object per size.
+//   --calibrate FILE
+//                 measures what the cost model needs (Note [Cost model]) and writes it as
+//                 a calibration file for train --dry-run --calibration: alpha and beta of
+//                 a link inside a host (two ranks of one host) and across hosts (rank 0
+//                 and the first rank of another host), by ping-pong of tetra's send/recv
+//                 (alpha: half the round trip of 8 bytes; beta: the slope between the two
+//                 largest messages), and a rank's matmul rate on one thread while every
+//                 rank computes (ranks that share a core share it here too). A link
+//                 class the launch has no pair for keeps its default, and says so. Run it
+//                 across the hosts the plan is for (tools/test-hosts.sh run -np 4 ...).
 #include <CLI/CLI.hpp>
 #define OMPI_SKIP_MPICXX 1  // the C API only: the C++ bindings need libmpi_cxx
 #include <mpi.h>
@@ -23,6 +33,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -32,6 +43,8 @@
 #include "collectives/launch.h"
 #include "collectives/local.h"
 #include "collectives/mpi.h"
+#include "collectives/topology_gather.h"
+#include "core/cost_model.h"
 #include "core/runtime.h"
 
 using namespace tetra::collectives;
@@ -44,6 +57,7 @@ struct Args {
   double factor = 2;
   int iters = 20, warmup = 5, ranks = 2, fused = 0, rounds = 1;
   bool in_place = false, check = false, json = false, bare = false, bound = false;
+  std::string calibrate;  // a calibration file to write
 };
 
 int64_t parse_bytes(const std::string& s) {
@@ -283,6 +297,88 @@ int run_rank(const Args& a, Communicator& comm, bool print) {
   return failures;
 }
 
+// One-way seconds for `bytes` between ranks a and b (others only take part in the
+// barriers): half the best round trip of `iters`.
+double one_way_s(Communicator& comm, int a, int b, int64_t bytes, int iters) {
+  at::Tensor buf = at::zeros({std::max<int64_t>(1, bytes)}, at::kByte);
+  const int me = comm.rank();
+  double best = 1e300;
+  for (int i = 0; i < iters + 2; ++i) {
+    comm.barrier()->wait();
+    const auto t0 = Clock::now();
+    if (me == a) {
+      comm.send(buf, b)->wait();
+      comm.recv(buf, b)->wait();
+    } else if (me == b) {
+      comm.recv(buf, a)->wait();
+      comm.send(buf, a)->wait();
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count() / 2;
+    if (i >= 2) best = std::min(best, s);  // two warm-up rounds
+  }
+  // Rank a's measurement, to everyone.
+  at::Tensor t = at::full({1}, me == a ? best : 0.0, at::kDouble);
+  comm.allreduce(t)->wait();
+  return t.item<double>();
+}
+
+// alpha and beta of the link between a and b.
+tetra::core::LinkCost measure_link(Communicator& comm, int a, int b) {
+  const double small = one_way_s(comm, a, b, 8, 50);
+  const int64_t big1 = int64_t{4} << 20, big2 = int64_t{16} << 20;
+  const double t1 = one_way_s(comm, a, b, big1, 5), t2 = one_way_s(comm, a, b, big2, 5);
+  tetra::core::LinkCost l;
+  l.alpha_s = small;
+  l.bytes_per_s = t2 > t1 ? double(big2 - big1) / (t2 - t1) : double(big2) / std::max(t2, 1e-9);
+  return l;
+}
+
+// One rank's fp32 matmul rate on one thread, on the shape of a wide MLP layer's forward,
+// with every rank computing at once (ranks that share cores share them here too, as they
+// will in training): the mean over the ranks of each one's sustained rate over 30 calls.
+double matmul_flops_per_s(Communicator& world) {
+  at::Tensor x = at::randn({256, 1024}), w = at::randn({1024, 1024});
+  at::Tensor y = at::mm(x, w);
+  world.barrier()->wait();
+  const int calls = 30;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < calls; ++i) at::mm_out(y, x, w);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  at::Tensor rate = at::full({1}, calls * 2.0 * 256 * 1024 * 1024 / s, at::kDouble);
+  world.allreduce(rate)->wait();
+  return rate.item<double>() / world.size();
+}
+
+int calibrate(Communicator& world, const std::string& path) {
+  const HostMap hosts = gather_hosts(world);
+  const int n = world.size();
+  int intra_b = -1, inter_b = -1;
+  for (int r = 1; r < n; ++r) {
+    if (intra_b < 0 && hosts.host_of[static_cast<size_t>(r)] == hosts.host_of[0]) intra_b = r;
+    if (inter_b < 0 && hosts.host_of[static_cast<size_t>(r)] != hosts.host_of[0]) inter_b = r;
+  }
+  tetra::core::Calibration c;
+  std::string notes;
+  if (intra_b > 0) c.intra_host = measure_link(world, 0, intra_b);
+  else notes += "; no two ranks share a host: inside a host keeps the default";
+  if (inter_b > 0) c.inter_host = measure_link(world, 0, inter_b);
+  else notes += "; every rank is on one host: across hosts keeps the default";
+  c.flops_per_s = matmul_flops_per_s(world);
+  if (world.rank() != 0) return 0;
+  const std::string measured = "bench-collectives --calibrate, " + std::to_string(n) + " ranks on " +
+                               std::to_string(hosts.hosts.size()) + " host" + (hosts.hosts.size() == 1 ? "" : "s") +
+                               " (" + hosts.describe() + ")" + notes;
+  std::ofstream out(path);
+  out << tetra::core::calibration_json(c, measured).dump(2) << "\n";
+  if (!out) throw std::runtime_error("cannot write " + path);
+  std::printf("inside a host  alpha %8.1f us  beta %8.3f GB/s%s\n", c.intra_host.alpha_s * 1e6, c.intra_host.bytes_per_s / 1e9,
+              intra_b > 0 ? ("  (ranks 0 and " + std::to_string(intra_b) + ")").c_str() : "  (default: no pair)");
+  std::printf("across hosts   alpha %8.1f us  beta %8.3f GB/s%s\n", c.inter_host.alpha_s * 1e6, c.inter_host.bytes_per_s / 1e9,
+              inter_b > 0 ? ("  (ranks 0 and " + std::to_string(inter_b) + ")").c_str() : "  (default: no pair)");
+  std::printf("compute        %8.1f GFLOP/s per rank (fp32 matmul, 1 thread, every rank at once)\nwrote %s\n", c.flops_per_s / 1e9, path.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -306,11 +402,16 @@ int main(int argc, char** argv) {
   app.add_flag("--json", a.json, "one JSON object per size");
   app.add_flag("--bare", a.bare, "mpi allreduce: also time bare MPI_Allreduce");
   app.add_flag("--bound", a.bound, "local allreduce: also measure the shared-memory bound");
+  app.add_option("--calibrate", a.calibrate, "measure alpha, beta (inside and across hosts) and compute; write this "
+                                             "calibration file for train --dry-run --calibration");
   CLI11_PARSE(app, argc, argv);
   try {
     tetra::core::set_threads(1);
     int failures = 0;
     if (a.backend == "local") {
+      if (!a.calibrate.empty())
+        throw tetra::ConfigError("--calibrate measures the links between processes: run it under mpirun (across "
+                                 "hosts: tools/test-hosts.sh run -np 4 bench-collectives --calibrate FILE)");
       std::vector<int> fails(a.ranks, 0);
       run_local_ranks(a.ranks, [&](int rank, Communicator& comm) { fails[rank] = run_rank(a, comm, rank == 0); });
       for (int f : fails) failures += f;
@@ -319,6 +420,7 @@ int main(int argc, char** argv) {
       register_builtin_backends(registry);
       LaunchInfo launch = detect_launch();
       CommunicatorPtr world = registry.create_world(a.backend, launch);
+      if (!a.calibrate.empty()) return calibrate(*world, a.calibrate);
       failures = run_rank(a, *world, world->rank() == 0);
       at::Tensor f = at::full({1}, failures, at::kInt);
       world->allreduce(f)->wait();

@@ -3,7 +3,9 @@
 # (tools/test-hosts.sh), data parallel with flat and hierarchical allreduce, and pipeline
 # x data; prints each layout's samples/s (median of its rounds; the layouts alternate
 # within a round so that a slow moment of a shared machine spreads over all of them) and
-# its ratio to the one-host run of the same strategy.
+# its ratio to the one-host run of the same strategy. Then the cost model's prediction of
+# each (Note [Cost model]: train --dry-run on a calibration that bench-collectives
+# --calibrate measures on the same hosts first) beside the measurement.
 #
 #   tools/bench_hosts.sh [--rate RATE] [--rounds N] [--steps N] [--hidden H] [--bin DIR]
 #
@@ -48,7 +50,11 @@ layouts=(
   "dp, 2 hosts, hierarchical|two|mesh.data=4 data_parallel.hierarchical=on"
   "pipeline x data, one host|one|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4"
   "pipeline x data, 2 hosts|two|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4"
+  "zero-3, one host|one|mesh.data=4 zero.stage=3"
+  "zero-3, 2 hosts|two|mesh.data=4 zero.stage=3"
 )
+# The links and compute rate of these hosts, for the predictions.
+tools/test-hosts.sh run -np 4 "$(readlink -f "$bin/bench-collectives")" --calibrate "$work/calibration.json" >"$work/calibration.txt"
 declare -A got
 for ((r = 1; r <= rounds; r++)); do
   for l in "${layouts[@]}"; do
@@ -67,13 +73,23 @@ for ((r = 1; r <= rounds; r++)); do
 done
 median() { tr ' ' '\n' <<<"$1" | sed '/^$/d' | sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 echo "bench_hosts: 4 ranks, MLP [$hidden, $hidden], batch 256, $steps steps, link ${rate}, $rounds rounds (median samples/s)"
-printf '  %-30s %12s %10s   %s\n' layout samples/s "vs 1 host" rounds
+sed 's/^/  calibration: /' "$work/calibration.txt" | sed '$d'
+printf '  %-30s %12s %10s %12s %10s   %s\n' layout samples/s "vs 1 host" predicted measured/pred rounds
 base_dp=$(median "${got[dp, one host]}") base_pp=$(median "${got[pipeline x data, one host]}")
+base_z=$(median "${got[zero-3, one host]}")
 for l in "${layouts[@]}"; do
-  IFS='|' read -r name _ _ <<<"$l"
+  IFS='|' read -r name where sets <<<"$l"
   m=$(median "${got[$name]}")
   base=$base_dp
   [[ $name == pipeline* ]] && base=$base_pp
-  printf '  %-30s %12.0f %10.2f   %s\n' "$name" "$m" "$(awk -v a="$m" -v b="$base" 'BEGIN {print a / b}')" "${got[$name]}"
+  [[ $name == zero* ]] && base=$base_z
+  args=()
+  for s in $sets; do args+=(--set "$s"); done
+  per_host=2
+  [[ $where == one ]] && per_host=4
+  pred=$("$train" "$work/job.yaml" "${args[@]}" --dry-run --np 4 --ranks-per-host $per_host \
+           --calibration "$work/calibration.json" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cost"]["samples_per_s"])')
+  printf '  %-30s %12.0f %10.2f %12.0f %10.2f   %s\n' "$name" "$m" "$(awk -v a="$m" -v b="$base" 'BEGIN {print a / b}')" \
+    "$pred" "$(awk -v a="$m" -v b="$pred" 'BEGIN {print a / b}')" "${got[$name]}"
 done
 rm -rf "$work"

@@ -94,6 +94,7 @@ int train_main(int argc, char** argv) {
   std::vector<std::string> sets;
   bool check = false, print_config = false, dry_run = false, json = false;
   int np = 0, ranks_per_host = 0;
+  std::string calibration;
   app.add_option("job", job, "the job file (YAML)")->required();
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
@@ -107,6 +108,9 @@ int train_main(int argc, char** argv) {
                  "with --dry-run: processes per host (default: this launch's local ranks, else all on this host); "
                  "shows which axes stay inside a host")
       ->check(CLI::PositiveNumber);
+  app.add_option("--calibration", calibration,
+                 "with --dry-run: the links and compute rate the cost model predicts a step with (a file from "
+                 "bench-collectives --calibrate; default: $TETRA_CALIBRATION, else a GPU cluster's)");
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
   app.footer("Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
              "died or failed; 4 preempted (SIGTERM/SIGINT: every rank finished its step and wrote its checkpoint; run "
@@ -141,6 +145,7 @@ int train_main(int argc, char** argv) {
       how.np = np;
       how.ranks_per_host = ranks_per_host;
       how.json = json;
+      how.calibration = calibration;
       const std::string plan = tetra::dry_run(spec, {}, how);
       if (speak) std::printf("%s", plan.c_str());
       return 0;

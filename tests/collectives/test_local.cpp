@@ -82,6 +82,8 @@ TEST(Local, TrafficCountsPayloadAndSentBytesAndSplitsAddToTheirParent) {
     want.payload[Traffic::kReduceScatter] = 400;
     want.payload[Traffic::kAllgather] = 400;
     want.payload[Traffic::kBroadcast] = 400;
+    for (int k : {Traffic::kAllreduce, Traffic::kReduceScatter, Traffic::kAllgather, Traffic::kBroadcast})
+      want.count[k] = 1;
     want.ops = 4;
     want.sent = 2 * 3 * 400 / 4 + 3 * 400 / 4 * 3;  // 600 + 3 x 300
     EXPECT_EQ(c.traffic(), want) << c.traffic().str();

@@ -341,6 +341,51 @@ TEST(TrainCli, DryRunWithRanksPerHostShowsWhichAxesStayInsideAHost) {
   EXPECT_EQ(plan["ranks"][2]["host"], 1);
 }
 
+// The plan ends with the cost model's step (Note [Cost model]) on a calibration's links:
+// data parallelism across 2 hosts reduces hierarchically and beats the flat ring on a
+// slow link between hosts; compute is the FLOPs over the calibrated rate.
+TEST(TrainCli, DryRunPredictsAStepOnTheCalibrationsLinks) {
+  const fs::path d = fresh_dir("cost");
+  const fs::path cal = d / "cal.json";
+  std::ofstream(cal) << R"({"format": "tetra calibration 1", "intra_host": {"alpha_us": 1, "beta_gbytes_per_s": 10},
+                            "inter_host": {"alpha_us": 10, "beta_gbytes_per_s": 0.1}, "compute": {"gflops_per_s": 10}})";
+  const fs::path job = d / "job.yaml";
+  std::ofstream(job) << "name: cost\nmodel: {type: mlp, hidden: [256]}\n"
+                        "data: {type: synthetic, batch_size: 64, shape: [100], classes: 10}\n"
+                        "mesh: {data: 4}\n";
+  auto plan = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {job.string(), "--dry-run", "--json", "--np", "4", "--calibration", cal.string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Outcome r = run(args);
+    EXPECT_EQ(r.status, 0) << r.out;
+    return nlohmann::json::parse(r.out.substr(r.out.find('{')))["cost"];
+  };
+  const nlohmann::json hier = plan({"--ranks-per-host", "2"});
+  const nlohmann::json flat = plan({"--ranks-per-host", "2", "--set", "data_parallel.hierarchical=off"});
+  const nlohmann::json inside = plan({"--ranks-per-host", "4"});
+  // 16 samples per rank, forward 2 x (100 x 256 + 256 x 10) FLOPs each, backward twice that.
+  const double flops = 3 * 2.0 * (100 * 256 + 256 * 10) * 16;
+  EXPECT_NEAR(hier["compute_s"].get<double>(), flops / 10e9, 1e-12);
+  auto data_how = [](const nlohmann::json& c) {
+    for (const auto& a : c["axes"])
+      if (a["axis"] == "data") return a["how"].get<std::string>();
+    return std::string("none");
+  };
+  EXPECT_EQ(data_how(hier), "hierarchical (2 hosts x 2) across hosts");
+  EXPECT_EQ(data_how(flat), "ring of 4 across hosts");
+  EXPECT_EQ(data_how(inside), "ring of 4 inside a host");
+  EXPECT_LT(hier["step_s"].get<double>(), flat["step_s"].get<double>());
+  EXPECT_LT(inside["step_s"].get<double>(), hier["step_s"].get<double>());
+  EXPECT_GT(inside["efficiency"].get<double>(), 0);
+  EXPECT_LE(inside["efficiency"].get<double>(), 1);
+  Outcome text = run({job.string(), "--dry-run", "--np", "4", "--ranks-per-host", "2", "--calibration", cal.string()});
+  EXPECT_NE(text.out.find("cost model (Note [Cost model]; calibration " + cal.string()), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("predicted:"), std::string::npos) << text.out;
+  Outcome missing = run({job.string(), "--dry-run", "--calibration", (d / "nope.json").string()});
+  EXPECT_EQ(missing.status, 2) << missing.out;
+  EXPECT_NE(missing.out.find("nope.json: cannot read it"), std::string::npos) << missing.out;
+}
+
 // --dry-run --np N lays out every rank without communicating, and checks the mesh fits
 // N; --json is the same plan for tools.
 TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {

@@ -13,8 +13,11 @@
 #include "collectives/monitor.h"
 #include "collectives/topology_gather.h"
 #include "collectives/watchdog.h"
+#include "core/cost_model.h"
 #include "core/models.h"
 #include "core/plan.h"
+#include "data_parallel/data_parallel.h"
+#include "pipeline/pipeline.h"
 #include "core/report.h"
 #include "core/runtime.h"
 #include "hardware/host.h"
@@ -108,7 +111,61 @@ std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows, int p
   return out;
 }
 
-nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& rows, int per_host) {
+// The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
+// traffic per step from the per-rank estimate, and where each axis's groups lie when
+// `per_host` consecutive processes share a host.
+StepPrediction predict(const Trainer& trainer, int per_host, const Calibration& cal) {
+  Trainer& t = const_cast<Trainer&>(trainer);
+  const Plan& plan = trainer.job_plan();
+  const int R = plan.replicas();
+  const std::vector<double> fwd = forward_flops(t.model(), trainer.dataset().range(Split::kTrain, 0, 1).inputs);
+  const int64_t batch = plan.spec().data.batch_size;
+  const double per_rank = double(batch) / std::max(1, plan.data_ranks());
+  std::map<int, StageWork> stages;  // by pipeline coordinate: its first rank's work
+  for (const RankEstimate& r : trainer.estimate()) {
+    auto it = r.coord.find("pipeline");
+    const int stage = it == r.coord.end() ? 0 : it->second;
+    if (stages.count(stage)) continue;
+    StageWork& w = stages[stage];
+    for (int l : r.layers) w.flops += 3 * fwd[static_cast<size_t>(l)] * per_rank;  // backward = 2 forwards
+    w.traffic = r.traffic;
+  }
+  bool hierarchical = R > 1;  // replicas compose the data group hierarchically (collectives/hierarchical.h)
+  int virtual_stages = 1;
+  for (const auto& cfg : plan.strategies()) {
+    if (auto* dp = dynamic_cast<const data_parallel::Options*>(cfg.get()))
+      hierarchical = hierarchical || dp->hierarchical != data_parallel::Hierarchy::kOff;
+    if (auto* pp = dynamic_cast<const pipeline::Options*>(cfg.get())) virtual_stages = pp->virtual_stages;
+  }
+  std::vector<AxisLinks> links;
+  bool data_seen = false;
+  for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(per_host)) {
+    AxisLinks l{a.axis, a.size, a.most_hosts, a.most_per_host, false};
+    if (a.axis == "data") {
+      data_seen = true;
+      l.size *= R;
+      l.per_host *= R;
+      l.hierarchical = hierarchical;
+    }
+    links.push_back(l);
+  }
+  if (!data_seen && R > 1) links.push_back({"data", R, 1, R, false});  // replica threads of one process
+  std::vector<StageWork> work;
+  for (auto& [stage, w] : stages) work.push_back(std::move(w));
+  double total = 0;
+  for (double f : fwd) total += 3 * f * double(batch);
+  return predict_step(work, links, static_cast<int>(plan.micro_batches()), virtual_stages, batch, total,
+                      plan.process_count() * R, cal);
+}
+
+Calibration calibration_of(const DryRunOptions& how) {
+  if (!how.calibration.empty()) return load_calibration(how.calibration);
+  if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) return load_calibration(env);
+  return Calibration{};
+}
+
+nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& rows, int per_host,
+                         const Calibration& cal) {
   const Plan& plan = trainer.job_plan();
   nlohmann::json j;
   j["job"] = plan.spec().name;
@@ -128,6 +185,7 @@ nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& row
   j["estimate"] = estimate_json(trainer.estimate());  // per rank: memory, and bytes per axis per step
   j["hosts"] = {{"count", host_count(rows)}, {"processes_per_host", per_host},
                 {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
+  j["cost"] = prediction_json(predict(trainer, per_host, cal), cal);
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
   for (const RankRow& r : rows) {
@@ -195,8 +253,10 @@ std::string dry_run(const JobSpec& spec, const RunOptions& options, const DryRun
   int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
   if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
   const std::vector<RankRow> rows = rank_rows(plan, local);
-  if (how.json) return plan_json(trainer, rows, local).dump(2) + "\n";
-  return plan_text(trainer, threads, static_cast<bool>(options.model)) + rank_table(plan, rows, local);
+  const Calibration cal = calibration_of(how);
+  if (how.json) return plan_json(trainer, rows, local, cal).dump(2) + "\n";
+  return plan_text(trainer, threads, static_cast<bool>(options.model)) + rank_table(plan, rows, local) +
+         prediction_text(predict(trainer, local, cal), cal);
 }
 
 namespace {

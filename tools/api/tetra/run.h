@@ -53,10 +53,15 @@ std::string dry_run(const core::JobSpec& spec, const RunOptions& options = {}, i
 // The same, with where the processes will run: `ranks_per_host` consecutive processes
 // share a host (0: the launch's local ranks when this runs under a launcher, else every
 // process on this host). The plan then says which axes stay inside a host.
+// The plan ends with the cost model's prediction of a step (Note [Cost model] in
+// core/cost_model.h) on the links and compute rate of `calibration` (a file that
+// `bench-collectives --calibrate` writes; "": the environment's TETRA_CALIBRATION, else
+// the built-in defaults of a GPU cluster).
 struct DryRunOptions {
   int np = 0;
   int ranks_per_host = 0;
   bool json = false;
+  std::string calibration;
 };
 std::string dry_run(const core::JobSpec& spec, const RunOptions& options, const DryRunOptions& how);
 

@@ -1,0 +1,122 @@
+// The cost model: what one training step of a plan should take on a cluster that a
+// calibration describes, worked out on paper for any number of ranks (train --dry-run
+// --np N --ranks-per-host R).
+//
+// Note [Cost model]
+// A link class is an alpha-beta pair: a message of B bytes takes alpha + B/beta. There
+// are two classes: inside a host (shared memory, NVLink) and across hosts (the host's
+// network; beta is what one host sends at once, shared by its ranks). The collectives:
+//   ring allreduce          2(n-1)/n x B/beta + 2(n-1) alpha
+//   reduce_scatter, allgather, broadcast (pipelined)
+//                           (n-1)/n x B/beta + (n-1) alpha
+//   send                    alpha + B/beta
+//   hierarchical allreduce  of k ranks on each of H hosts: reduce_scatter inside the
+//                           host, allreduce of B/k across hosts (the k ranks share the
+//                           host's link, so each gets beta/k), allgather inside:
+//                           2 x [(k-1)/k x B/beta_in + (k-1) alpha_in]
+//                           + 2(H-1)/H x B/beta_out + 2(H-1) alpha_out
+// A flat ring whose group spans hosts runs at its slowest link: each of its steps waits
+// for the hop that crosses hosts, so it takes the across-hosts alpha and beta.
+// Each mesh axis's traffic for one step (the per-rank estimate's, Note [Per-rank
+// estimate]: the same ops the run issues, counted by kind) is priced with the link its
+// groups use (inside a host when every group is; otherwise across) and with the
+// algorithm the plan runs (hierarchical when data parallelism turns it on).
+// Compute: a stage's FLOPs per step (forward x 3: backward costs two forwards) over the
+// calibrated rate. A pipeline of p stages and m micro-batches (v virtual stages each) is
+// busy for a fraction 1 - bubble of its time, bubble = (p-1)/(v m + p - 1); its slowest
+// stage's compute and point-to-point transfers (what it sends and what it waits to
+// receive) are spread over the step that way. The other
+// axes' communication (data parallelism's allreduce, ZeRO's gathers) is added after it:
+// no overlap with compute is assumed, so the prediction is an upper bound for a run that
+// hides communication behind backward. Efficiency is one rank's time for the whole
+// global batch (its FLOPs at the same rate, no communication) over N ranks' time x N.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace tetra::core {
+
+struct LinkCost {
+  double alpha_s = 0;      // per message
+  double bytes_per_s = 1;  // per direction
+};
+
+struct Calibration {
+  // The defaults: an A100-class GPU cluster (NVLink inside a host; 8 x 100 Gbit/s
+  // InfiniBand per host across; 150 TFLOP/s sustained per GPU, about half of bf16 peak).
+  LinkCost intra_host{3e-6, 150e9};
+  LinkCost inter_host{10e-6, 100e9};
+  double flops_per_s = 150e12;  // sustained, per rank
+  std::string source = "built-in defaults (an A100-class GPU cluster)";
+};
+
+// A calibration file (JSON, as `bench-collectives --calibrate` writes it):
+//   {"format": "tetra calibration 1",
+//    "intra_host": {"alpha_us": 3, "beta_gbytes_per_s": 150},
+//    "inter_host": {"alpha_us": 10, "beta_gbytes_per_s": 100},
+//    "compute": {"gflops_per_s": 150000}, "measured": "..."}
+// Keys left out keep the defaults. A ConfigError names the file and what is wrong.
+Calibration load_calibration(const std::string& path);
+nlohmann::json calibration_json(const Calibration& c, const std::string& measured = "");
+
+double ring_allreduce_s(int n, double bytes, const LinkCost& link);
+double ring_collect_s(int n, double bytes, const LinkCost& link);  // reduce_scatter, allgather, broadcast
+double hierarchical_allreduce_s(int hosts, int per_host, double bytes, const LinkCost& intra, const LinkCost& inter);
+double p2p_s(double bytes, const LinkCost& link);
+double bubble_fraction(int stages, int micro_batches, int virtual_stages = 1);
+
+// How the groups of one mesh axis lie on the hosts, and how it reduces.
+struct AxisLinks {
+  std::string axis;
+  int size = 1;      // ranks in a group (replica threads included)
+  int hosts = 1;     // hosts one group spans
+  int per_host = 1;  // ranks of one group on one host
+  bool hierarchical = false;  // allreduce inside hosts, across, inside again
+};
+
+// One axis's communication in one step of one rank.
+struct AxisTime {
+  std::string axis;
+  std::string how;  // "ring across hosts", "hierarchical (2 hosts x 2)", "point-to-point inside a host"
+  double seconds = 0;
+  int64_t ops = 0;
+};
+AxisTime axis_time(const collectives::Traffic& traffic, const AxisLinks& links, const Calibration& c);
+
+// What one rank of a pipeline stage does in a step.
+struct StageWork {
+  double flops = 0;                                     // forward + backward, its share of the batch
+  std::map<std::string, collectives::Traffic> traffic;  // per mesh axis
+};
+
+struct StepPrediction {
+  int ranks = 1;
+  double compute_s = 0;   // the slowest stage's FLOPs / rate
+  double pipeline_s = 0;  // its point-to-point sends
+  double bubble_s = 0;    // idle while the pipeline fills and drains
+  double other_s = 0;     // the other axes' communication (the slowest stage's)
+  double total_s = 0;
+  double samples_per_s = 0;
+  double single_rank_s = 0;  // the whole global batch on one rank
+  double efficiency = 0;     // single_rank_s / (ranks x total_s)
+  std::vector<AxisTime> axes;  // the slowest stage's
+};
+
+// `stages`: one entry per pipeline stage (one for no pipeline); `total_flops`: the whole
+// step's FLOPs (every sample of the global batch through the whole model, forward and
+// backward).
+StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
+                            int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
+                            int ranks, const Calibration& c);
+
+std::string prediction_text(const StepPrediction& p, const Calibration& c);
+nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c);
+
+}  // namespace tetra::core
