@@ -291,37 +291,58 @@ int64_t parameter_count(const torch::nn::Module& model) {
   return n;
 }
 
-std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample) {
+LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample) {
+  LayerProbe probe;
+  torch::Tensor x = sample;
+  // A long token sequence runs as its first kProbeTokens positions (every layer of the zoo
+  // is position-wise but attention, whose seq x seq term forward_flops scales itself).
+  constexpr int64_t kProbeTokens = 64;
+  if (!sample.is_floating_point() && sample.dim() == 2 && sample.size(1) > kProbeTokens) {
+    probe.scale = double(sample.size(1)) / kProbeTokens;
+    x = sample.narrow(1, 0, kProbeTokens);
+  }
   const bool was_training = model->is_training();
   model->eval();
-  std::vector<double> out;
   {
     torch::NoGradGuard no_grad;
-    torch::Tensor x = sample;
     for (auto& layer : *model) {
-      const torch::Tensor in = x;
+      LayerShapes s;
+      s.input = x;
       x = layer.forward(x);
-      // Rows a Linear of this layer multiplies: the output's positions (1 for an MLP,
-      // the sequence for a transformer block or head).
-      const double rows = x.dim() > 0 ? double(x.numel()) / double(x.size(-1)) : 1;
-      double flops = 0;
-      for (const auto& m : layer.ptr()->modules(/*include_self=*/true)) {
-        if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
-          flops += 2.0 * double(lin->weight.numel()) * rows;
-        } else if (auto* conv = dynamic_cast<torch::nn::Conv2dImpl*>(m.get())) {
-          // 3x3 "same" convolutions of the zoo: as many output positions as input ones.
-          const double positions = in.dim() >= 2 ? double(in.size(-1) * in.size(-2)) : 1;
-          flops += 2.0 * double(conv->weight.numel()) * positions;
-        }
-      }
-      for (const auto& child : layer.ptr()->named_children())
-        if (child.key() == "qkv")
-          if (auto* qkv = dynamic_cast<torch::nn::LinearImpl*>(child.value().get()))
-            flops += 4.0 * rows * rows * double(qkv->weight.size(1));  // QK^T and AV
-      out.push_back(flops);
+      s.output = x;
+      probe.layers.push_back(s);
     }
   }
   if (was_training) model->train();
+  return probe;
+}
+
+std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample) {
+  const LayerProbe probe = probe_layers(model, sample);
+  std::vector<double> out;
+  for (size_t i = 0; i < model->size(); ++i) {
+    const torch::Tensor& in = probe.layers[i].input;
+    const torch::Tensor& y = probe.layers[i].output;
+    const std::shared_ptr<torch::nn::Module> layer = model->ptr(i);
+    // Rows a Linear of this layer multiplies: the output's positions (1 for an MLP, the
+    // sequence for a transformer block or head).
+    const double rows = (y.dim() > 0 ? double(y.numel()) / double(y.size(-1)) : 1) * probe.scale;
+    double flops = 0;
+    for (const auto& m : layer->modules(/*include_self=*/true)) {
+      if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
+        flops += 2.0 * double(lin->weight.numel()) * rows;
+      } else if (auto* conv = dynamic_cast<torch::nn::Conv2dImpl*>(m.get())) {
+        // 3x3 "same" convolutions of the zoo: as many output positions as input ones.
+        const double positions = in.dim() >= 2 ? double(in.size(-1) * in.size(-2)) : 1;
+        flops += 2.0 * double(conv->weight.numel()) * positions;
+      }
+    }
+    for (const auto& child : layer->named_children())
+      if (child.key() == "qkv")
+        if (auto* qkv = dynamic_cast<torch::nn::LinearImpl*>(child.value().get()))
+          flops += 4.0 * rows * rows * double(qkv->weight.size(1));  // QK^T and AV
+    out.push_back(flops);
+  }
   return out;
 }
 

@@ -29,11 +29,25 @@ int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets)
 
 int64_t parameter_count(const torch::nn::Module& model);
 
+// One sample's input and output of each layer (no gradients, eval mode). A sample of
+// more than 64 tokens runs as its first 64, and `scale` is how many times longer the
+// whole one is: every layer of the zoo but attention works position by position, so the
+// whole sample's outputs are `scale` times the probe's (forward_flops scales attention's
+// seq x seq term itself). A billion-parameter model's plan then costs a 64-token forward.
+struct LayerShapes {
+  torch::Tensor input, output;
+};
+struct LayerProbe {
+  std::vector<LayerShapes> layers;
+  double scale = 1;
+};
+LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample);
+
 // Each layer's forward FLOPs for one sample (2 per multiply-add), for the cost model
 // (Note [Cost model]): the matmuls of its Linear and Conv2d modules, and attention's two
 // seq x seq products in a module that holds a `qkv` Linear. Elementwise work (norms,
 // activations, softmax) is not counted. `sample` is one input with its batch dimension
-// of 1; the model runs it once, without gradients, in eval mode.
+// of 1 (probe_layers).
 std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample);
 
 // A layer's pretty print without the namespaces and the Impl of its type:

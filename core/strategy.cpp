@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "collectives/error.h"
+#include "core/models.h"
 #include "core/torch_compat.h"
 
 namespace tetra::core {
@@ -59,26 +60,17 @@ void broadcast_from_first(collectives::Communicator& group, TrainState& state) {
 
 namespace {
 
-// The outputs of every layer for one micro-batch, run in eval mode without gradients (so
-// no running statistic moves and no dropout key is needed): what autograd keeps of one
+// The outputs of every layer for one micro-batch, from one sample's (probe_layers: a long
+// sequence probed by its first 64 tokens, so a billion-parameter model's plan is quick),
+// run as training runs it (bf16 autocast included): what autograd keeps of one
 // micro-batch, roughly, when nothing recomputes.
 std::vector<int64_t> layer_outputs(const PlanInput& in) {
-  torch::nn::Sequential& model = in.model;
   const int64_t micro = std::max<int64_t>(1, in.plan.micro_batch_size());
-  const int64_t n = std::min<int64_t>(micro, in.data.size(Split::kTrain));
-  const bool was_training = model->is_training();
-  model->eval();
+  compat::CpuAutocast autocast(in.spec.train.precision == Precision::kBf16);
+  const LayerProbe probe = probe_layers(in.model, in.data.range(Split::kTrain, 0, 1).inputs);
   std::vector<int64_t> out;
-  {
-    torch::NoGradGuard no_grad;
-    compat::CpuAutocast autocast(in.spec.train.precision == Precision::kBf16);
-    torch::Tensor x = in.data.range(Split::kTrain, 0, n).inputs;
-    for (auto& layer : *model) {
-      x = layer.forward(x);
-      out.push_back(static_cast<int64_t>(x.nbytes()) / std::max<int64_t>(1, n) * micro);
-    }
-  }
-  if (was_training) model->train();
+  for (const LayerShapes& s : probe.layers)
+    out.push_back(static_cast<int64_t>(double(s.output.nbytes()) * probe.scale) * micro);
   return out;
 }
 

@@ -162,6 +162,22 @@ TEST(CostModel, ForwardFlopsCountTheMatmulsAndAttention) {
   const double d = 16, ff = 64, seq = 8, vocab = 256;
   // the block's qkv, proj, fc1, fc2 per token, attention's QK^T and AV, the head
   EXPECT_DOUBLE_EQ(sum, 2 * (3 * d * d + d * d + 2 * d * ff) * seq + 4 * seq * seq * d + 2 * d * vocab * seq);
+
+  // A 256-token sample is probed by its first 64 tokens and scaled: the same count as the
+  // formula at 256.
+  DataInfo longer = text;
+  longer.input_shape = {256};
+  longer.seq_len = 256;
+  torch::manual_seed(0);
+  auto g256 = build_model(gpt, longer);
+  const LayerProbe probe = probe_layers(g256, torch::zeros({1, 256}, torch::kLong));
+  EXPECT_EQ(probe.scale, 4);
+  EXPECT_EQ(probe.layers.back().output.size(1), 64);
+  f = forward_flops(g256, torch::zeros({1, 256}, torch::kLong));
+  sum = 0;
+  for (double x : f) sum += x;
+  const double s256 = 256;
+  EXPECT_DOUBLE_EQ(sum, 2 * (3 * d * d + d * d + 2 * d * ff) * s256 + 4 * s256 * s256 * d + 2 * d * vocab * s256);
 }
 
 }  // namespace
