@@ -260,22 +260,28 @@ void await_everyone(c10d::Store& store, int rank, int size, const std::string& w
 
 }  // namespace
 
-CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port, const WorldOptions& options) {
-  const std::string where = "gloo: rendezvous at " + addr + ":" + std::to_string(port) + " as rank " +
-                            std::to_string(rank) + " of " + std::to_string(size);
+CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port, const WorldOptions& options,
+                           bool agent_store, int restart) {
+  const std::string where = "gloo: rendezvous at " + addr + ":" + std::to_string(port) +
+                            (agent_store ? " (torchrun's agent's store)" : "") + " as rank " + std::to_string(rank) +
+                            " of " + std::to_string(size);
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(port);
-  so.isServer = rank == 0;
+  so.isServer = rank == 0 && !agent_store;
   so.numWorkers = static_cast<std::size_t>(size);
   so.waitWorkers = false;  // await_everyone waits, and names who is missing
   so.timeout = options.timeout;
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    if (agent_store)
+      store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(restart), store);
   } catch (const std::exception& e) {
     std::string m = e.what();
     throw CommError(where + ": " + m.substr(0, m.find('\n')) +
-                    (rank == 0 ? "" : " (rank 0 serves the rendezvous: did it start, at that address and port?)"));
+                    (agent_store ? " (torchrun's agent serves the rendezvous: is it still running?)"
+                     : rank == 0 ? ""
+                                 : " (rank 0 serves the rendezvous: did it start, at that address and port?)"));
   }
   await_everyone(*store, rank, size, where, options.timeout);
   try {
@@ -305,7 +311,7 @@ void register_gloo_backend(BackendRegistry& registry) {
       addr = "127.0.0.1";
     }
     if (port == 0) port = 29500;
-    return gloo_world(l.rank, l.world_size, addr, port, options);
+    return gloo_world(l.rank, l.world_size, addr, port, options, l.agent_store, l.restart);
   };
   registry.add(std::move(e));
 }

@@ -12,8 +12,10 @@ namespace tetra::collectives {
 
 void register_gloo_backend(BackendRegistry& registry);
 
-// The world over a TCPStore at addr:port (rank 0 serves it). Collective.
+// The world over a TCPStore at addr:port. Rank 0 serves it, unless `agent_store`: then a
+// launcher's agent (torchrun) already does, every rank is a client, and the keys go under
+// "/worker/attempt_<restart>/" as torch's own env:// rendezvous puts them. Collective.
 CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port,
-                           const WorldOptions& options = {});
+                           const WorldOptions& options = {}, bool agent_store = false, int restart = 0);
 
 }  // namespace tetra::collectives

@@ -71,6 +71,10 @@ LaunchInfo detect_launch(const Env& env) {
     take("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
     if (auto a = get(env, "MASTER_ADDR")) l.master_addr = *a;
     l.master_port = parse_int(env, "MASTER_PORT", 0, 0);
+    if (auto a = get(env, "TORCHELASTIC_USE_AGENT_STORE"); a && *a == "True") {
+      l.agent_store = true;
+      l.restart = parse_int(env, "TORCHELASTIC_RESTART_COUNT", 0, 0);
+    }
   } else if (get(env, "OMPI_COMM_WORLD_RANK")) {
     take("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
          "OMPI_COMM_WORLD_LOCAL_SIZE");
@@ -105,6 +109,21 @@ std::string describe(const LaunchInfo& l) {
   if (l.launcher == "single") return "1 process";
   std::ostringstream os;
   os << l.launcher << ", world " << l.world_size << ", local ranks " << l.local_world_size;
+  if (l.launcher == "torchrun") {
+    os << " (RANK, WORLD_SIZE";
+    if (!l.master_addr.empty() || l.master_port)
+      os << "; store at " << (l.master_addr.empty() ? "127.0.0.1" : l.master_addr) << ":" << l.master_port
+         << (l.agent_store ? ", torchrun's agent's" : ", rank 0's");
+    os << ")";
+  } else if (l.launcher == "mpirun") {
+    os << " (OMPI_COMM_WORLD_RANK, _SIZE)";
+  } else if (l.launcher == "slurm") {
+    os << " (SLURM_PROCID, SLURM_NTASKS)";
+  } else if (l.launcher == "pmix") {
+    os << " (PMIX_RANK)";
+  } else if (l.launcher == "override") {
+    os << " (TETRA_RANK, TETRA_WORLD_SIZE)";
+  }
   return os.str();
 }
 

@@ -21,6 +21,11 @@ struct LaunchInfo {
   int local_world_size = 1;
   std::string master_addr;  // torchrun rendezvous
   int master_port = 0;
+  // torchrun's agent already serves the store at master_addr:master_port
+  // (TORCHELASTIC_USE_AGENT_STORE=True, its static rendezvous): every rank is a client,
+  // under the key prefix of this restart (TORCHELASTIC_RESTART_COUNT), as torch does.
+  bool agent_store = false;
+  int restart = 0;
   // The variables the decision was made from, for messages ("OMPI_COMM_WORLD_SIZE=4").
   std::string evidence;
   bool multi_process() const { return world_size != 1; }
@@ -32,6 +37,9 @@ LaunchInfo detect_launch();
 // The same from an explicit environment (tests).
 LaunchInfo detect_launch(const std::map<std::string, std::string>& env);
 
+// "mpirun, world 4, local ranks 2 (OMPI_COMM_WORLD_RANK, _SIZE)": the launcher, the
+// sizes, and the variables the ranks were found from (for torchrun, also whose store the
+// rendezvous is at).
 // Throws tetra::CommError when the launcher's rank or world size disagrees with what
 // the backend found, naming both ("the launcher (mpirun: OMPI_COMM_WORLD_SIZE=4) says 4
 // ranks, the mpi backend has 2").

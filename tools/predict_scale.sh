@@ -7,16 +7,16 @@
 #
 #   tools/predict_scale.sh JOB [--ranks "8 64 512 4096"] [--ranks-per-host 8]
 #                              [--memory-gb 80] [--calibration FILE] [--batch-per-rank K]
-#                              [--set KEY=VALUE ...] [--bin DIR]
+#                              [--plans "zero-1,zero-3,..."] [--set KEY=VALUE ...] [--bin DIR]
 #
-# --batch-per-rank K sets data.batch_size to K x N at each N (weak scaling); without it
+# --plans keeps only the named ones (comma-separated). --batch-per-rank K sets data.batch_size to K x N at each N (weak scaling); without it
 # the job's global batch stays (strong scaling), and plans it does not divide are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { sed -n '2,14p' "$0" >&2; exit 2; }
 job=$1
 shift
-ranks="8 64 512 4096" per_host=8 memory_gb=80 calibration="" per_rank="" bin=build/bin
+ranks="8 64 512 4096" per_host=8 memory_gb=80 calibration="" per_rank="" bin=build/bin only=""
 sets=()
 while (($#)); do
   case $1 in
@@ -27,6 +27,7 @@ while (($#)); do
     --batch-per-rank) per_rank=$2; shift 2 ;;
     --set) sets+=(--set "$2"); shift 2 ;;
     --bin) bin=$2; shift 2 ;;
+    --plans) only=$2; shift 2 ;;
     *) echo "predict_scale.sh: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
@@ -53,6 +54,7 @@ for n in $ranks; do
   best="" best_s=""
   for p in "${plans[@]}"; do
     IFS='|' read -r name spec <<<"$p"
+    [[ -z $only || ",$only," == *",$name,"* ]] || continue
     stages=1
     [[ $spec =~ mesh.pipeline=([0-9]+) ]] && stages=${BASH_REMATCH[1]}
     ((n % stages == 0)) || continue

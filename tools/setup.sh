@@ -23,6 +23,7 @@ packages=(
   libgloo-dev             # headers for LibTorch's c10d Gloo process group
   dataset-fashion-mnist   # /usr/share/datasets/fashion-mnist/*.gz
   iproute2                # ip, tc: tools/test-hosts.sh (network namespaces as test hosts)
+  python3-torch           # torchrun: the tests launch train under it
 )
 
 missing=()

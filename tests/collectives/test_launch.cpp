@@ -26,6 +26,26 @@ TEST(Launch, OpenMpi) {
   EXPECT_NE(l.evidence.find("OMPI_COMM_WORLD_SIZE=4"), std::string::npos);
 }
 
+// torchrun's static rendezvous: its agent serves the store, the ranks join it under this
+// restart's prefix; the banner says so, and says which variables found the ranks.
+TEST(Launch, TorchrunsAgentStoreAndWhatTheBannerSays) {
+  LaunchInfo l = detect_launch({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                                {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
+                                {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "3"}});
+  EXPECT_TRUE(l.agent_store);
+  EXPECT_EQ(l.restart, 3);
+  EXPECT_EQ(describe(l), "torchrun, world 2, local ranks 2 (RANK, WORLD_SIZE; store at 10.0.0.1:29500, torchrun's agent's)");
+  LaunchInfo standalone = detect_launch({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "localhost"},
+                                         {"MASTER_PORT", "41000"}, {"TORCHELASTIC_USE_AGENT_STORE", "False"}});
+  EXPECT_FALSE(standalone.agent_store);
+  EXPECT_NE(describe(standalone).find("store at localhost:41000, rank 0's"), std::string::npos) << describe(standalone);
+  EXPECT_EQ(describe(detect_launch({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})),
+            "mpirun, world 4, local ranks 2 (OMPI_COMM_WORLD_RANK, _SIZE)");
+  EXPECT_EQ(describe(detect_launch({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_NTASKS_PER_NODE", "2"}})),
+            "slurm, world 4, local ranks 2 (SLURM_PROCID, SLURM_NTASKS)");
+}
+
 TEST(Launch, PrecedenceOverrideThenTorchrunThenMpiThenPmixThenSlurm) {
   std::map<std::string, std::string> env = {
       {"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "4(x2)"}};

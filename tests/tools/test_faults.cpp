@@ -32,18 +32,6 @@ const std::string kTrain = std::string(TETRA_BIN_DIR) + "/train";
 const std::string kFlight = std::string(TETRA_BIN_DIR) + "/flight";
 using Clock = std::chrono::steady_clock;
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 // Waits until rank 0 logged `steps` steps (the job is running, its collectives too).
 bool wait_for_steps(const fs::path& metrics, int steps, std::chrono::seconds limit) {
   const auto end = Clock::now() + limit;

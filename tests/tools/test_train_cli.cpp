@@ -236,6 +236,63 @@ log: {every: 1, progress: plain}
 
 }  // namespace
 
+// Under a real torchrun (Debian's python3-torch), `--no_python`, gloo: with its static
+// rendezvous the agent already serves the store on MASTER_PORT and the ranks join it as
+// clients (TORCHELASTIC_USE_AGENT_STORE); with --standalone rank 0 serves its own. Both
+// follow one process with plain SGD, and the banner says how the ranks were found.
+// (`-r 1 -t 1`: torchrun 1.13 on Python 3.11 cannot parse its own default of 0 there.)
+TEST(TrainTorchrun, BothRendezvousFollowOneProcessWithPlainSgd) {
+  const std::string torchrun = "/usr/bin/torchrun";
+  if (::access(torchrun.c_str(), X_OK) != 0) GTEST_SKIP() << "no torchrun (Debian's python3-torch; tools/setup.sh installs it)";
+  fs::path d = fresh_dir("torchrun");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [64]}
+data: {type: synthetic, batch_size: 64, classes: 10}
+optimizer: {type: sgd, lr: 0.1}
+train: {max_steps: 12, seed: 4, threads: 1}
+collectives: {backend: gloo, timeout_s: 60}
+checkpoint: {dir: ""}
+log: {every: 1, progress: plain}
+)").string();
+  auto metrics = [&](const std::string& tag) {
+    return std::vector<std::string>{"--set", "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
+                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string()};
+  };
+  std::vector<std::string> one_args = {job};
+  for (const auto& a : metrics("one")) one_args.push_back(a);
+  Outcome one = run(one_args);
+  ASSERT_EQ(one.status, 0) << one.out;
+  const auto a = losses(d / "one.jsonl");
+  const auto wa = tetra::core::load_safetensors((d / "one.safetensors").string());
+  struct Case {
+    std::string tag;
+    std::vector<std::string> rendezvous;
+    std::string banner;
+  };
+  const std::string port = std::to_string(tetra::testing_tools::free_port());
+  for (const Case& c : {Case{"static", {"--nnodes", "1", "--master_port", port}, "torchrun's agent's)"},
+                        Case{"standalone", {"--standalone"}, "rank 0's)"}}) {
+    std::vector<std::string> args = c.rendezvous;
+    for (const char* x : {"--nproc_per_node", "2", "-r", "1", "-t", "1", "--no_python"}) args.push_back(x);
+    args.push_back(kTrain);
+    args.push_back(job);
+    for (const auto& x : metrics(c.tag)) args.push_back(x);
+    for (const char* x : {"--set", "mesh.data=2"}) args.push_back(x);
+    Outcome many = run_program(torchrun, args);
+    ASSERT_EQ(many.status, 0) << c.tag << "\n" << many.out;
+    EXPECT_NE(many.out.find("torchrun, world 2, local ranks 2 (RANK, WORLD_SIZE; store at "), std::string::npos) << many.out;
+    EXPECT_NE(many.out.find(c.banner), std::string::npos) << many.out;
+    const auto b = losses(d / (c.tag + ".jsonl"));
+    ASSERT_EQ(b.size(), a.size()) << many.out;
+    for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-5 * loss) << c.tag << ", step " << step;
+    const auto wb = tetra::core::load_safetensors((d / (c.tag + ".safetensors")).string());
+    ASSERT_EQ(wa.size(), wb.size());
+    for (const auto& [key, t] : wa)
+      EXPECT_LE((wb.at(key) - t).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>()))
+          << c.tag << ": " << key;
+  }
+}
+
 TEST(TrainMpi, TwoProcessesFollowOneProcess) { expect_mpi_follows_single(2, "128"); }
 TEST(TrainMpi, ThreeProcessesFollowOneProcess) { expect_mpi_follows_single(3, "192"); }
 
