@@ -16,12 +16,12 @@
 #include "core/cost_model.h"
 #include "core/models.h"
 #include "core/plan.h"
-#include "data_parallel/data_parallel.h"
-#include "pipeline/pipeline.h"
 #include "core/report.h"
 #include "core/runtime.h"
+#include "data_parallel/data_parallel.h"
 #include "hardware/host.h"
 #include "hardware/topology.h"
+#include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
 
 namespace tetra {
