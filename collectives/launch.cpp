@@ -78,6 +78,8 @@ LaunchInfo detect_launch(const Env& env) {
   } else if (get(env, "OMPI_COMM_WORLD_RANK")) {
     take("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
          "OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (auto m = get(env, "OMPI_MCA_rmaps_base_mapping_policy")) l.map_by = *m;
+    if (auto b = get(env, "OMPI_MCA_hwloc_base_binding_policy")) l.bind_to = *b;
   } else if (get(env, "PMIX_RANK")) {
     take("pmix", "PMIX_RANK", nullptr, nullptr, nullptr);
   } else if (get(env, "SLURM_PROCID") && get(env, "SLURM_NTASKS")) {
@@ -116,7 +118,11 @@ std::string describe(const LaunchInfo& l) {
          << (l.agent_store ? ", torchrun's agent's" : ", rank 0's");
     os << ")";
   } else if (l.launcher == "mpirun") {
-    os << " (OMPI_COMM_WORLD_RANK, _SIZE)";
+    os << " (OMPI_COMM_WORLD_RANK, _SIZE";
+    if (!l.map_by.empty() || !l.bind_to.empty()) os << ";";
+    if (!l.map_by.empty()) os << " --map-by " << l.map_by;
+    if (!l.bind_to.empty()) os << " --bind-to " << l.bind_to;
+    os << ")";
   } else if (l.launcher == "slurm") {
     os << " (SLURM_PROCID, SLURM_NTASKS)";
   } else if (l.launcher == "pmix") {

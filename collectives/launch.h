@@ -26,6 +26,10 @@ struct LaunchInfo {
   // under the key prefix of this restart (TORCHELASTIC_RESTART_COUNT), as torch does.
   bool agent_store = false;
   int restart = 0;
+  // mpirun's --map-by and --bind-to as it hands them to the ranks
+  // (OMPI_MCA_rmaps_base_mapping_policy, OMPI_MCA_hwloc_base_binding_policy); "" when
+  // mpirun was left to its defaults. tetra never re-binds a rank the launcher placed.
+  std::string map_by, bind_to;
   // The variables the decision was made from, for messages ("OMPI_COMM_WORLD_SIZE=4").
   std::string evidence;
   bool multi_process() const { return world_size != 1; }

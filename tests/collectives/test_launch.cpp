@@ -42,6 +42,12 @@ TEST(Launch, TorchrunsAgentStoreAndWhatTheBannerSays) {
   EXPECT_EQ(describe(detect_launch({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"},
                                     {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})),
             "mpirun, world 4, local ranks 2 (OMPI_COMM_WORLD_RANK, _SIZE)");
+  // mpirun --map-by core --bind-to core, as it hands them to the ranks
+  EXPECT_EQ(describe(detect_launch({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                    {"OMPI_MCA_rmaps_base_mapping_policy", "core"},
+                                    {"OMPI_MCA_hwloc_base_binding_policy", "core"}})),
+            "mpirun, world 2, local ranks 2 (OMPI_COMM_WORLD_RANK, _SIZE; --map-by core --bind-to core)");
   EXPECT_EQ(describe(detect_launch({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_NTASKS_PER_NODE", "2"}})),
             "slurm, world 4, local ranks 2 (SLURM_PROCID, SLURM_NTASKS)");
 }

@@ -329,8 +329,10 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
     if (!speak || !trainer.writer() || !options.out) return;
     const std::string ranks = plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replica threads" : "";
     const size_t n_hosts = std::max<size_t>(1, hosts.hosts.size());
+    // Where the launcher put rank 0 (tetra keeps a launcher's binding): its CPUs.
     const std::string where =
-        n_hosts == 1 ? "1 host (" + hardware::hostname() + ")" : std::to_string(n_hosts) + " hosts (" + hosts.describe() + ")";
+        (n_hosts == 1 ? "1 host (" + hardware::hostname() + ")" : std::to_string(n_hosts) + " hosts (" + hosts.describe() + ")") +
+        (world ? ", rank 0 on cpus " + hardware::affinity_cpus() : "");
     std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device cpu | %d thread%s | %s | %s\n", "0.1.0",
                  spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), where.c_str(),
                  world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
