@@ -9,11 +9,14 @@
 #                              [--memory-gb 80] [--calibration FILE] [--batch-per-rank K]
 #                              [--plans "zero-1,zero-3,..."] [--set KEY=VALUE ...] [--bin DIR]
 #
-# --plans keeps only the named ones (comma-separated). --batch-per-rank K sets data.batch_size to K x N at each N (weak scaling); without it
-# the job's global batch stays (strong scaling), and plans it does not divide are skipped.
+# --plans keeps only the named ones (comma-separated). --batch-per-rank K sets
+# data.batch_size to K x N at each N (weak scaling); without it the job's global batch
+# stays (strong scaling), and plans it does not divide are skipped. A pipeline plan's
+# dry run times every layer on a real micro-batch: for a billion-parameter model on a
+# CPU, leave the pipeline plans out (--plans "data parallel,zero-1,zero-3").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[[ $# -ge 1 ]] || { sed -n '2,14p' "$0" >&2; exit 2; }
+[[ $# -ge 1 ]] || { sed -n '2,/^set -e/p' "$0" | sed '$d' >&2; exit 2; }
 job=$1
 shift
 ranks="8 64 512 4096" per_host=8 memory_gb=80 calibration="" per_rank="" bin=build/bin only=""
