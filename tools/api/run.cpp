@@ -114,7 +114,8 @@ std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows, int p
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
 // traffic per step from the per-rank estimate, and where each axis's groups lie when
 // `per_host` consecutive processes share a host.
-StepPrediction predict(const Trainer& trainer, int per_host, const Calibration& cal) {
+StepPrediction predict(const Trainer& trainer, const std::vector<RankEstimate>& estimates, int per_host,
+                       const Calibration& cal) {
   Trainer& t = const_cast<Trainer&>(trainer);
   const Plan& plan = trainer.job_plan();
   const int R = plan.replicas();
@@ -122,7 +123,7 @@ StepPrediction predict(const Trainer& trainer, int per_host, const Calibration& 
   const int64_t batch = plan.spec().data.batch_size;
   const double per_rank = double(batch) / std::max(1, plan.data_ranks());
   std::map<int, StageWork> stages;  // by pipeline coordinate: its first rank's work
-  for (const RankEstimate& r : trainer.estimate()) {
+  for (const RankEstimate& r : estimates) {
     auto it = r.coord.find("pipeline");
     const int stage = it == r.coord.end() ? 0 : it->second;
     if (stages.count(stage)) continue;
@@ -164,8 +165,8 @@ Calibration calibration_of(const DryRunOptions& how) {
   return Calibration{};
 }
 
-nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& rows, int per_host,
-                         const Calibration& cal) {
+nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankEstimate>& estimates,
+                         const std::vector<RankRow>& rows, int per_host, const Calibration& cal) {
   const Plan& plan = trainer.job_plan();
   nlohmann::json j;
   j["job"] = plan.spec().name;
@@ -182,10 +183,10 @@ nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& row
   for (const PlanStep& s : plan.composition())
     j["composition"].push_back({{"section", s.section}, {"axis", s.role.axis}, {"active", s.active},
                                 {"what", s.active ? s.role.why : s.note}});
-  j["estimate"] = estimate_json(trainer.estimate());  // per rank: memory, and bytes per axis per step
+  j["estimate"] = estimate_json(estimates);  // per rank: memory, and bytes per axis per step
   j["hosts"] = {{"count", host_count(rows)}, {"processes_per_host", per_host},
                 {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
-  j["cost"] = prediction_json(predict(trainer, per_host, cal), cal);
+  j["cost"] = prediction_json(predict(trainer, estimates, per_host, cal), cal);
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
   for (const RankRow& r : rows) {
@@ -199,7 +200,8 @@ nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankRow>& row
   return j;
 }
 
-std::string plan_text(const Trainer& trainer, int threads, bool custom_model) {
+std::string plan_text(const Trainer& trainer, const std::vector<RankEstimate>& estimates, int threads,
+                      bool custom_model) {
   Trainer& t = const_cast<Trainer&>(trainer);
   const Plan& plan = trainer.job_plan();
   const JobSpec& spec = plan.spec();
@@ -225,7 +227,7 @@ std::string plan_text(const Trainer& trainer, int threads, bool custom_model) {
   out += describe(t.model());
   out += plan.describe_composition();
   out += t.plan();
-  out += estimate_table(plan, trainer.estimate());  // per rank: memory, and bytes per axis per step
+  out += estimate_table(plan, estimates);  // per rank: memory, and bytes per axis per step
   return out;
 }
 
@@ -254,9 +256,11 @@ std::string dry_run(const JobSpec& spec, const RunOptions& options, const DryRun
   if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
   const std::vector<RankRow> rows = rank_rows(plan, local);
   const Calibration cal = calibration_of(how);
-  if (how.json) return plan_json(trainer, rows, local, cal).dump(2) + "\n";
-  return plan_text(trainer, threads, static_cast<bool>(options.model)) + rank_table(plan, rows, local) +
-         prediction_text(predict(trainer, local, cal), cal);
+  // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
+  const std::vector<RankEstimate> estimates = trainer.estimate();
+  if (how.json) return plan_json(trainer, estimates, rows, local, cal).dump(2) + "\n";
+  return plan_text(trainer, estimates, threads, static_cast<bool>(options.model)) + rank_table(plan, rows, local) +
+         prediction_text(predict(trainer, estimates, local, cal), cal);
 }
 
 namespace {
