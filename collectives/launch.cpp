@@ -1,5 +1,6 @@
 #include "collectives/launch.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 
@@ -29,15 +30,98 @@ int parse_int(const Env& env, const char* name, int fallback, int min) {
   return static_cast<int>(n);
 }
 
-// SLURM_NTASKS_PER_NODE may read "4" or "4(x2)".
-int parse_leading_int(const Env& env, const char* name, int fallback) {
-  const std::string* v = get(env, name);
-  if (!v) return fallback;
-  int n = std::atoi(v->c_str());
-  return n > 0 ? n : fallback;
+// "abc[01-03,7]def" style: one name with its bracket groups, into `out`.
+void expand_name(const std::string& list, const std::string& name, std::vector<std::string>& out) {
+  const auto open = name.find('[');
+  if (open == std::string::npos) {
+    if (name.find(']') != std::string::npos) throw ConfigError("host list '" + list + "': a ']' without its '['");
+    out.push_back(name);
+    return;
+  }
+  const auto close = name.find(']', open);
+  if (close == std::string::npos) throw ConfigError("host list '" + list + "': a '[' without its ']'");
+  const std::string head = name.substr(0, open), tail = name.substr(close + 1);
+  std::stringstream ranges(name.substr(open + 1, close - open - 1));
+  std::string range;
+  bool any = false;
+  while (std::getline(ranges, range, ',')) {
+    const auto dash = range.find('-');
+    const std::string lo_s = range.substr(0, dash), hi_s = dash == std::string::npos ? lo_s : range.substr(dash + 1);
+    auto number = [&](const std::string& t) {
+      if (t.empty() || t.size() > 9 || t.find_first_not_of("0123456789") != std::string::npos)
+        throw ConfigError("host list '" + list + "': '" + range + "' is not a number or a range of numbers");
+      return std::stol(t);
+    };
+    const long lo = number(lo_s), hi = number(hi_s);
+    if (hi < lo || hi - lo >= 1 << 20)
+      throw ConfigError("host list '" + list + "': the range '" + range + "' runs backwards or is too long");
+    for (long n = lo; n <= hi; ++n) {
+      std::string digits = std::to_string(n);
+      if (digits.size() < lo_s.size()) digits.insert(0, lo_s.size() - digits.size(), '0');
+      expand_name(list, head + digits + tail, out);
+    }
+    any = true;
+  }
+  if (!any) throw ConfigError("host list '" + list + "': an empty '[]'");
 }
 
+// Note [Slurm port]: the gloo rendezvous port when the job script does not export
+// MASTER_PORT. Every task of a step computes it from the ids they share; two steps of one
+// job (run side by side with `srun ... &`) differ by the step id, two jobs on one node by
+// the job id. The range 10000-29999 stays below Linux's ephemeral ports (32768-60999),
+// where an outgoing connection could hold it. Two jobs whose ids meet modulo 20000 on one
+// node would still collide: rank 0 then fails to bind it, and the message says to export
+// MASTER_PORT.
+int slurm_port(uint64_t job, uint64_t step) { return 10000 + static_cast<int>((job * 7 + step) % 20000); }
+
 }  // namespace
+
+std::vector<std::string> expand_hostlist(const std::string& list) {
+  std::vector<std::string> out;
+  int depth = 0;
+  std::string item;
+  auto flush = [&] {
+    if (item.empty()) throw ConfigError("host list '" + list + "': an empty name");
+    expand_name(list, item, out);
+    item.clear();
+  };
+  for (char c : list) {
+    if (c == '[') ++depth;
+    if (c == ']') --depth;
+    if (depth < 0 || depth > 1) throw ConfigError("host list '" + list + "': unbalanced or nested brackets");
+    if (c == ',' && depth == 0) {
+      flush();
+    } else if (c != ' ') {
+      item += c;
+    }
+  }
+  if (depth != 0) throw ConfigError("host list '" + list + "': a '[' without its ']'");
+  flush();
+  return out;
+}
+
+std::vector<int> expand_tasks_per_node(const std::string& counts) {
+  std::vector<int> out;
+  if (!counts.empty() && counts.back() == ',') throw ConfigError("task counts '" + counts + "' end in a comma");
+  std::stringstream in(counts);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long n = std::strtol(item.c_str(), &end, 10);
+    long times = 1;
+    if (end && *end == '(') {
+      char* e2 = nullptr;
+      if (end[1] != 'x') throw ConfigError("task counts '" + counts + "': '" + item + "' is not N or N(xK)");
+      times = std::strtol(end + 2, &e2, 10);
+      end = (e2 && *e2 == ')') ? e2 + 1 : nullptr;
+    }
+    if (!end || *end != '\0' || n < 1 || times < 1 || times > 1 << 20 || end == item.c_str())
+      throw ConfigError("task counts '" + counts + "': '" + item + "' is not N or N(xK)");
+    out.insert(out.end(), static_cast<size_t>(times), static_cast<int>(n));
+  }
+  if (out.empty()) throw ConfigError("task counts '" + counts + "' are empty");
+  return out;
+}
 
 LaunchInfo detect_launch() {
   Env env;
@@ -48,6 +132,55 @@ LaunchInfo detect_launch() {
   }
   return detect_launch(env);
 }
+
+namespace {
+
+// A task of an srun step (Note [Slurm]).
+void slurm_step(const Env& env, LaunchInfo& l) {
+  l.launcher = "slurm";
+  const char* size = get(env, "SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
+  if (!get(env, size)) throw ConfigError("launch: SLURM_PROCID is set without SLURM_STEP_NUM_TASKS or SLURM_NTASKS");
+  l.rank = parse_int(env, "SLURM_PROCID", 0, 0);
+  l.world_size = parse_int(env, size, 0, 1);
+  l.local_rank = parse_int(env, "SLURM_LOCALID", 0, 0);
+  l.evidence = "SLURM_PROCID=" + *get(env, "SLURM_PROCID") + " " + size + "=" + *get(env, size);
+  if (get(env, "PMIX_RANK")) l.evidence += " PMIX_RANK=" + *get(env, "PMIX_RANK");
+  const char* per_node = get(env, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
+                         : get(env, "SLURM_NTASKS_PER_NODE")   ? "SLURM_NTASKS_PER_NODE"
+                                                               : "SLURM_TASKS_PER_NODE";
+  if (auto v = get(env, per_node)) {
+    const std::vector<int> counts = expand_tasks_per_node(*v);
+    const int node = parse_int(env, "SLURM_NODEID", 0, 0);
+    l.local_world_size = counts[static_cast<size_t>(node) < counts.size() ? static_cast<size_t>(node) : 0];
+  }
+  l.hosts = parse_int(env, get(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES", 0, 0);
+  // gloo's rendezvous
+  const char* nodes = get(env, "SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
+  std::string addr_from, port_from;
+  if (auto a = get(env, "MASTER_ADDR")) {
+    l.master_addr = *a;
+    addr_from = "MASTER_ADDR";
+  } else if (auto list = get(env, nodes)) {
+    l.master_addr = expand_hostlist(*list).front();
+    addr_from = std::string("the first node of ") + nodes;
+  }
+  if (get(env, "MASTER_PORT")) {
+    l.master_port = parse_int(env, "MASTER_PORT", 0, 1);
+    port_from = "MASTER_PORT";
+  } else if (get(env, "SLURM_JOB_ID")) {
+    // Job ids run past parse_int's bound on busy clusters (up to 2^26 and more).
+    const std::string& job_text = *get(env, "SLURM_JOB_ID");
+    if (job_text.find_first_not_of("0123456789") != std::string::npos || job_text.size() > 19)
+      throw ConfigError("launch: SLURM_JOB_ID=" + job_text + " is not a job id");
+    const uint64_t job = std::stoull(job_text);
+    const int step = parse_int(env, "SLURM_STEP_ID", 0, 0);
+    l.master_port = slurm_port(job, static_cast<uint64_t>(step));
+    port_from = "a port from SLURM_JOB_ID " + std::to_string(job) + " step " + std::to_string(step);
+  }
+  l.master_source = addr_from + (addr_from.empty() || port_from.empty() ? "" : ", ") + port_from;
+}
+
+}  // namespace
 
 LaunchInfo detect_launch(const Env& env) {
   LaunchInfo l;
@@ -80,11 +213,14 @@ LaunchInfo detect_launch(const Env& env) {
          "OMPI_COMM_WORLD_LOCAL_SIZE");
     if (auto m = get(env, "OMPI_MCA_rmaps_base_mapping_policy")) l.map_by = *m;
     if (auto b = get(env, "OMPI_MCA_hwloc_base_binding_policy")) l.bind_to = *b;
+  } else if (get(env, "SLURM_PROCID") && get(env, "SLURM_STEP_ID") &&
+             (!get(env, "PMIX_RANK") || *get(env, "PMIX_RANK") == *get(env, "SLURM_PROCID"))) {
+    slurm_step(env, l);
   } else if (get(env, "PMIX_RANK")) {
     take("pmix", "PMIX_RANK", nullptr, nullptr, nullptr);
   } else if (get(env, "SLURM_PROCID") && get(env, "SLURM_NTASKS")) {
-    take("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr);
-    l.local_world_size = parse_leading_int(env, "SLURM_NTASKS_PER_NODE", 1);
+    // The batch script of an allocation, not a task of a step (Note [Slurm]).
+    l.evidence = "a Slurm batch step: SLURM_NTASKS=" + *get(env, "SLURM_NTASKS") + ", no SLURM_STEP_ID";
   }
   if (l.world_size > 0 && l.rank >= l.world_size)
     throw ConfigError("launch: rank " + std::to_string(l.rank) + " is not below the world size " +
@@ -103,12 +239,15 @@ void check_launch_agrees(const LaunchInfo& launch, const std::string& backend, i
        << rank << " of " << world_size;
     if (launch.launcher == "single")
       os << " (was this started under a launcher that the " << backend << " backend does not know?)";
+    if (launch.launcher == "slurm" && backend == "mpi" && world_size == 1)
+      os << " (under srun, Open MPI finds its peers through PMIx: srun --mpi=pmix, or MpiDefault=pmix in "
+            "slurm.conf)";
     throw CommError(os.str());
   }
 }
 
 std::string describe(const LaunchInfo& l) {
-  if (l.launcher == "single") return "1 process";
+  if (l.launcher == "single") return l.evidence.empty() ? "1 process" : "1 process (" + l.evidence + ")";
   std::ostringstream os;
   os << l.launcher << ", world " << l.world_size << ", local ranks " << l.local_world_size;
   if (l.launcher == "torchrun") {
@@ -124,7 +263,9 @@ std::string describe(const LaunchInfo& l) {
     if (!l.bind_to.empty()) os << " --bind-to " << l.bind_to;
     os << ")";
   } else if (l.launcher == "slurm") {
-    os << " (SLURM_PROCID, SLURM_NTASKS)";
+    const bool step_size = l.evidence.find("SLURM_STEP_NUM_TASKS") != std::string::npos;
+    os << " (srun: SLURM_PROCID, " << (step_size ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS")
+       << (l.evidence.find("PMIX_RANK") != std::string::npos ? "; PMIx" : "") << ")";
   } else if (l.launcher == "pmix") {
     os << " (PMIX_RANK)";
   } else if (l.launcher == "override") {

@@ -655,7 +655,17 @@ void register_mpi_backend(BackendRegistry& registry) {
   e.name = "mpi";
   e.description = short_version(mpi_library_version());
   e.unavailable = [] { return std::string(); };
-  e.create = [](const LaunchInfo&, const WorldOptions& options) { return mpi_world(options); };
+  e.create = [](const LaunchInfo& launch, const WorldOptions& options) {
+    // A task srun started without a PMI plugin: Open MPI's MPI_Init would print a page
+    // about building it with PMI support and abort. Say what to do instead.
+    if (launch.launcher == "slurm" && !std::getenv("PMIX_RANK") && !std::getenv("PMI_RANK"))
+      throw ConfigError(
+          "the mpi backend under srun needs the PMIx plugin, which this step was started without (SLURM_MPI_TYPE=" +
+          std::string(std::getenv("SLURM_MPI_TYPE") ? std::getenv("SLURM_MPI_TYPE") : "unset") +
+          "): run `srun --mpi=pmix ...` (or set MpiDefault=pmix in slurm.conf), or use collectives.backend: gloo, "
+          "which needs no PMI");
+    return mpi_world(options);
+  };
   registry.add(std::move(e));
 }
 

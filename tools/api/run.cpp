@@ -290,7 +290,9 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
   // The mesh must fit the launch before any rank communicates.
   if (launch.world_size != 0)
     plan.check_world(launch.world_size,
-                     launch.launcher == "single" ? "a single process, no launcher" : launch.launcher + ": " + launch.evidence);
+                     launch.launcher != "single"  ? launch.launcher + ": " + launch.evidence
+                     : launch.evidence.empty()    ? "a single process, no launcher"
+                                                  : "a single process (" + launch.evidence + "; srun starts the ranks)");
   set_up_health(spec);
   collectives::CommunicatorPtr world;
   if (launch.multi_process()) {
