@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,7 +76,21 @@ class GlooCommunicator final : public Communicator {
                    Duration timeout)
       : Communicator(rank, size, std::move(name)), store_(std::move(store)), timeout_(timeout) {
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    // GLOO_SOCKET_IFNAME=eth0[,eth1] picks the interfaces, as torch.distributed does;
+    // else the address this host's name resolves to (loopback when it resolves to none).
+    const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME");
+    std::stringstream names(ifnames ? ifnames : "");
+    for (std::string ifname; std::getline(names, ifname, ',');) {
+      if (ifname.empty()) continue;
+      try {
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+      } catch (const std::exception& e) {
+        std::string m = e.what();
+        throw ConfigError("GLOO_SOCKET_IFNAME=" + std::string(ifnames) + ": no usable interface '" + ifname +
+                          "' on this host (" + m.substr(0, m.find('\n')) + ")");
+      }
+    }
+    if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     opts->threads = 1;
     pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, size, opts);
   }
@@ -203,25 +219,57 @@ class GlooCommunicator final : public Communicator {
 // Every rank signs in under its own key, then waits for all the others. A rank that never
 // comes (not started, killed while starting, another WORLD_SIZE or MASTER_PORT) is named
 // when the wait ends, instead of c10d's "2/3 clients joined" or a hang in gloo's own
-// connect, which waits for each peer's address with no name. Rank 0 serves the store and
-// decides: when its wait ends it posts who is missing, and gives the others a moment to
-// read it before it leaves (its leaving closes the store).
+// connect, which waits for each peer's address with no name. Two processes given the same
+// rank (torchrun on two nodes without --node_rank) are named at once: each rank counts
+// itself in, and the second of a number sees 2. Whoever decides posts the verdict; rank 0
+// serves the store, so when it decides (or reads a verdict) it gives the others a moment
+// to read it before it leaves (its leaving closes the store).
 void await_everyone(c10d::Store& store, int rank, int size, const std::string& where, Duration timeout) {
-  const std::string prefix = "tetra/joined/", failed = "tetra/rendezvous_failed", seen = "tetra/failure_seen/";
+  const std::string prefix = "tetra/joined/", counted = "tetra/count/", failed = "tetra/rendezvous_failed",
+                    seen = "tetra/failure_seen/", twice = "twice: ";
   auto bytes = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
+  auto text = [](const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); };
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
+  // The verdict `why` is out: wait (rank 0) until those who came have read it, and leave.
+  auto leave = [&](const std::string& why) {
+    if (rank == 0) {
+      std::vector<std::string> readers;
+      for (int r = 1; r < size; ++r)
+        if (store.check({keys[static_cast<size_t>(r)]})) readers.push_back(seen + std::to_string(r));
+      for (const Deadline linger = Clock::now() + std::chrono::seconds(5);
+           !readers.empty() && !store.check(readers) && Clock::now() < linger;)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } else {
+      store.set(seen + std::to_string(rank), bytes("1"));
+    }
+    if (why.rfind(twice, 0) == 0) throw ConfigError(where + ": " + why.substr(twice.size()));
+    throw PeerLostError(where + ": " + why);
+  };
   try {
-    store.set(keys[static_cast<size_t>(rank)], bytes(process_description()));
+    const std::string me = process_description();
+    if (store.add(counted + std::to_string(rank), 1) > 1) {
+      std::string first = "another process";
+      for (const Deadline d = Clock::now() + std::chrono::seconds(2); Clock::now() < d;) {
+        if (store.check({keys[static_cast<size_t>(rank)]})) {
+          first = text(store.get(keys[static_cast<size_t>(rank)]));
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      const std::string why = twice + "rank " + std::to_string(rank) + " was given to two processes: " + first +
+                              " and " + me +
+                              ". Every process needs a rank of its own (torchrun on several nodes: --node_rank; "
+                              "the variables RANK, WORLD_SIZE of each process)";
+      store.set(failed, bytes(why));
+      leave(why);
+    }
+    store.set(keys[static_cast<size_t>(rank)], bytes(me));
     // The others defer to rank 0's verdict, so they wait a little longer than it does.
     const Deadline end = Clock::now() + timeout + (rank == 0 ? Duration(0) : std::chrono::seconds(10));
     for (auto nap = std::chrono::milliseconds(1);; nap = std::min(nap * 2, std::chrono::milliseconds(100))) {
+      if (store.check({failed})) leave(text(store.get(failed)));
       if (store.check(keys)) return;
-      if (rank != 0 && store.check({failed})) {
-        const std::vector<uint8_t> why = store.get(failed);
-        store.set(seen + std::to_string(rank), bytes("1"));
-        throw PeerLostError(where + ": " + std::string(why.begin(), why.end()));
-      }
       if (Clock::now() >= end) break;
       std::this_thread::sleep_for(nap);
     }
@@ -238,16 +286,8 @@ void await_everyone(c10d::Store& store, int rank, int size, const std::string& w
         std::to_string(size - static_cast<int>(missing.size())) +
         " did). Was every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE? "
         "A rank that died while starting says why in its own output";
-    if (rank == 0) {
-      store.set(failed, bytes(why));
-      std::vector<std::string> readers;
-      for (int r = 1; r < size; ++r)
-        if (store.check({keys[static_cast<size_t>(r)]})) readers.push_back(seen + std::to_string(r));
-      for (const Deadline linger = Clock::now() + std::chrono::seconds(5);
-           !readers.empty() && !store.check(readers) && Clock::now() < linger;)
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    throw PeerLostError(where + ": " + why);
+    if (rank == 0) store.set(failed, bytes(why));
+    leave(why);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -261,9 +301,10 @@ void await_everyone(c10d::Store& store, int rank, int size, const std::string& w
 }  // namespace
 
 CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port, const WorldOptions& options,
-                           bool agent_store, int restart) {
+                           bool agent_store, int restart, const std::string& source) {
   const std::string where = "gloo: rendezvous at " + addr + ":" + std::to_string(port) +
-                            (agent_store ? " (torchrun's agent's store)" : "") + " as rank " + std::to_string(rank) +
+                            (agent_store ? " (torchrun's agent's store)" : "") +
+                            (source.empty() ? "" : " (" + source + ")") + " as rank " + std::to_string(rank) +
                             " of " + std::to_string(size);
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(port);
@@ -280,7 +321,8 @@ CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port
     std::string m = e.what();
     throw CommError(where + ": " + m.substr(0, m.find('\n')) +
                     (agent_store ? " (torchrun's agent serves the rendezvous: is it still running?)"
-                     : rank == 0 ? ""
+                     : rank == 0 ? " (rank 0 serves the rendezvous there: is the port another job's? MASTER_PORT "
+                                   "chooses another)"
                                  : " (rank 0 serves the rendezvous: did it start, at that address and port?)"));
   }
   await_everyone(*store, rank, size, where, options.timeout);
@@ -307,11 +349,12 @@ void register_gloo_backend(BackendRegistry& registry) {
     if (addr.empty()) {
       // All ranks on this host (mpirun -np N on one machine): rendezvous on loopback.
       if (l.local_world_size != l.world_size)
-        throw ConfigError("the gloo backend needs MASTER_ADDR and MASTER_PORT when ranks span hosts");
+        throw ConfigError("the gloo backend needs MASTER_ADDR and MASTER_PORT when ranks span hosts (" +
+                          l.launcher + ": " + l.evidence + ")");
       addr = "127.0.0.1";
     }
     if (port == 0) port = 29500;
-    return gloo_world(l.rank, l.world_size, addr, port, options, l.agent_store, l.restart);
+    return gloo_world(l.rank, l.world_size, addr, port, options, l.agent_store, l.restart, l.master_source);
   };
   registry.add(std::move(e));
 }

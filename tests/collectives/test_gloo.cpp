@@ -7,9 +7,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "collectives/build_config.h"
+#include "collectives/error.h"
 #include "conformance.h"
 
 #if TETRA_HAVE_GLOO
@@ -75,3 +79,38 @@ TEST_P(Gloo, Conformance) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Gloo, testing::Values(1, 2, 3));
+
+// Two processes given the same rank (torchrun on two nodes without --node_rank) are named
+// at once, on every rank, as a user error: not a wait for the rank that is "missing" until
+// the timeout. Ranks 0, 1, 1 of 3, with a 60 s timeout that nobody should reach.
+TEST(GlooRendezvous, ARankGivenToTwoProcessesIsNamedAtOnce) {
+#if TETRA_HAVE_GLOO
+  const int port = free_port();
+  const std::vector<int> ranks = {0, 1, 1};
+  std::vector<std::string> said(ranks.size());
+  std::vector<std::thread> threads;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < ranks.size(); ++i)
+    threads.emplace_back([&, i] {
+      try {
+        WorldOptions o;
+        o.timeout = std::chrono::seconds(60);
+        gloo_world(ranks[i], 3, "127.0.0.1", port, o);
+        said[i] = "joined";
+      } catch (const tetra::ConfigError& e) {
+        said[i] = e.what();
+      } catch (const std::exception& e) {
+        said[i] = std::string("not a ConfigError: ") + e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t i = 0; i < said.size(); ++i) {
+    EXPECT_NE(said[i].find("rank 1 was given to two processes"), std::string::npos) << "rank " << ranks[i] << ": " << said[i];
+    EXPECT_NE(said[i].find("--node_rank"), std::string::npos) << said[i];
+  }
+  EXPECT_LT(took, 40.0) << "the ranks waited for the timeout instead of naming the duplicate";
+#else
+  GTEST_SKIP() << "built without the gloo backend (libgloo-dev headers not found)";
+#endif
+}
