@@ -24,6 +24,7 @@ packages=(
   dataset-fashion-mnist   # /usr/share/datasets/fashion-mnist/*.gz
   iproute2                # ip, tc: tools/test-hosts.sh (network namespaces as test hosts)
   python3-torch           # torchrun: the tests launch train under it
+  slurmctld slurmd slurm-client munge  # a real Slurm for the srun tests (tools/test-slurm.sh)
 )
 
 missing=()

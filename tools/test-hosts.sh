@@ -6,7 +6,8 @@
 #       it is; another K or link rebuilds them). Each host is a Linux network namespace with
 #       its own UTS namespace (so `hostname` and gethostname() say tetra-hostI), one
 #       interface eth0 with address 10.213.0.I/24, and a bridge tetra-br0 joining them
-#       (the machine itself is 10.213.0.254 on it). --rate and --delay shape every host's
+#       (the machine itself is 10.213.0.254 on it); /etc/hosts names them, in lines
+#       that `down` removes. --rate and --delay shape every host's
 #       link in both directions, e.g. --rate 10gbit --delay 50us: a packet from one host
 #       to another passes two shapers (its own eth0, then the other host's bridge port),
 #       so it takes 2 x DELAY one way. --delay needs tc's netem; where the kernel lacks it
@@ -73,7 +74,19 @@ down() {
     fi
   done
   ip link del "$bridge" 2>/dev/null || true
+  forget_names
   rm -rf "$state"
+}
+
+# The hosts' names in /etc/hosts, each line marked, so that tetra-hostI resolves on every
+# host as a cluster's DNS would (gloo's rendezvous at the first node of a Slurm step, a
+# host's own address for gloo's sockets). Rewritten in place: /etc/hosts may be a bind mount.
+hosts_mark="# tetra-test-hosts"
+forget_names() {
+  grep -q "$hosts_mark\$" /etc/hosts 2>/dev/null || return 0
+  local kept
+  kept=$(grep -v "$hosts_mark\$" /etc/hosts)
+  printf '%s\n' "$kept" >/etc/hosts
 }
 
 up() {
@@ -124,6 +137,7 @@ up() {
     fi
     touch "$state/uts/tetra-host$i"
     unshare --uts="$state/uts/tetra-host$i" hostname "tetra-host$i"
+    echo "$net.$i tetra-host$i $hosts_mark" >>/etc/hosts
   done
   trap - ERR
   printf '%s\n' "$want" >"$state/config"

@@ -5,8 +5,12 @@
 // run within relative 1e-5 (fp32), losses at every step and every parameter at the end;
 // the plan and topo see two hosts; a host that dies ends the job on the other, named.
 //
-// The hosts need root (namespaces, a bridge); without it, or without iproute2, every case
-// skips and says why.
+// The same hosts as the nodes of a real Slurm cluster (tools/test-slurm.sh: munged,
+// slurmctld, a slurmd on each host): srun starts the ranks, with PMIx for Open MPI and
+// without it for gloo.
+//
+// The hosts need root (namespaces, a bridge); without it, or without iproute2 (or Slurm's
+// packages, for the Slurm cases), every case skips and says why.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <signal.h>
@@ -42,6 +46,7 @@ struct Result {
 };
 
 const std::string kHosts = std::string(TETRA_SOURCE_DIR) + "/tools/test-hosts.sh";
+const std::string kSlurm = std::string(TETRA_SOURCE_DIR) + "/tools/test-slurm.sh";
 
 // wait_within (spawn.h), and when `pid` is still running at the limit, every process
 // left on the hosts killed too: ranks orphaned by a killed mpirun.
@@ -127,9 +132,11 @@ fs::path write_job(const fs::path& d, const std::string& optimizer) {
 
 // The job on one process, then across the hosts with `sets`: losses within relative
 // 1e-5 at every step, every parameter within 1e-5 (relative to the tensor's scale).
-// Returns what the run across the hosts printed.
+// Returns what the run across the hosts printed. `launch` starts the run across the hosts
+// (mpirun by default).
+using Launch = std::function<Result(const fs::path& dir, const std::vector<std::string>& args)>;
 std::string expect_follows_one_process(const std::string& name, const std::string& optimizer,
-                                       const std::vector<std::string>& sets) {
+                                       const std::vector<std::string>& sets, const Launch& launch = across) {
   const fs::path d = fresh(name);
   const std::string job = write_job(d, optimizer).string();
   auto args = [&](const std::string& tag) {
@@ -143,7 +150,7 @@ std::string expect_follows_one_process(const std::string& name, const std::strin
     many_args.push_back("--set");
     many_args.push_back(s);
   }
-  const Result many = across(d, many_args);
+  const Result many = launch(d, many_args);
   EXPECT_EQ(many.status, 0) << many.out;
   if (one.status != 0 || many.status != 0) return many.out;
   const auto a = losses(d / "one.jsonl"), b = losses(d / "many.jsonl");
@@ -212,7 +219,7 @@ TEST_F(MultiHost, RanksThatFailWhileStartingEndTheJobInsteadOfHanging) {
   const fs::path d = fresh("early_failure");
   const std::string job = write_job(d, "{type: sgd, lr: 0.05}").string();
   const pid_t pid = spawn_tool(kHosts,
-                               {"run", "-np", "4", "-x", "TETRA_MONITOR_ADDR=tetra-host1", kTrain, job, "--set",
+                               {"run", "-np", "4", "-x", "TETRA_MONITOR_ADDR=tetra-nowhere.invalid", kTrain, job, "--set",
                                 "mesh.data=4", "--set", "log.metrics="},
                                d / "run.log");
   const auto t0 = std::chrono::steady_clock::now();
@@ -221,7 +228,7 @@ TEST_F(MultiHost, RanksThatFailWhileStartingEndTheJobInsteadOfHanging) {
   ASSERT_NE(status, -1) << "still running 60 s after the ranks failed:\n" << out;
   EXPECT_NE(status, 0) << out;
   EXPECT_TRUE(has(out, "monitor: cannot connect to rank 0 on port")) << out;
-  EXPECT_TRUE(has(out, "tetra-host1: ")) << out;  // the name tried, and why it failed
+  EXPECT_TRUE(has(out, "tetra-nowhere.invalid: ")) << out;  // the name tried, and why it failed
   std::printf("the job ended %.2f s after it started (status %d)\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), status);
 }
@@ -256,4 +263,85 @@ TEST_F(MultiHost, AHostThatDiesEndsTheJobOnTheOtherNamingItsRanks) {
   EXPECT_TRUE(has(out, "rank 2 (host tetra-host2")) << out;
   EXPECT_TRUE(has(out, "rank 3 (host tetra-host2")) << out;
   std::printf("the job ended %.2f s after tetra-host2 died (status %d)\n", took, status);
+}
+
+// The test hosts as the nodes of a Slurm cluster, for the whole suite.
+class Slurm : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (::geteuid() != 0) {
+      skip_ = "a Slurm cluster on the test hosts needs root";
+      return;
+    }
+    const fs::path log = fs::path(testing::TempDir()) / ("test_slurm_up_" + std::to_string(::getpid()) + ".log");
+    Result up = run(kHosts, {"up", "2"}, log);
+    if (up.status == 0) up = run(kSlurm, {"up", "--hosts"}, log);
+    if (up.status != 0) skip_ = up.out;
+  }
+  static void TearDownTestSuite() {
+    if (!skip_.empty()) return;
+    const fs::path log = fs::path(testing::TempDir()) / ("test_slurm_down_" + std::to_string(::getpid()) + ".log");
+    run(kSlurm, {"down"}, log);
+    run(kHosts, {"down"}, log);
+  }
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+  }
+
+  static inline std::string skip_;
+};
+
+// `train args...` as one srun step of 4 tasks, 2 on each node, started from tetra-host1.
+Launch srun(const std::vector<std::string>& options) {
+  return [options](const fs::path& dir, const std::vector<std::string>& args) {
+    std::vector<std::string> all = {"srun", "-N", "2", "-n", "4", "--ntasks-per-node", "2", "--kill-on-bad-exit=1"};
+    all.insert(all.end(), options.begin(), options.end());
+    all.push_back(kTrain);
+    all.insert(all.end(), args.begin(), args.end());
+    return run(kSlurm, all, dir / "srun.log");
+  };
+}
+
+// srun --mpi=pmix: Open MPI's ranks find each other through Slurm's PMIx server, no
+// mpirun; tetra takes the world from Slurm's variables. Plain SGD without clipping.
+TEST_F(Slurm, SrunWithPmixAcrossTwoNodesFollowsOneProcessWithPlainSgd) {
+  const std::string out =
+      expect_follows_one_process("slurm_mpi", "{type: sgd, lr: 0.05}", {"mesh.data=4"}, srun({"--mpi=pmix"}));
+  EXPECT_TRUE(has(out, "slurm, world 4, local ranks 2 (srun: SLURM_PROCID, SLURM_STEP_NUM_TASKS; PMIx), 2 hosts"))
+      << out;
+  EXPECT_TRUE(has(out, "backend mpi")) << out;
+}
+
+// gloo needs no PMI: the ranks meet at the step's first node (SLURM_STEP_NODELIST
+// "tetra-host[1-2]", expanded) on a port derived from the job and step ids, with no
+// MASTER_ADDR or MASTER_PORT exported. ZeRO-3 with plain SGD, so the gathers and
+// reduce-scatters cross the nodes too.
+TEST_F(Slurm, GlooUnderSrunMeetsAtTheStepsFirstNode) {
+  const std::string out = expect_follows_one_process("slurm_gloo", "{type: sgd, lr: 0.05}",
+                                                     {"mesh.data=4", "zero.stage=3", "collectives.backend=gloo"}, srun({}));
+  EXPECT_TRUE(has(out, "slurm, world 4, local ranks 2 (srun: SLURM_PROCID, SLURM_STEP_NUM_TASKS), 2 hosts")) << out;
+  EXPECT_TRUE(has(out, "backend gloo")) << out;
+}
+
+// The two mistakes Slurm users make first, each answered with what to do, exit status 2,
+// and no hang: `train` in a batch script without srun (one process inside an allocation
+// of 4 tasks, not rank 0 of 4), and the mpi backend under srun without PMIx (Open MPI
+// would print a page about rebuilding it and abort).
+TEST_F(Slurm, BatchScriptWithoutSrunAndSrunWithoutPmixSayWhatToDo) {
+  const fs::path d = fresh("slurm_mistakes");
+  const std::string job = write_job(d, "{type: sgd, lr: 0.05}").string();
+  const Result batch = run(kSlurm,
+                           {"exec", "sbatch", "--wait", "-n", "4", "-o", (d / "batch.out").string(), "--wrap",
+                            kTrain + " " + job + " --set mesh.data=4"},
+                           d / "sbatch.log");
+  EXPECT_EQ(batch.status, 2) << batch.out;  // sbatch --wait exits with the job's status
+  const std::string said = slurp(d / "batch.out");
+  EXPECT_TRUE(has(said, "mesh data=4 = 4 ranks, but the world has 1 (a single process (a Slurm batch step: "
+                        "SLURM_NTASKS=4, no SLURM_STEP_ID; srun starts the ranks))"))
+      << said;
+  const Result no_pmix = srun({"--mpi=none"})(d, {job, "--set", "mesh.data=4", "--set", "log.metrics="});
+  EXPECT_NE(no_pmix.status, 0) << no_pmix.out;
+  EXPECT_TRUE(has(no_pmix.out, "the mpi backend under srun needs the PMIx plugin")) << no_pmix.out;
+  EXPECT_TRUE(has(no_pmix.out, "srun --mpi=pmix")) << no_pmix.out;
+  EXPECT_FALSE(has(no_pmix.out, "OPAL ERROR")) << no_pmix.out;
 }
