@@ -24,6 +24,8 @@ struct LayerCost {
   double forward_s = 0;     // measured on one micro-batch (by_time, or --dry-run)
   double backward_s = 0;
   int64_t activation_bytes = 0;  // the layer's output for one micro-batch
+  // The times were taken on one short sample and scaled by FLOPs (Note [Layer costs]).
+  bool scaled = false;
 };
 
 // A partition: stage k holds layers [begin[k], begin[k+1]); begin.size() == K + 1,

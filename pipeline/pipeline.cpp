@@ -292,48 +292,73 @@ class Pipeline final : public PipelineStrategy {
 }  // namespace
 
 std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time) {
+                                      int64_t micro_batch, bool bf16, bool time, double max_timed_flops) {
   UntouchedModel untouched(model);
   std::vector<LayerCost> out;
   const int L = static_cast<int>(model->size());
-  core::Batch b = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain)));
-  const double scale = static_cast<double>(micro_batch) / static_cast<double>(std::max<int64_t>(1, b.size()));
-  torch::Tensor x = b.inputs;
+  const torch::Tensor sample = data.range(core::Split::kTrain, 0, 1).inputs;
+  // Output sizes: one sample's probe, at most 64 tokens, scaled (Note [Layer costs]).
+  core::LayerProbe probe;
+  {
+    core::compat::CpuAutocast autocast(bf16);
+    probe = core::probe_layers(model, sample);
+  }
+  const double per_micro = static_cast<double>(micro_batch) * probe.scale;  // probe outputs per micro-batch
   for (int i = 0; i < L; ++i) {
     LayerCost c;
     auto& m = layer(model, i);
     c.name = layer_name(*m.ptr());
     c.params = param_count(*m.ptr());
+    const torch::Tensor& y = probe.layers[static_cast<size_t>(i)].output;
+    c.activation_bytes = static_cast<int64_t>(static_cast<double>(y.numel() * static_cast<int64_t>(y.element_size())) * per_micro);
+    out.push_back(c);
+  }
+  if (!time) return out;
+
+  // Time the micro-batch itself, or (over the budget) the probe's sample, scaled by FLOPs.
+  torch::Tensor x;
+  std::vector<double> ratio(static_cast<size_t>(L), 1.0);
+  const std::vector<double> whole = core::forward_flops(model, sample);  // one whole sample
+  double micro_flops = 0;
+  for (double f : whole) micro_flops += f * static_cast<double>(micro_batch);
+  const bool scaled = micro_flops > max_timed_flops;
+  if (scaled) {
+    const torch::Tensor short_sample = probe.layers.empty() ? sample : probe.layers.front().input;
+    const std::vector<double> small = core::forward_flops(model, short_sample);
+    for (int i = 0; i < L; ++i)
+      ratio[static_cast<size_t>(i)] = small[static_cast<size_t>(i)] > 0
+                                          ? whole[static_cast<size_t>(i)] * static_cast<double>(micro_batch) / small[static_cast<size_t>(i)]
+                                          : per_micro;
+    x = short_sample;
+  } else {
+    x = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain))).inputs;
+  }
+  for (int i = 0; i < L; ++i) {
+    auto& m = layer(model, i);
     torch::Tensor in = x.detach();
     if (in.is_floating_point()) in.requires_grad_(true);
     torch::Tensor y;
-    if (time) {
-      // The best of a few runs: the first pays for allocation, the noise of a shared
-      // machine only ever adds.
-      double f = 1e30, bw = 1e30;
-      for (int rep = 0; rep < 4; ++rep) {
-        auto t0 = Clock::now();
-        {
-          core::compat::CpuAutocast autocast(bf16);
-          y = m.forward(in);
-        }
-        auto t1 = Clock::now();
-        if (y.requires_grad()) {
-          torch::autograd::backward({y}, {torch::ones_like(y)});
-        }
-        auto t2 = Clock::now();
-        f = std::min(f, seconds(t0, t1));
-        bw = std::min(bw, seconds(t1, t2));
+    // The best of a few runs: the first pays for allocation, the noise of a shared
+    // machine only ever adds. A scaled timing is a rough one anyway: two runs.
+    double f = 1e30, bw = 1e30;
+    for (int rep = 0; rep < (scaled ? 2 : 4); ++rep) {
+      auto t0 = Clock::now();
+      {
+        core::compat::CpuAutocast autocast(bf16);
+        y = m.forward(in);
       }
-      c.forward_s = f;
-      c.backward_s = bw;
-    } else {
-      torch::NoGradGuard no_grad;
-      core::compat::CpuAutocast autocast(bf16);
-      y = m.forward(in);
+      auto t1 = Clock::now();
+      if (y.requires_grad()) {
+        torch::autograd::backward({y}, {torch::ones_like(y)});
+      }
+      auto t2 = Clock::now();
+      f = std::min(f, seconds(t0, t1));
+      bw = std::min(bw, seconds(t1, t2));
     }
-    c.activation_bytes = static_cast<int64_t>(static_cast<double>(y.numel() * static_cast<int64_t>(y.element_size())) * scale);
-    out.push_back(c);
+    LayerCost& c = out[static_cast<size_t>(i)];
+    c.forward_s = f * ratio[static_cast<size_t>(i)];
+    c.backward_s = bw * ratio[static_cast<size_t>(i)];
+    c.scaled = scaled;
     x = y.detach();
   }
   return out;
@@ -701,7 +726,7 @@ std::string Options::plan(const core::PlanInput& input) const {
     throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
                       " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
                       ") that must each hold one");
-  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true);
+  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true, kDryRunTimedFlops);
   Partition part = partition_for(*this, input.model, costs);
   std::vector<StageCost> sc = stage_costs(part, costs);
   Schedule s = make_schedule(to_string(schedule), P, micro_batches, v);
@@ -743,6 +768,9 @@ std::string Options::plan(const core::PlanInput& input) const {
                   core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(act).c_str());
     os << line;
   }
+  if (!costs.empty() && costs.front().scaled)
+    os << "  fwd/bwd ms: each layer timed on one sample (at most 64 tokens) and scaled by its FLOPs on the "
+          "micro-batch, which is too big to time here (Note [Layer costs])\n";
   os << "  activations = act/micro x the micro-batches in flight"
      << (checkpoint == Recompute::kNever ? "" : " (their inputs, under checkpointing, + one micro-batch recomputed)")
      << "; each rank's whole memory is in the estimate below\n";
@@ -767,7 +795,8 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const bool bf16 = input.spec.train.precision == core::Precision::kBf16;
   const auto it = rank.coord.find("pipeline");
   const int r = it == rank.coord.end() ? 0 : it->second;
-  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime);
+  std::vector<LayerCost> costs =
+      measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime, kDryRunTimedFlops);
   const Partition part = partition_for(*this, input.model, costs);
   const std::vector<StageCost> sc = stage_costs(part, costs);
   const Schedule sched = make_schedule(to_string(schedule), P, micro_batches, v);
@@ -791,15 +820,15 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   }
   if (P == 1) return;  // one rank: the stages hand over in memory
 
-  const std::vector<Boundary> bounds = probe(input.model, input.data, bf16);
+  // A layer's output for one micro-batch is what crosses a cut after it, both ways.
   collectives::Traffic& t = rank.traffic["pipeline"];
   for (const Instr& in : sched.ranks[r]) {
     const int k = sched.stage_of(r, in.chunk);
     switch (in.op) {
-      case Op::kSendAct: t.record(collectives::Traffic::kSend, bounds[part.end(k) - 1].bytes(micro), 2); break;
-      case Op::kRecvAct: t.record(collectives::Traffic::kRecv, bounds[part.first(k) - 1].bytes(micro), 2); break;
-      case Op::kSendGrad: t.record(collectives::Traffic::kSend, bounds[part.first(k) - 1].bytes(micro), 2); break;
-      case Op::kRecvGrad: t.record(collectives::Traffic::kRecv, bounds[part.end(k) - 1].bytes(micro), 2); break;
+      case Op::kSendAct: t.record(collectives::Traffic::kSend, costs[part.end(k) - 1].activation_bytes, 2); break;
+      case Op::kRecvAct: t.record(collectives::Traffic::kRecv, costs[part.first(k) - 1].activation_bytes, 2); break;
+      case Op::kSendGrad: t.record(collectives::Traffic::kSend, costs[part.first(k) - 1].activation_bytes, 2); break;
+      case Op::kRecvGrad: t.record(collectives::Traffic::kRecv, costs[part.end(k) - 1].activation_bytes, 2); break;
       default: break;
     }
   }

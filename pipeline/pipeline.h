@@ -27,6 +27,7 @@
 // saved with 2 stages resumes on 1, on 4, or with another balance.
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,7 +98,22 @@ class PipelineStrategy : public core::Strategy {
 // The model's layers with their parameter counts, output sizes for one micro-batch and
 // (when `time` is set) forward and backward seconds measured on a micro-batch of
 // `micro_batch` examples from `data`. Used by attach (by_time) and --dry-run.
+//
+// Note [Layer costs]: the output sizes come from one sample's probe (core::probe_layers:
+// at most 64 tokens, scaled), never from a whole micro-batch. The times come from the
+// micro-batch itself while its forward is at most `max_timed_flops` (a run's by_time cut
+// times the real thing); above it, as a dry run of a billion-parameter model asks (24
+// layers x 4 timed passes of a 4 x 1024-token micro-batch would take this machine most of
+// an hour), each layer is timed on the probe's sample and its times scaled by the layer's
+// FLOPs on the micro-batch over its FLOPs on the sample (core::forward_flops; by the
+// elements for a layer with no matmul), and LayerCost::scaled says so. Small inputs run
+// below a core's peak, so scaled times lean high; the balance they give is what matters.
 std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time);
+                                      int64_t micro_batch, bool bf16, bool time,
+                                      double max_timed_flops = std::numeric_limits<double>::infinity());
+// The budget a dry run gives measure_layers: a micro-batch whose forward is more FLOPs than
+// this is timed on one sample and scaled (about a second of this machine's time for the
+// 4 timed passes of forward and backward at the full size).
+constexpr double kDryRunTimedFlops = 5e9;
 
 }  // namespace tetra::pipeline

@@ -276,3 +276,34 @@ TEST(Pipeline, DryRunPlanShowsStagesCostsAndTheSchedule) {
   EXPECT_NE(plan.find("rank 0 | F0 F1 .. .. B0 B0"), std::string::npos) << plan;
   EXPECT_NE(plan.find("rank 1 | .. F0 B0 B0 F1"), std::string::npos) << plan;
 }
+
+// Note [Layer costs]: over the budget, each layer is timed on one short sample and scaled
+// by FLOPs; the output sizes are the micro-batch's either way (one sample's probe, a
+// 256-token sequence probed as 64 and scaled), and the plan says the times were scaled.
+TEST(Pipeline, LayersTooBigToTimeAreTimedOnOneSampleAndScaled) {
+  set_threads(1);
+  const JobSpec spec = numerics::job(R"(
+model: {type: gpt, layers: 2, heads: 2, d_model: 32}
+data: {type: text, path: /usr/share/common-licenses/GPL-3, seq_len: 256, batch_size: 8, eval_samples: 8}
+optimizer: {type: sgd, lr: 0.1}
+train: {max_steps: 1, seed: 5, threads: 1}
+)", {}, "gpt");
+  auto data = make_dataset(spec.data, spec.train.seed);
+  torch::nn::Sequential model = build_model(spec.model, data->info());
+  const auto whole = pipeline::measure_layers(model, *data, 8, false, true);
+  const auto scaled = pipeline::measure_layers(model, *data, 8, false, true, /*max_timed_flops=*/0);
+  ASSERT_EQ(whole.size(), scaled.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_FALSE(whole[i].scaled);
+    EXPECT_TRUE(scaled[i].scaled);
+    EXPECT_EQ(scaled[i].activation_bytes, whole[i].activation_bytes) << whole[i].name;
+    EXPECT_GT(scaled[i].forward_s, 0) << scaled[i].name;
+    EXPECT_GT(scaled[i].backward_s, 0) << scaled[i].name;
+  }
+  // a GptBlock's output for 8 sequences of 256 positions of 32 floats
+  EXPECT_EQ(whole[1].activation_bytes, 8 * 256 * 32 * 4);
+  TrainerOptions o;
+  o.dry_run = true;
+  Trainer small(job({"mesh.pipeline=2"}), o);
+  EXPECT_EQ(small.plan().find("scaled by its FLOPs"), std::string::npos) << small.plan();
+}
