@@ -270,6 +270,7 @@ LogSpec parse_log(Section& l, const std::string& name) {
   spec.trace = l.string("trace", "");
   spec.progress = l.choice("progress", "auto", {"auto", "line", "plain", "off"});
   spec.dir = l.string("dir", "runs/" + name);
+  spec.tensorboard = l.string("tensorboard", "");
   l.finish();
   return spec;
 }
@@ -587,6 +588,7 @@ YAML::Node to_yaml(const LogSpec& l) {
   put(n, "trace", l.trace, def.trace);
   put(n, "progress", l.progress, def.progress);
   n["dir"] = l.dir;
+  put(n, "tensorboard", l.tensorboard, def.tensorboard);
   return n;
 }
 

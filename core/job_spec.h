@@ -117,6 +117,7 @@ struct LogSpec {
   std::string trace;    // Chrome trace JSON path (per rank); "" = off
   std::string progress = "auto";  // auto (live line on a terminal) | line | plain | off
   std::string dir;  // default runs/<name>: flight-recorder dumps go to <dir>/flight
+  std::string tensorboard;  // TensorBoard event files go to this folder (rank 0's); "" = off
 };
 
 struct CollectivesSpec {

@@ -21,7 +21,10 @@ void MetricsWriter::open(const std::string& path, bool append) {
   if (!out_) throw Error("log.metrics: cannot write " + path);
 }
 
+void MetricsWriter::open_tensorboard(const std::string& dir, int64_t resumed_at) { events_.open(dir, resumed_at); }
+
 void MetricsWriter::write(const nlohmann::json& record) {
+  events_.record(record);
   if (!out_.is_open()) return;
   out_ << record.dump() << '\n';
   out_.flush();

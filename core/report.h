@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "core/tensorboard.h"
+
 namespace tetra::core {
 
 // One JSON object per line, flushed as written, so `tail -f` and a killed run both see
@@ -21,12 +23,17 @@ class MetricsWriter {
   // append=false truncates (a new run); true continues a resumed run's file.
   void open(const std::string& path, bool append);
   bool is_open() const { return out_.is_open(); }
+  // Every record also goes to TensorBoard event files in `dir` (Note [Event files]);
+  // `resumed_at` >= 0: the run resumed from that step. Works with or without the JSONL.
+  void open_tensorboard(const std::string& dir, int64_t resumed_at);
   void write(const nlohmann::json& record);
   const std::string& path() const { return path_; }
+  const EventWriter& events() const { return events_; }
 
  private:
   std::ofstream out_;
   std::string path_;
+  EventWriter events_;
 };
 
 // The progress display. On a terminal (mode auto or line) one live line rewritten in

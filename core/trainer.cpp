@@ -358,10 +358,12 @@ Trainer::StepOutcome Trainer::train_step(const torch::Tensor& global_indices) {
       if (max_norm > 0) {
         const double norm = std::sqrt(reduce_sq(owner_->grad_norm_sq()));
         if (norm > max_norm) owner_->scale_gradients(max_norm / (norm + 1e-6));
+        outcome.grad_norm = norm;
       }
       owner_->step(schedule_->at(step_));
     } else {
-      if (spec_.optimizer.clip_grad_norm > 0) clip_grad_norm(params_, spec_.optimizer.clip_grad_norm, reduce_sq);
+      if (spec_.optimizer.clip_grad_norm > 0)
+        outcome.grad_norm = clip_grad_norm(params_, spec_.optimizer.clip_grad_norm, reduce_sq);
       optimizer_->step(schedule_->at(step_));
     }
   }
@@ -567,6 +569,8 @@ TrainResult Trainer::run() {
 
   MetricsWriter metrics;
   if (write && !spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
+  if (write && !spec_.log.tensorboard.empty())
+    metrics.open_tensorboard(spec_.log.tensorboard, resumed_from_.empty() ? -1 : step_);
   Progress progress(write ? spec_.log.progress : "off", spec_.log.every, options_.out);
   if (!resumed_from_.empty())
     progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
@@ -578,6 +582,8 @@ TrainResult Trainer::run() {
   const int64_t eval_every = spec_.train.eval_every;
   double train_seconds = 0, interval_seconds = 0;
   int64_t interval_samples = 0;
+  TrainResult::Phases logged_phases = phases_;  // at the last train record
+  int64_t logged_step = step_;
   std::string last_checkpoint;
   int64_t last_saved = resumed_from_.empty() ? -1 : step_;  // a resumed step is on disk
   int64_t checkpoint_failures = 0;
@@ -665,6 +671,18 @@ TrainResult Trainer::run() {
                                                    {"optimizer", m.optimizer}, {"buffers", m.buffers},
                                                    {"total", m.total()}}}};
       if (outcome.skipped) rec["skipped"] = true;  // its loss is not finite: JSON null
+      if (outcome.grad_norm >= 0) rec["grad_norm"] = outcome.grad_norm;
+      rec["peak_rss_bytes"] = hardware::peak_rss_bytes();
+      // Where the interval's steps went, per step (this rank's clock).
+      const int64_t steps = std::max<int64_t>(1, step_ - logged_step);
+      auto per_step = [&](double now, double before) { return (now - before) * 1e3 / static_cast<double>(steps); };
+      rec["step_ms"] = {{"data", per_step(phases_.data, logged_phases.data)},
+                        {"forward", per_step(phases_.forward, logged_phases.forward)},
+                        {"backward", per_step(phases_.backward, logged_phases.backward)},
+                        {"gradients", per_step(phases_.gradients, logged_phases.gradients)},
+                        {"optimizer", per_step(phases_.optimizer, logged_phases.optimizer)}};
+      logged_phases = phases_;
+      logged_step = step_;
       metrics.write(rec);
     }
     Progress::Status st;

@@ -136,6 +136,7 @@ class Trainer {
     bool skipped = false;  // not finite, and train.on_nonfinite: skip
     std::string why;       // when skipped: what was not finite, and where
     int stop = 0;          // a stop request on some rank (core::stop_requested()'s value)
+    double grad_norm = -1;  // the global gradient norm before clipping; -1 without clipping
   };
   StepOutcome train_step(const torch::Tensor& indices);
   // The model-order index of the first parameter whose gradient this rank holds (in part,

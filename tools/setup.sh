@@ -25,6 +25,7 @@ packages=(
   iproute2                # ip, tc: tools/test-hosts.sh (network namespaces as test hosts)
   python3-torch           # torchrun: the tests launch train under it
   slurmctld slurmd slurm-client munge  # a real Slurm for the srun tests (tools/test-slurm.sh)
+  protobuf-compiler python3-protobuf   # the TensorBoard test decodes event files independently
 )
 
 missing=()
