@@ -9,6 +9,7 @@
 #include <mutex>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -19,6 +20,7 @@
 #include "core/models.h"
 #include "core/random.h"
 #include "core/runtime.h"
+#include "core/safetensors.h"
 #include "core/torch_compat.h"
 #include "hardware/host.h"
 
@@ -181,6 +183,60 @@ ModelStateBytes Trainer::memory() const {
     for (const auto& [k, v] : optimizer_->state_dict())
       if (k != "__step__") m.optimizer += bytes(v);
   return m;
+}
+
+// Note [Export config]: beside the safetensors export, what it takes to rebuild the model
+// without the job file: the model section with its defaults resolved, the input it was
+// built for, every layer in order with its parameter names, and each tensor's shape and
+// dtype. The Hugging Face layout when the export is model.safetensors (config.json beside
+// it); for another name, NAME.config.json beside NAME.safetensors, so that two exports
+// in one folder keep their own.
+void Trainer::write_export_config(const std::string& safetensors_path, const TensorMap& weights) {
+  const fs::path st(safetensors_path);
+  const fs::path path = st.parent_path() / (st.stem() == "model" ? std::string("config.json")
+                                                                  : st.stem().string() + ".config.json");
+  const DataInfo info = data_->info();
+  nlohmann::json model;
+  if (options_.model) {
+    model["type"] = "custom";
+  } else {
+    const ModelSpec& m = spec_.model;
+    model["type"] = m.type;
+    if (m.type == "gpt") {
+      model.update({{"layers", m.layers}, {"heads", m.heads}, {"d_model", m.d_model},
+                    {"d_ff", m.d_ff > 0 ? m.d_ff : 4 * m.d_model}, {"seq_len", info.seq_len},
+                    {"vocab", info.num_classes}, {"dropout", m.dropout}});
+    } else {
+      model.update({{"hidden", m.hidden}, {"activation", m.activation}, {"dropout", m.dropout}});
+      if (m.type == "cnn") model["channels"] = m.channels;
+    }
+  }
+  nlohmann::json layers = nlohmann::json::array();
+  for (size_t i = 0; i < model_->size(); ++i) {
+    nlohmann::json params = nlohmann::json::array();
+    for (const auto& p : model_->ptr(i)->named_parameters(/*recurse=*/true))
+      params.push_back(std::to_string(i) + "." + p.key());
+    layers.push_back({{"index", i}, {"layer", layer_text(*model_->ptr(i))}, {"parameters", params}});
+  }
+  nlohmann::json tensors = nlohmann::json::object();
+  for (const auto& [name, t] : weights) tensors[name] = {{"shape", t.sizes().vec()}, {"dtype", safetensors_dtype_name(t.scalar_type())}};
+  const nlohmann::json config = {
+      {"framework", "tetra"},
+      {"weights", st.filename().string()},
+      {"model", model},
+      {"input", {{"shape", info.input_shape},
+                 {"dtype", info.language_model ? "int64 token ids (bytes, 0-255)" : "float32"},
+                 {"classes", info.num_classes},
+                 {"language_model", info.language_model}}},
+      {"layers", layers},
+      {"tensors", tensors},
+      {"step", step_},
+      {"parameters", parameter_count(*model_)},
+      {"how", "tetra's C++ zoo: core::build_model(ModelSpec from \"model\", DataInfo from \"input\"), then "
+              "load_safetensors; the tensor names are the layers' (index.parameter) in order"}};
+  std::ofstream out(path);
+  out << config.dump(1) << "\n";
+  if (!out) throw Error("checkpoint.safetensors: cannot write " + path.string());
 }
 
 TensorMap Trainer::weights() {
@@ -736,10 +792,12 @@ TrainResult Trainer::run() {
   if (checkpoints && last_saved != step_) save_now();
   if (!ck.safetensors.empty()) {
     TensorMap weights = this->weights();  // collective
-    if (write)
+    if (write) {
       save_safetensors(ck.safetensors, weights,
                      {{"format", "pt"}, {"framework", "tetra"}, {"model", options_.model ? "custom" : spec_.model.type},
                       {"step", std::to_string(step_)}});
+      write_export_config(ck.safetensors, weights);
+    }
   }
   if (!trace_path.empty()) trace_.write(trace_path);
 

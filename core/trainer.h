@@ -139,6 +139,8 @@ class Trainer {
     double grad_norm = -1;  // the global gradient norm before clipping; -1 without clipping
   };
   StepOutcome train_step(const torch::Tensor& indices);
+  // config.json beside the safetensors export (Note [Export config]).
+  void write_export_config(const std::string& safetensors_path, const TensorMap& weights);
   // The model-order index of the first parameter whose gradient this rank holds (in part,
   // under ZeRO) is not finite; kNone when every one is finite.
   int64_t first_nonfinite_gradient();
