@@ -641,6 +641,30 @@ Section ConfigDocument::root(Diagnostics& diag) {
 YAML::Node ConfigDocument::resolved() const { return state_->resolved; }
 const std::string& ConfigDocument::name() const { return state_->file; }
 
+// ---- schema (Note [Schema]) ----------------------------------------------------------------
+
+namespace {
+thread_local SchemaRecorder* t_recorder = nullptr;
+
+void note_schema(const std::string& path, nlohmann::json schema) {
+  if (SchemaRecorder* r = SchemaRecorder::current()) r->note(path, schema);
+}
+nlohmann::json number_schema(const char* type, double def, double min, double max) {
+  nlohmann::json j = {{"type", type}, {"default", def}};
+  if (std::isfinite(min)) j["minimum"] = min;
+  if (std::isfinite(max)) j["maximum"] = max;
+  return j;
+}
+}  // namespace
+
+SchemaRecorder::SchemaRecorder() : previous_(t_recorder) { t_recorder = this; }
+SchemaRecorder::~SchemaRecorder() { t_recorder = previous_; }
+SchemaRecorder* SchemaRecorder::current() { return t_recorder; }
+void SchemaRecorder::note(const std::string& path, const nlohmann::json& schema) {
+  auto& seen = notes_[path];
+  if (std::find(seen.begin(), seen.end(), schema) == seen.end()) seen.push_back(schema);
+}
+
 // ---- sections ---------------------------------------------------------------------------
 
 Section::Section(std::shared_ptr<ConfigDocument::State> state, Diagnostics* diag, std::string path,
@@ -663,6 +687,8 @@ bool Section::has(const std::string& key) const {
 }
 
 bool Section::is_list(const std::string& key) const {
+  // The schema's explorer then also reads the key as a list (Note [Schema]).
+  if (SchemaRecorder* r = SchemaRecorder::current()) r->note(key_path(key), {{"$list", true}});
   Entry e = find_entry(node_, key);
   return e.found && e.value.IsSequence();
 }
@@ -744,6 +770,7 @@ std::string describe_number_bounds(double min, double max, bool min_exclusive) {
 
 double Section::number(const std::string& key, double def, double min, double max) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), number_schema("number", def, min, max));
   double v = def;
   if (!r.absent()) {
     if (auto err = read_number(r.entry.value, v)) {
@@ -761,6 +788,7 @@ double Section::number(const std::string& key, double def, double min, double ma
 
 double Section::positive_number(const std::string& key, double def) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"type", "number"}, {"exclusiveMinimum", 0}, {"default", def}});
   double v = def;
   if (!r.absent()) {
     if (auto err = read_number(r.entry.value, v)) {
@@ -778,6 +806,12 @@ double Section::positive_number(const std::string& key, double def) {
 
 int64_t Section::integer(const std::string& key, int64_t def, int64_t min, int64_t max) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), [&] {
+    nlohmann::json j = {{"type", "integer"}, {"default", def}};
+    if (min != kNoMin) j["minimum"] = min;
+    if (max != kNoMax) j["maximum"] = max;
+    return j;
+  }());
   int64_t v = def;
   if (!r.absent()) {
     if (auto err = read_integer(r.entry.value, v)) {
@@ -795,6 +829,12 @@ int64_t Section::integer(const std::string& key, int64_t def, int64_t min, int64
 
 std::optional<int64_t> Section::optional_integer(const std::string& key, int64_t min, int64_t max) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), [&] {
+    nlohmann::json j = {{"type", {"integer", "null"}}};
+    if (min != kNoMin) j["minimum"] = min;
+    if (max != kNoMax) j["maximum"] = max;
+    return j;
+  }());
   std::optional<int64_t> out;
   if (!r.absent()) {
     int64_t v = 0;
@@ -813,6 +853,7 @@ std::optional<int64_t> Section::optional_integer(const std::string& key, int64_t
 
 bool Section::boolean(const std::string& key, bool def) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"type", "boolean"}, {"default", def}});
   bool v = def;
   if (!r.absent()) {
     if (!r.entry.value.IsScalar() || !parse_bool(r.entry.value.Scalar(), v)) {
@@ -827,6 +868,7 @@ bool Section::boolean(const std::string& key, bool def) {
 
 std::string Section::string(const std::string& key, const std::string& def) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"type", "string"}, {"default", def}});
   std::string v = def;
   if (!r.absent()) {
     if (!r.entry.value.IsScalar()) {
@@ -843,6 +885,7 @@ std::string Section::string(const std::string& key, const std::string& def) {
 std::string Section::choice(const std::string& key, const std::string& def,
                             const std::vector<std::string>& allowed) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"enum", allowed}, {"default", def}});
   std::string v = def;
   if (!r.absent()) {
     const YAML::Node& n = r.entry.value;
@@ -867,6 +910,11 @@ std::string Section::choice(const std::string& key, const std::string& def,
 std::vector<int64_t> Section::integers(const std::string& key, const std::vector<int64_t>& def,
                                        int64_t min) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), [&] {
+    nlohmann::json item = {{"type", "integer"}};
+    if (min != kNoMin) item["minimum"] = min;
+    return nlohmann::json{{"type", "array"}, {"items", item}, {"default", def}};
+  }());
   std::vector<int64_t> v = def;
   if (!r.absent()) {
     const YAML::Node& n = r.entry.value;
@@ -902,6 +950,7 @@ std::vector<int64_t> Section::integers(const std::string& key, const std::vector
 
 std::vector<double> Section::numbers(const std::string& key, const std::vector<double>& def) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"type", "array"}, {"items", {{"type", "number"}}}, {"default", def}});
   std::vector<double> v = def;
   if (!r.absent()) {
     const YAML::Node& n = r.entry.value;
@@ -931,6 +980,7 @@ std::vector<double> Section::numbers(const std::string& key, const std::vector<d
 
 Section Section::section(const std::string& key) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"type", "object"}});
   SourceLocation where =
       node_location(*state_, key_path(key), r.entry.found ? r.entry.key : YAML::Node(), where_);
   if (!r.absent() && r.entry.value.IsMap())

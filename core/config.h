@@ -18,11 +18,13 @@
 // names the `--set` argument instead of a line.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -95,6 +97,30 @@ class ConfigDocument {
 
  private:
   std::shared_ptr<State> state_;
+};
+
+// Note [Schema]: while a SchemaRecorder lives on a thread, every getter of a Section on
+// that thread notes the key's dotted path and the JSON Schema of what it accepts (type,
+// bounds, the words of a choice, its default), and section() notes a mapping. The job
+// spec's JSON Schema (core::job_schema) is made from what the parsers read, so the
+// schema and the parser cannot disagree about keys, types, bounds or words; rules across
+// keys (a mesh that fits the world, hidden is for mlp) stay the parser's. is_list()
+// notes {"$list": true}: the key is read one way or another by its shape, and the
+// explorer tries it as a list too.
+class SchemaRecorder {
+ public:
+  SchemaRecorder();
+  ~SchemaRecorder();
+  SchemaRecorder(const SchemaRecorder&) = delete;
+  SchemaRecorder& operator=(const SchemaRecorder&) = delete;
+  static SchemaRecorder* current();  // this thread's, or null
+  void note(const std::string& path, const nlohmann::json& schema);
+  // path -> the distinct schemas noted for it (a key read two ways has two).
+  const std::map<std::string, std::vector<nlohmann::json>>& notes() const { return notes_; }
+
+ private:
+  std::map<std::string, std::vector<nlohmann::json>> notes_;
+  SchemaRecorder* previous_;
 };
 
 // A view on one mapping of the document, at a dotted path ("", "optimizer",

@@ -220,4 +220,11 @@ YAML::Node to_yaml(const CollectivesSpec& spec);
 // The resolved config as YAML text, sections in a fixed order.
 std::string resolved_yaml(const YAML::Node& resolved);
 
+// The JSON Schema (draft-07) of a job file, made from what the parsers read (Note
+// [Schema] in core/config.h): the job is parsed with every word of every choice in turn
+// (model.type: mlp, cnn, gpt; ...), until no choice has a word left, and each key read
+// becomes a property with its type, bounds, words and default; a mapping takes no other
+// keys. `train --schema` prints it, for editors (the YAML language server).
+nlohmann::json job_schema(const SectionRegistry& plugins);
+
 }  // namespace tetra::core

@@ -26,6 +26,7 @@ packages=(
   python3-torch           # torchrun: the tests launch train under it
   slurmctld slurmd slurm-client munge  # a real Slurm for the srun tests (tools/test-slurm.sh)
   protobuf-compiler python3-protobuf   # the TensorBoard test decodes event files independently
+  python3-jsonschema python3-yaml      # the schema test validates configs/ with an independent validator
 )
 
 missing=()

@@ -1,6 +1,7 @@
 // train — runs a tetra job spec.
 //
 //   train JOB.yaml [--set key=value]... [--check | --print-config | --dry-run]
+//   train --schema        the JSON Schema of job files
 //
 // Exit status (collectives/error.h, README "Exit status"): 0 done; 1 the run failed (the
 // message says why); 2 the job, a file it names or the command line is wrong (every
@@ -92,10 +93,10 @@ int train_main(int argc, char** argv) {
   CLI::App app{"train: runs a tetra job spec (YAML)", "train"};
   std::string job;
   std::vector<std::string> sets;
-  bool check = false, print_config = false, dry_run = false, json = false;
+  bool check = false, print_config = false, dry_run = false, json = false, schema = false;
   int np = 0, ranks_per_host = 0;
   std::string calibration;
-  app.add_option("job", job, "the job file (YAML)")->required();
+  app.add_option("job", job, "the job file (YAML)");
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_flag("--check", check, "validate the job and exit (0 valid, 2 not)");
@@ -112,6 +113,9 @@ int train_main(int argc, char** argv) {
                  "with --dry-run: the links and compute rate the cost model predicts a step with (a file from "
                  "bench-collectives --calibrate; default: $TETRA_CALIBRATION, else a GPU cluster's)");
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
+  app.add_flag("--schema", schema,
+               "print the JSON Schema of job files (for editors: the YAML language server's "
+               "`# yaml-language-server: $schema=FILE`) and exit; needs no job");
   app.footer("Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
              "died or failed; 4 preempted (SIGTERM/SIGINT: every rank finished its step and wrote its checkpoint; run "
              "the same command again to resume; a second signal exits at once). Under mpirun, signal the ranks rather than "
@@ -121,6 +125,17 @@ int train_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+
+  if (schema) {
+    SectionRegistry plugins;
+    tetra::register_builtin_plugins(plugins);
+    std::printf("%s\n", tetra::core::job_schema(plugins).dump(2).c_str());
+    return 0;
+  }
+  if (job.empty()) {
+    std::fprintf(stderr, "train: a job file is required: train JOB.yaml [--set key=value]... (--help for more)\n");
+    return 2;
   }
 
   // Every rank reads the same job: its mistakes are printed once, by rank 0.

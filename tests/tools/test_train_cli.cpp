@@ -772,3 +772,62 @@ TEST(TrainCli, ASecondSignalExitsAtOnce) {
   EXPECT_TRUE(status == 128 + SIGINT || status == 128 + SIGTERM) << status << "\n" << slurp(log);
   EXPECT_EQ(slurp(log).find("train: preempted"), std::string::npos) << slurp(log);
 }
+
+// `train --schema` is made from what the parsers read (Note [Schema]): an independent
+// validator (python3-jsonschema, Draft 7, for Debian's /usr/bin/python3) accepts every
+// file of configs/ with it, and each mistake below is rejected by both the schema and
+// `train --check` (exit 2): an unknown section, an unknown or misspelt key, a wrong
+// type, a number out of range, a word that is not one of the choices, a list where a
+// word goes. A pipeline.balance list (explicit counts) is valid to both.
+TEST(TrainCli, SchemaAcceptsEveryConfigAndRejectsWhatTheParserRejects) {
+  if (std::system("/usr/bin/python3 -c 'import jsonschema, yaml' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "no python3-jsonschema or python3-yaml for /usr/bin/python3 (tools/setup.sh installs them)";
+  const fs::path d = fresh_dir("schema");
+  const Outcome schema = run({"--schema"});
+  ASSERT_EQ(schema.status, 0) << schema.out;
+  std::ofstream(d / "schema.json") << schema.out;
+  std::ofstream(d / "validate.py") << R"(import json, sys, yaml, jsonschema
+schema = json.load(open(sys.argv[1]))
+jsonschema.Draft7Validator.check_schema(schema)
+v = jsonschema.Draft7Validator(schema)
+print(json.dumps({f: [e.message for e in v.iter_errors(yaml.safe_load(open(f)) or {})] for f in sys.argv[2:]}))
+)";
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(fs::path(TETRA_SOURCE_DIR) / "configs"))
+    if (e.path().extension() == ".yaml") files.push_back(e.path().string());
+  ASSERT_GE(files.size(), 8u);
+  const std::vector<std::string> good = {
+      write_job(d, "explicit_balance.yaml",
+                "model: {type: mlp, hidden: [64, 48, 32]}\nmesh: {pipeline: 2}\npipeline: {balance: [3, 5]}\n")
+          .string()};
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"unknown_section.yaml", "modle: {type: mlp}\n"},
+      {"misspelt_key.yaml", "model: {type: mlp, hiden: [64]}\n"},
+      {"wrong_type.yaml", "train: {max_steps: ten}\n"},
+      {"out_of_range.yaml", "data: {batch_size: 0}\n"},
+      {"not_a_choice.yaml", "optimizer: {type: adamm}\n"},
+      {"nonpositive_lr.yaml", "optimizer: {lr: 0}\n"},
+      {"list_for_a_word.yaml", "pipeline: {schedule: [1f1b]}\n"},
+      {"word_for_a_section.yaml", "zero: 3\n"},
+  };
+  std::vector<std::string> bad_files;
+  for (const auto& [name, text] : bad) {
+    bad_files.push_back(write_job(d, name, text).string());
+    const Outcome check = run({bad_files.back(), "--check"});
+    EXPECT_EQ(check.status, 2) << name << ": the parser accepted it:\n" << check.out;
+  }
+  for (const auto& f : good) {
+    const Outcome check = run({f, "--check"});
+    EXPECT_EQ(check.status, 0) << f << "\n" << check.out;
+  }
+  std::string cmd = "/usr/bin/python3 '" + (d / "validate.py").string() + "' '" + (d / "schema.json").string() + "'";
+  for (const auto& f : files) cmd += " '" + f + "'";
+  for (const auto& f : good) cmd += " '" + f + "'";
+  for (const auto& f : bad_files) cmd += " '" + f + "'";
+  cmd += " >'" + (d / "verdicts.json").string() + "' 2>'" + (d / "validate.err").string() + "'";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << tetra::testing_tools::slurp(d / "validate.err");
+  const auto verdicts = nlohmann::json::parse(tetra::testing_tools::slurp(d / "verdicts.json"));
+  for (const auto& f : files) EXPECT_EQ(verdicts[f], nlohmann::json::array()) << f;
+  for (const auto& f : good) EXPECT_EQ(verdicts[f], nlohmann::json::array()) << f;
+  for (const auto& f : bad_files) EXPECT_NE(verdicts[f], nlohmann::json::array()) << f << ": the schema accepted it";
+}
