@@ -2,6 +2,7 @@
 //
 //   train JOB.yaml [--set key=value]... [--check | --print-config | --dry-run]
 //   train --schema        the JSON Schema of job files
+//   train --list-keys     every key and choice, for shell completion (tools/completion/train.bash)
 //
 // Exit status (collectives/error.h, README "Exit status"): 0 done; 1 the run failed (the
 // message says why); 2 the job, a file it names or the command line is wrong (every
@@ -10,6 +11,8 @@
 // run the same command again to resume. A second signal exits at once (128 + signal, or 4
 // once that checkpoint is on disk).
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "collectives/backends.h"
+#include "collectives/build_config.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "collectives/mpi.h"
@@ -93,30 +98,64 @@ int train_main(int argc, char** argv) {
   CLI::App app{"train: runs a tetra job spec (YAML)", "train"};
   std::string job;
   std::vector<std::string> sets;
-  bool check = false, print_config = false, dry_run = false, json = false, schema = false;
+  bool check = false, print_config = false, dry_run = false, json = false, schema = false, list_keys = false;
   int np = 0, ranks_per_host = 0;
   std::string calibration;
-  app.add_option("job", job, "the job file (YAML)");
+  app.add_option("job", job, "the job file (YAML)")->group("Run");
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
+      ->group("Run")
       ->type_size(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app.add_flag("--check", check, "validate the job and exit (0 valid, 2 not)");
-  app.add_flag("--print-config", print_config, "print the resolved job with every default, and exit");
-  app.add_flag("--dry-run", dry_run, "build the plan (data, model, batch, memory) and exit");
+  app.add_flag("--check", check, "validate the job and exit (0 valid, 2 not)")->group("Check and plan");
+  app.add_flag("--print-config", print_config, "print the resolved job with every default, and exit")
+      ->group("Check and plan");
+  app.add_flag("--dry-run", dry_run, "build the plan (data, model, batch, memory, a predicted step) and exit")
+      ->group("Check and plan");
   app.add_option("--np", np, "with --dry-run: the processes the job will be launched on (default: this launch's, "
                              "else the mesh's); checks the mesh fits and lays out every rank")
+      ->group("Check and plan")
       ->check(CLI::PositiveNumber);
   app.add_option("--ranks-per-host", ranks_per_host,
                  "with --dry-run: processes per host (default: this launch's local ranks, else all on this host); "
                  "shows which axes stay inside a host")
+      ->group("Check and plan")
       ->check(CLI::PositiveNumber);
   app.add_option("--calibration", calibration,
                  "with --dry-run: the links and compute rate the cost model predicts a step with (a file from "
-                 "bench-collectives --calibrate; default: $TETRA_CALIBRATION, else a GPU cluster's)");
-  app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)");
+                 "bench-collectives --calibrate; default: $TETRA_CALIBRATION, else a GPU cluster's)")
+      ->group("Check and plan");
+  app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)")->group("Check and plan");
+  app.add_flag("--list-keys", list_keys,
+               "print every key a job file takes (a.b.c), and each choice's words (a.b.c=word), one a line, "
+               "and exit: what the bash completion offers after --set")
+      ->group("For editors and shells");
   app.add_flag("--schema", schema,
                "print the JSON Schema of job files (for editors: the YAML language server's "
-               "`# yaml-language-server: $schema=FILE`) and exit; needs no job");
-  app.footer("Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
+               "`# yaml-language-server: $schema=FILE`) and exit; needs no job")
+      ->group("For editors and shells");
+  app.set_version_flag("--version", [] {
+    std::string v = std::string("train (tetra ") + TETRA_VERSION;
+    if (*TETRA_GIT_COMMIT) v += std::string(", commit ") + TETRA_GIT_COMMIT;
+    v += std::string(", ") + (*TETRA_BUILD_TYPE ? TETRA_BUILD_TYPE : "no build type") + " build)\n";
+    v += "LibTorch " + std::string(TORCH_VERSION) + "\nbackends:";
+    tetra::collectives::BackendRegistry backends;
+    tetra::collectives::register_builtin_backends(backends);
+    for (const std::string& name : backends.names()) {
+      const auto& e = backends.at(name);
+      const std::string why = e.unavailable();
+      v += "\n  " + name + ": " + e.description + (why.empty() ? "" : " (not usable here: " + why + ")");
+    }
+    return v;
+  });
+  app.footer(
+      "Examples:\n"
+      "  train configs/quickstart.yaml                          one process\n"
+      "  train job.yaml --set optimizer.lr=3e-4 --set train.max_steps=100\n"
+      "  train job.yaml --dry-run --np 512 --ranks-per-host 8   the plan and a predicted step at 512 ranks\n"
+      "  mpirun -np 4 train configs/dp.yaml                     4 processes (Open MPI)\n"
+      "  srun --mpi=pmix train job.yaml                         a Slurm step\n"
+      "  torchrun --nproc_per_node 2 --no_python train job.yaml --set collectives.backend=gloo\n"
+      "  train --schema > tetra.schema.json                     for editors\n\n"
+      "Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
              "died or failed; 4 preempted (SIGTERM/SIGINT: every rank finished its step and wrote its checkpoint; run "
              "the same command again to resume; a second signal exits at once). Under mpirun, signal the ranks rather than "
              "mpirun (README \"Faults\").");
@@ -127,10 +166,30 @@ int train_main(int argc, char** argv) {
     return code == 0 ? 0 : 2;
   }
 
-  if (schema) {
+  if (schema || list_keys) {
     SectionRegistry plugins;
     tetra::register_builtin_plugins(plugins);
-    std::printf("%s\n", tetra::core::job_schema(plugins).dump(2).c_str());
+    const nlohmann::json s = tetra::core::job_schema(plugins);
+    if (schema) {
+      std::printf("%s\n", s.dump(2).c_str());
+      return 0;
+    }
+    // Depth first, in the schema's (alphabetical) order.
+    std::function<void(const nlohmann::json&, const std::string&)> walk = [&](const nlohmann::json& n,
+                                                                               const std::string& path) {
+      if (n.contains("properties")) {
+        for (const auto& [k, child] : n["properties"].items()) walk(child, path.empty() ? k : path + "." + k);
+        return;
+      }
+      std::printf("%s\n", path.c_str());
+      const auto& words = n.contains("enum") ? n["enum"] : nlohmann::json::array();
+      for (const auto& w : words) std::printf("%s=%s\n", path.c_str(), w.get<std::string>().c_str());
+      if (n.contains("anyOf"))
+        for (const auto& alt : n["anyOf"])
+          if (alt.contains("enum"))
+            for (const auto& w : alt["enum"]) std::printf("%s=%s\n", path.c_str(), w.get<std::string>().c_str());
+    };
+    walk(s, "");
     return 0;
   }
   if (job.empty()) {

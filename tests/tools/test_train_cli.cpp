@@ -831,3 +831,52 @@ print(json.dumps({f: [e.message for e in v.iter_errors(yaml.safe_load(open(f)) o
   for (const auto& f : good) EXPECT_EQ(verdicts[f], nlohmann::json::array()) << f;
   for (const auto& f : bad_files) EXPECT_NE(verdicts[f], nlohmann::json::array()) << f << ": the schema accepted it";
 }
+
+// --version says what was built: the project's version and commit from CMake (not a
+// literal in the code), LibTorch's version, and each collectives backend with whether it
+// is usable here; the banner of a run carries the same version.
+TEST(TrainCli, VersionComesFromTheBuild) {
+  const Outcome v = run({"--version"});
+  ASSERT_EQ(v.status, 0) << v.out;
+  EXPECT_EQ(v.out.rfind(std::string("train (tetra ") + TETRA_VERSION, 0), 0u) << v.out;
+  if (*TETRA_GIT_COMMIT) {
+    EXPECT_NE(v.out.find(std::string("commit ") + TETRA_GIT_COMMIT), std::string::npos) << v.out;
+  }
+  EXPECT_NE(v.out.find("LibTorch "), std::string::npos) << v.out;
+  EXPECT_NE(v.out.find("  mpi: Open MPI"), std::string::npos) << v.out;
+  EXPECT_NE(v.out.find("  gloo: "), std::string::npos) << v.out;
+}
+
+// tools/completion/train.bash in a real bash: after --set the keys come from this
+// train's --list-keys (the parsers' own), a lone key goes on with '=', and after
+// `key=` the choice's words.
+TEST(TrainCli, BashCompletionOffersTheParsersKeysAndWords) {
+  if (::access("/bin/bash", X_OK) != 0) GTEST_SKIP() << "no bash";
+  const fs::path d = fresh_dir("completion");
+  std::ofstream(d / "drive.sh") << "source '" << TETRA_SOURCE_DIR << "/tools/completion/train.bash'\n"
+                                << R"(comp() {
+  COMP_LINE="$1"; COMP_POINT=${#COMP_LINE}
+  read -ra COMP_WORDS <<<"$COMP_LINE"
+  [[ $COMP_LINE == *" " ]] && COMP_WORDS+=("")
+  COMP_CWORD=$((${#COMP_WORDS[@]} - 1))
+  COMP_WORDS[0]=")" << kTrain << R"("
+  _tetra_train
+  echo "[$1] ${COMPREPLY[*]}"
+}
+comp "train job.yaml --set model.ty"
+comp "train job.yaml --set model.type=g"
+comp "train job.yaml --set pipeline.schedule="
+comp "train job.yaml --set zero."
+comp "train job.yaml --dry"
+)";
+  const Outcome out = run_program("/bin/bash", {(d / "drive.sh").string()});
+  ASSERT_EQ(out.status, 0) << out.out;
+  EXPECT_NE(out.out.find("[train job.yaml --set model.ty] model.type=\n"), std::string::npos) << out.out;
+  EXPECT_NE(out.out.find("[train job.yaml --set model.type=g] gpt\n"), std::string::npos) << out.out;
+  EXPECT_NE(out.out.find("[train job.yaml --set pipeline.schedule=] gpipe 1f1b interleaved_1f1b\n"), std::string::npos)
+      << out.out;
+  EXPECT_NE(out.out.find("[train job.yaml --set zero.] zero.bucket_mb zero.overlap zero.prefetch zero.stage\n"),
+            std::string::npos)
+      << out.out;
+  EXPECT_NE(out.out.find("[train job.yaml --dry] --dry-run\n"), std::string::npos) << out.out;
+}

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "collectives/backends.h"
+#include "collectives/build_config.h"
 #include "collectives/launch.h"
 #include "collectives/monitor.h"
 #include "collectives/topology_gather.h"
@@ -339,7 +340,7 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
     const std::string where =
         (n_hosts == 1 ? "1 host (" + hardware::hostname() + ")" : std::to_string(n_hosts) + " hosts (" + hosts.describe() + ")") +
         (world ? ", rank 0 on cpus " + hardware::affinity_cpus() : "");
-    std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device cpu | %d thread%s | %s | %s\n", "0.1.0",
+    std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device cpu | %d thread%s | %s | %s\n", TETRA_VERSION,
                  spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), where.c_str(),
                  world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
                  to_string(spec.train.precision).c_str(), blas_description().c_str());
