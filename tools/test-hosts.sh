@@ -137,6 +137,8 @@ up() {
     fi
     touch "$state/uts/tetra-host$i"
     unshare --uts="$state/uts/tetra-host$i" hostname "tetra-host$i"
+    # (a file whose last line has no newline would take ours as part of it)
+    [[ ! -s /etc/hosts || -z $(tail -c 1 /etc/hosts) ]] || echo >>/etc/hosts
     echo "$net.$i tetra-host$i $hosts_mark" >>/etc/hosts
   done
   trap - ERR
