@@ -226,22 +226,22 @@ class GlooCommunicator final : public Communicator {
 // to read it before it leaves (its leaving closes the store).
 void await_everyone(c10d::Store& store, int rank, int size, const std::string& where, Duration timeout) {
   const std::string prefix = "tetra/joined/", counted = "tetra/count/", failed = "tetra/rendezvous_failed",
-                    seen = "tetra/failure_seen/", twice = "twice: ";
+                    seen = "tetra/failures_seen", twice = "twice: ";
   auto bytes = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
   auto text = [](const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); };
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
   // The verdict `why` is out: wait (rank 0) until those who came have read it, and leave.
+  // Readers are counted, not named by rank: two processes may hold one rank.
   auto leave = [&](const std::string& why) {
     if (rank == 0) {
-      std::vector<std::string> readers;
-      for (int r = 1; r < size; ++r)
-        if (store.check({keys[static_cast<size_t>(r)]})) readers.push_back(seen + std::to_string(r));
+      int64_t readers = 0;  // every process that counted itself in, but this one
+      for (int r = 1; r < size; ++r) readers += store.add(counted + std::to_string(r), 0);
       for (const Deadline linger = Clock::now() + std::chrono::seconds(5);
-           !readers.empty() && !store.check(readers) && Clock::now() < linger;)
+           store.add(seen, 0) < readers && Clock::now() < linger;)
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
     } else {
-      store.set(seen + std::to_string(rank), bytes("1"));
+      store.add(seen, 1);
     }
     if (why.rfind(twice, 0) == 0) throw ConfigError(where + ": " + why.substr(twice.size()));
     throw PeerLostError(where + ": " + why);
