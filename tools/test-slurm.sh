@@ -32,6 +32,12 @@ ctld_port=16817
 slurmd_port=16818
 
 die() { echo "test-slurm: $*" >&2; exit 2; }
+# After a daemon started: stop what `up` started, then say why (the message is read
+# from the logs before `down` removes them).
+fail() {
+  down >/dev/null 2>&1 || true
+  die "$@"
+}
 
 need() {
   [[ $(id -u) -eq 0 ]] || die "needs root (the daemons run as root)"
@@ -58,7 +64,7 @@ down() {
   [[ -d $state ]] || { echo "test-slurm: none up"; return 0; }
   if [[ -f $state/slurm.conf ]]; then
     # jobs first, so that no step outlives the daemons
-    SLURM_CONF=$state/slurm.conf scancel --full --quiet -u root 2>/dev/null || true
+    SLURM_CONF=$state/slurm.conf timeout 5 scancel --full --quiet -u root 2>/dev/null || true
   fi
   local f
   for f in "$state"/slurmd-*.pid; do [[ -e $f ]] && stop_pidfile "$f"; done
@@ -155,7 +161,9 @@ up() {
     --pid-file="$state/munged.pid" --log-file="$state/munged.log" --seed-file="$state/munged.seed" ||
     die "munged did not start: $(tail -3 "$state/munged.log" 2>/dev/null)"
   slurmctld -i -f "$SLURM_CONF" ||
-    die "slurmctld did not start: $(tail -5 "$state/slurmctld.log" 2>/dev/null)"
+    fail "slurmctld did not start: $(tail -5 "$state/slurmctld.log" 2>/dev/null)"
+  # It forks before it binds its port: a failure after that shows only in its log.
+  ctld_alive() { pid_alive "$state/slurmctld.pid"; }
   local node
   for node in $(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' "$SLURM_CONF"); do
     mkdir -p "$state/spool-$node" "$state/tmp-$node" "$state/node-tmp"
@@ -165,21 +173,28 @@ up() {
     # shellcheck disable=SC2046
     $(on_node "$node") unshare --mount --propagation private /bin/sh -c \
       "mount --bind '$state/tmp-$node' '$state/node-tmp' && exec env SLURM_CONF='$SLURM_CONF' slurmd -f '$SLURM_CONF' -N '$node'" ||
-      die "slurmd on $node did not start: $(tail -5 "$state/slurmd-$node.log" 2>/dev/null)"
+      fail "slurmd on $node did not start: $(tail -5 "$state/slurmd-$node.log" 2>/dev/null)"
   done
   # ready when every node is idle
   local want
   want=$(grep -c '^NodeName=' "$SLURM_CONF")
-  for _ in $(seq 300); do
-    if [[ $(sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l) -eq $want ]]; then
+  local start=$SECONDS
+  while ((SECONDS - start < 30)); do
+    if ((SECONDS - start >= 2)) && ! ctld_alive; then
+      local logs
+      logs=$(tail -3 "$state/slurmctld.log" 2>/dev/null)
+      fail "slurmctld stopped while starting: $logs"
+    fi
+    if [[ $(timeout 2 sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l) -eq $want ]]; then
       echo "test-slurm: up ($shape): $(sinfo -h -N -o '%N' | sort -u | paste -sd, -)"
       return 0
     fi
     sleep 0.1
   done
-  sinfo -N -l >&2 || true
-  tail -5 "$state/slurmctld.log" >&2 || true
-  die "the nodes did not become idle in 30 s (logs in $state)"
+  timeout 2 sinfo -N -l >&2 || true
+  local logs
+  logs=$(tail -5 "$state/slurmctld.log" 2>/dev/null)
+  fail "the nodes did not become idle in 30 s; slurmctld said: $logs"
 }
 
 case ${1:-} in
