@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <boost/crc.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +17,7 @@
 
 #include "collectives/communicator.h"
 #include "collectives/error.h"
+#include "core/crc32c.h"
 #include "core/text.h"
 
 // Note [Checkpoint format 2]
@@ -76,19 +76,13 @@ constexpr const char* kMetaCrc = "meta_crc32c";
 // model on a slow filesystem takes longer than the communicators' default timeout.
 constexpr collectives::Duration kSaveTimeout = std::chrono::minutes(30);
 
-using Crc32c = boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true>;
-
 std::string crc_text(uint32_t crc) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "0x%08x", crc);
   return buf;
 }
 
-uint32_t crc_of(const std::string& bytes) {
-  Crc32c crc;
-  crc.process_bytes(bytes.data(), bytes.size());
-  return crc.checksum();
-}
+uint32_t crc_of(const std::string& bytes) { return crc32c(bytes.data(), bytes.size()); }
 
 // The CRC of meta.json's canonical content (Note [Checkpoint checksums]).
 std::string meta_crc(nlohmann::json doc) {

@@ -2,13 +2,12 @@
 
 #include <unistd.h>
 
-#include <boost/crc.hpp>
-
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 
 #include "collectives/error.h"
+#include "core/crc32c.h"
 
 namespace tetra::core {
 
@@ -64,9 +63,7 @@ void numbers(EventWriter& w, const std::string& tag, const nlohmann::json& v, in
 }  // namespace
 
 uint32_t masked_crc32c(const void* data, size_t size) {
-  boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true> crc;
-  crc.process_bytes(data, size);
-  const uint32_t c = crc.checksum();
+  const uint32_t c = crc32c(data, size);
   return ((c >> 15) | (c << 17)) + 0xa282ead8u;
 }
 

@@ -3,8 +3,8 @@
 // Note [Event files]: an event file is a TFRecord stream of serialized `Event` protocol
 // buffers (tensorboard/compat/proto/event.proto, summary.proto). Each record is
 //   uint64 length | uint32 masked CRC-32C of the length bytes | data | uint32 masked CRC-32C of data
-// little-endian, where mask(c) = ((c >> 15) | (c << 17)) + 0xa282ead8 (Boost's crc_optimal
-// computes the CRC-32C). The few messages written are encoded here by hand, by their
+// little-endian, where mask(c) = ((c >> 15) | (c << 17)) + 0xa282ead8 (core/crc32c.h, the
+// checkpoints' CRC-32C). The few messages written are encoded here by hand, by their
 // field numbers, which is smaller than a protobuf dependency for four messages:
 //   Event   { double wall_time = 1; int64 step = 2; string file_version = 3;
 //             Summary summary = 5; SessionLog session_log = 7; }
