@@ -318,7 +318,10 @@ LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sampl
 }
 
 std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample) {
-  const LayerProbe probe = probe_layers(model, sample);
+  return forward_flops(model, probe_layers(model, sample));
+}
+
+std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe& probe) {
   std::vector<double> out;
   for (size_t i = 0; i < model->size(); ++i) {
     const torch::Tensor& in = probe.layers[i].input;

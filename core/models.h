@@ -49,6 +49,8 @@ LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sampl
 // activations, softmax) is not counted. `sample` is one input with its batch dimension
 // of 1 (probe_layers).
 std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample);
+// The same from a probe already taken (probe_layers), running nothing.
+std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe& probe);
 
 // A layer's pretty print without the namespaces and the Impl of its type:
 // "Linear(in_features=784, ...)", "GptBlock(d_model=128, ...)", "Residual" for a program's

@@ -318,13 +318,15 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
   // Time the micro-batch itself, or (over the budget) the probe's sample, scaled by FLOPs.
   torch::Tensor x;
   std::vector<double> ratio(static_cast<size_t>(L), 1.0);
-  const std::vector<double> whole = core::forward_flops(model, sample);  // one whole sample
+  const std::vector<double> whole = core::forward_flops(model, probe);  // one whole sample
   double micro_flops = 0;
   for (double f : whole) micro_flops += f * static_cast<double>(micro_batch);
   const bool scaled = micro_flops > max_timed_flops;
   if (scaled) {
     const torch::Tensor short_sample = probe.layers.empty() ? sample : probe.layers.front().input;
-    const std::vector<double> small = core::forward_flops(model, short_sample);
+    core::LayerProbe as_run = probe;  // the probe's own sample, unscaled
+    as_run.scale = 1;
+    const std::vector<double> small = core::forward_flops(model, as_run);
     for (int i = 0; i < L; ++i)
       ratio[static_cast<size_t>(i)] = small[static_cast<size_t>(i)] > 0
                                           ? whole[static_cast<size_t>(i)] * static_cast<double>(micro_batch) / small[static_cast<size_t>(i)]
