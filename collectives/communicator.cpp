@@ -117,6 +117,25 @@ Traffic Communicator::traffic() const {
   return counter_->traffic;
 }
 
+double Communicator::busy_seconds() const {
+  std::lock_guard<std::mutex> lock(counter_->mu);
+  double s = counter_->busy_s;
+  if (counter_->running > 0) s += std::chrono::duration<double>(Clock::now() - counter_->busy_since).count();
+  return s;
+}
+
+void Communicator::busy(bool begin) {
+  const Clock::time_point now = Clock::now();
+  for (Counter* c = counter_.get(); c; c = c->parent.get()) {
+    std::lock_guard<std::mutex> lock(c->mu);
+    if (begin) {
+      if (c->running++ == 0) c->busy_since = now;
+    } else if (--c->running == 0) {
+      c->busy_s += std::chrono::duration<double>(now - c->busy_since).count();
+    }
+  }
+}
+
 void Communicator::count(Traffic::Kind kind, const at::Tensor& t) {
   const int64_t bytes = static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
   for (Counter* c = counter_.get(); c; c = c->parent.get()) {
@@ -383,6 +402,7 @@ void Communicator::progress_loop() {
       }
     } else {
       begin(item.record);
+      busy(true);
       try {
         item.work->start();
         const RunningOpTimeout running(item.timeout);
@@ -403,6 +423,7 @@ void Communicator::progress_loop() {
         error_text = item.work->what() + ": unknown error";
         error = std::make_exception_ptr(CommError(error_text));
       }
+      busy(false);
       if (error) {
         std::lock_guard<std::mutex> lock(mu_);
         broken_ = error;

@@ -119,6 +119,13 @@ using WorkPtr = std::shared_ptr<Work>;
 // A communicator made by split() adds its ops to its parent's count too, so an axis of
 // the mesh counts every link cut from it (the pipeline's point-to-point pairs, ZeRO-3's
 // gather communicator). Counting costs one short lock per op.
+// Time is counted beside the bytes: busy_seconds() is the wall time during which at least
+// one op of the communicator (or of one split from it) was running on its progress thread
+// — the union of the ops' run intervals, so overlapping ops (a pipeline's prefetched
+// receive beside a send, two pairs of one axis) count once and an axis is never busy for
+// longer than the run. It includes waiting for a late peer: it is the time the link was
+// in use or awaited, which is what "communication time per axis" reports (the trainer's
+// comm_ms). Two more short locks per op.
 struct Traffic {
   enum Kind { kAllreduce, kReduceScatter, kAllgather, kBroadcast, kSend, kRecv, kKinds };
   int64_t payload[kKinds] = {};  // bytes handed to ops of each kind
@@ -224,6 +231,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // What this communicator and every one split from it were handed so far
   // (Note [Traffic counters]).
   Traffic traffic() const;
+  // Seconds during which an op of this communicator or of one split from it was running
+  // (Note [Traffic counters]), up to now.
+  double busy_seconds() const;
 
   // Dtypes every backend carries: f32 f64 bf16 f16 i32 i64 u8.
   static bool supported(at::ScalarType t);
@@ -298,7 +308,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     std::mutex mu;
     Traffic traffic;
     std::shared_ptr<Counter> parent;  // the communicator this one was split from
+    int running = 0;                  // ops running now, here or in a split
+    Clock::time_point busy_since{};   // when `running` last left 0
+    double busy_s = 0;                // closed busy intervals
   };
+  void busy(bool begin);  // an op starts (true) or ends running: every counter up the chain
   std::shared_ptr<Counter> counter_ = std::make_shared<Counter>();
   void progress_loop();
 

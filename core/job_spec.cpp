@@ -3,6 +3,7 @@
 #include "core/job_spec.h"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -410,6 +411,7 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   if (origin_of_line) diag.relocate(origin_of_line);
   diag.throw_if_errors();
   out.resolved = doc.resolved();
+  out.spec.resolved = resolved_yaml(out.resolved);
   return out;
 }
 
@@ -765,6 +767,19 @@ nlohmann::json job_schema(const SectionRegistry& plugins) {
     else
       leaf = kinds.size() == 1 ? kinds[0] : nlohmann::json{{"anyOf", kinds}};
   }
+  // Every getter reads `key: ~` (YAML null) as the key left out, its default, and a null
+  // section as an empty one: the schema says so, or editors would flag what runs.
+  std::function<void(nlohmann::json&)> nullable = [&](nlohmann::json& node) {
+    if (node.contains("anyOf")) {
+      node["anyOf"].push_back({{"type", "null"}});
+      return;
+    }
+    if (node.contains("enum")) node["enum"].push_back(nullptr);
+    if (node.contains("type") && node["type"].is_string()) node["type"] = {node["type"], "null"};
+    if (node.contains("properties"))
+      for (auto& [k, child] : node["properties"].items()) nullable(child);
+  };
+  for (auto& [k, section] : schema["properties"].items()) nullable(section);
   return schema;
 }
 

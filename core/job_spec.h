@@ -167,6 +167,9 @@ class SectionRegistry {
 struct JobSpec {
   std::string name = "job";  // used in default output paths
   std::string source;        // the job file's path ("" when built in code)
+  // The job as parsed: every key with its value or default, --set applied (what
+  // `train --print-config` prints; the run folder's job.yaml). "" for a spec not parsed.
+  std::string resolved;
   ModelSpec model;
   DataSpec data;
   OptimizerSpec optimizer;

@@ -117,10 +117,17 @@ class Strategy {
   virtual void gather_state(TensorMap& tensors) {}
   virtual void before_backward(bool last_micro_batch) {}
   virtual void finish_gradients() {}
-  // Seconds spent waiting on communication in finish_gradients over the run, and in
-  // communication in all (for "how much did backward hide").
+  // Seconds spent waiting on communication in finish_gradients over the run (how much
+  // backward did not hide). The time each mesh axis was in use is the axis
+  // communicator's busy_seconds() (Note [Traffic counters]).
   virtual double wait_seconds() const { return 0; }
-  virtual double comm_seconds() const { return 0; }
+  // A pipeline's bubble, over the run: the seconds this rank waited on its neighbours
+  // within its steps' schedules, out of the seconds those schedules ran ({0, 0} for a
+  // strategy without stages). The trainer reports wait/wall per logging interval.
+  struct Idle {
+    double wait_s = 0, wall_s = 0;
+  };
+  virtual Idle idle() const { return {}; }
   // What it decided on attaching that the job spec alone does not say (hierarchical
   // allreduce turned on because the data group spans hosts, say), for the run's opening
   // lines; "" when there is nothing to say.

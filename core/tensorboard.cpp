@@ -68,6 +68,8 @@ uint32_t masked_crc32c(const void* data, size_t size) {
 }
 
 void EventWriter::open(const std::string& dir, int64_t resumed_at) {
+  dir_ = dir;
+  resumed_at_ = resumed_at;
   std::error_code ec;
   fs::create_directories(dir, ec);
   char host[256] = "localhost";
@@ -118,8 +120,23 @@ void EventWriter::record(const nlohmann::json& rec) {
     if (k == "step" || k == "epoch") continue;
     if (k == "model_state_bytes" || k == "peak_rss_bytes") {
       numbers(*this, "memory/" + k, v, step);
-    } else if (k == "step_ms") {
-      numbers(*this, "time/step_ms", v, step);
+    } else if (k == "step_ms" || k == "comm_ms") {
+      numbers(*this, "time/" + k, v, step);
+    } else if (k == "ranks" && v.is_array() && !v.empty() && v[0].is_object()) {
+      for (const auto& [key, first] : v[0].items()) {
+        if (!first.is_number()) continue;
+        bool differ = false;
+        for (const auto& r : v) differ = differ || r.value(key, nlohmann::json()) != first;
+        if (!differ) continue;
+        for (size_t i = 0; i < v.size(); ++i) {
+          auto& w = ranks_[i];
+          if (!w) {
+            w = std::make_unique<EventWriter>();
+            w->open((fs::path(dir_) / ("rank" + std::to_string(i))).string(), resumed_at_);
+          }
+          numbers(*w, "per_rank/" + key, v[i].value(key, nlohmann::json()), step);
+        }
+      }
     } else {
       numbers(*this, group.empty() ? k : group + "/" + k, v, step);
     }

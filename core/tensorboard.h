@@ -23,6 +23,8 @@
 
 #include <cstdint>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <string>
 
 namespace tetra::core {
@@ -42,13 +44,22 @@ class EventWriter {
   // a train record's under train/ (memory sizes under memory/, step phases under time/),
   // an eval record's under eval/, anything else under its first key's name. Nested objects
   // add their keys to the tag ("memory/model_state_bytes/total"); null (a loss that was
-  // not finite), strings and booleans are left out.
+  // not finite), strings and booleans are left out. Communication time per axis goes
+  // under time/comm_ms/, the pipeline bubble under train/pipeline_bubble.
+  // Per rank (a record's `ranks`, Note [Per-rank records] in core/trainer.cpp): a number
+  // that differs between the ranks is written for every rank, under the same tag
+  // (per_rank/peak_rss_bytes, ...) in a run of its own, the folder rank<N> beside this
+  // file: TensorBoard draws one line per run on one chart, so the ranks overlay. Numbers
+  // equal on every rank add nothing to rank 0's own.
   void record(const nlohmann::json& rec);
 
  private:
   void write_event(const std::string& event);
   std::ofstream out_;
   std::string path_;
+  std::string dir_;
+  int64_t resumed_at_ = -1;
+  std::map<size_t, std::unique_ptr<EventWriter>> ranks_;  // opened when a rank first differs
 };
 
 // The masked CRC-32C of TFRecord framing (Note [Event files]).

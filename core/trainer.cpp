@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <cmath>
 #include <filesystem>
@@ -15,7 +16,9 @@
 #include <sstream>
 
 #include "core/checkpoint.h"
+#include "collectives/build_config.h"
 #include "collectives/error.h"
+#include "collectives/topology_gather.h"
 #include "collectives/hierarchical.h"
 #include "core/models.h"
 #include "core/random.h"
@@ -570,9 +573,197 @@ void Trainer::restore(const CheckpointReader& ckpt) {
   resumed_from_ = ckpt.folder();
 }
 
+// Note [Run folder]
+// log.dir (runs/<name> by default) is where a run leaves what a person or a tool reads
+// afterwards (`report RUN_DIR` renders it as one page):
+//   job.yaml      the job as parsed, --set applied, every default written out; written
+//                 by the writer when the run starts (a run killed later still has it).
+//   summary.json  written by the writer when the run ends: the result, where the metrics
+//                 and traces are, and one entry per rank (RankCounter below): its model
+//                 state and peak RSS, its mean step split into phases, its seconds of
+//                 communication per mesh axis, its pipeline bubble. Gathering the ranks'
+//                 entries is one collective at the end; a run that failed or was
+//                 preempted has no summary.json, which says it did not finish.
+//   metrics.jsonl, trace.rank<N>.json, flight/, ckpt/  when the job's log and checkpoint
+//                 paths leave them here (the defaults do, except the trace).
+//
+// Note [Per-rank records]
+// A train record carries what differs between ranks, gathered to the writer by one
+// allgather of a few doubles per record (every rank logs at the same steps, so every
+// rank joins): each rank's model state and peak RSS, and over the interval since the
+// last record its pipeline bubble (the seconds it waited on its neighbours out of the
+// seconds its schedules ran) and its communication time per mesh axis (the axis
+// communicator's busy_seconds(), Note [Traffic counters]). The record's `comm_ms` (per
+// step) and `pipeline_bubble` are the means over the ranks; `ranks` lists each rank's
+// numbers, for worlds of up to kRanksInRecords ranks (a record of thousands would be
+// larger than the rest of the file); summary.json always has every rank.
+namespace {
+
+// The slots of a rank's counters: memory now, then times summed since the loop began.
+enum RankCounter {
+  kParameters, kGradients, kOptimizerState, kBuffers, kPeakRss,  // bytes, now
+  kData, kForward, kBackward, kGradientSync, kOptimizerStep,    // seconds, summed
+  kIdleWait, kIdleWall,                                          // the pipeline's bubble
+  kStepsTaken,
+  kAxisBusy  // then one per comm axis: seconds its communicator was in use
+};
+constexpr size_t kRanksInRecords = 256;
+
+// Times since `before`, memory as it is now.
+std::vector<double> since(std::vector<double> now, const std::vector<double>& before) {
+  for (size_t i = kData; i < now.size(); ++i) now[i] -= before[i];
+  return now;
+}
+
+double bubble_of(const std::vector<double>& c) { return c[kIdleWall] > 0 ? c[kIdleWait] / c[kIdleWall] : -1; }
+
+// The record's share of Note [Per-rank records]: `ranks` holds every rank's counters over
+// the interval (memory as it is now).
+void add_rank_fields(nlohmann::json& rec, const std::vector<std::vector<double>>& ranks,
+                     const std::vector<std::string>& axes) {
+  const double steps = std::max(1.0, ranks[0][kStepsTaken]);
+  if (!axes.empty()) {
+    nlohmann::json comm = nlohmann::json::object();
+    for (size_t a = 0; a < axes.size(); ++a) {
+      double sum = 0;
+      for (const auto& c : ranks) sum += c[kAxisBusy + a];
+      comm[axes[a]] = sum / static_cast<double>(ranks.size()) * 1e3 / steps;
+    }
+    rec["comm_ms"] = comm;
+  }
+  double bubble = 0;
+  int staged = 0;
+  for (const auto& c : ranks)
+    if (bubble_of(c) >= 0) bubble += bubble_of(c), ++staged;
+  if (staged > 0) rec["pipeline_bubble"] = bubble / staged;
+  if (ranks.size() < 2 || ranks.size() > kRanksInRecords) return;
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& c : ranks) {
+    nlohmann::json row = {{"model_state_bytes", static_cast<int64_t>(c[kParameters] + c[kGradients] + c[kOptimizerState] + c[kBuffers])},
+                          {"peak_rss_bytes", static_cast<int64_t>(c[kPeakRss])}};
+    if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
+    rows.push_back(row);
+  }
+  rec["ranks"] = rows;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+}  // namespace
+
+std::vector<double> Trainer::rank_counters() const {
+  const ModelStateBytes m = memory();
+  Strategy::Idle idle;
+  for (const auto& s : strategies_) {
+    const Strategy::Idle i = s->idle();
+    idle.wait_s += i.wait_s;
+    idle.wall_s += i.wall_s;
+  }
+  std::vector<double> c = {static_cast<double>(m.parameters), static_cast<double>(m.gradients),
+                           static_cast<double>(m.optimizer), static_cast<double>(m.buffers),
+                           static_cast<double>(hardware::peak_rss_bytes()),
+                           phases_.data, phases_.forward, phases_.backward, phases_.gradients, phases_.optimizer,
+                           idle.wait_s, idle.wall_s, static_cast<double>(step_)};
+  for (const std::string& a : comm_axes_) c.push_back(mesh_->axis(a)->busy_seconds());
+  return c;
+}
+
+std::vector<std::vector<double>> Trainer::gather_counters(const std::vector<double>& mine) {
+  if (!ranks_ || ranks_->size() == 1) return {mine};
+  const int64_t n = static_cast<int64_t>(mine.size());
+  at::Tensor in = at::tensor(mine, at::kDouble);
+  at::Tensor out = at::empty({ranks_->size() * n}, at::kDouble);
+  ranks_->allgather(in, out)->wait();
+  const double* p = out.data_ptr<double>();
+  std::vector<std::vector<double>> all;
+  for (int r = 0; r < ranks_->size(); ++r) all.emplace_back(p + r * n, p + (r + 1) * n);
+  return all;
+}
+
+void Trainer::write_run_start() const {
+  if (spec_.resolved.empty()) return;
+  std::error_code ec;
+  fs::create_directories(spec_.log.dir, ec);
+  write_file_atomic((fs::path(spec_.log.dir) / "job.yaml").string(), spec_.resolved);
+}
+
+void Trainer::write_summary(const TrainResult& r, const std::vector<std::vector<double>>& ranks,
+                            const std::vector<std::string>& hosts, const std::string& trace_path) const {
+  auto absolute = [](const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); };
+  nlohmann::json j;
+  j["job"] = spec_.name;
+  j["tetra"] = TETRA_VERSION;
+  j["commit"] = TETRA_GIT_COMMIT;
+  j["started"] = started_at_;
+  j["finished"] = utc_now();
+  j["world"] = ranks_ ? ranks_->size() : 1;
+  j["replicas"] = plan_.replicas();
+  j["mesh"] = nlohmann::json::object();
+  for (const MeshAxis& a : spec_.mesh.axes) j["mesh"][a.name] = a.size;
+  j["metrics"] = absolute(spec_.log.metrics);
+  j["job_yaml"] = spec_.resolved.empty() ? "" : "job.yaml";
+  // The files Trace::write left: trace.json alone, else one per rank beside it.
+  nlohmann::json traces = nlohmann::json::array();
+  if (!trace_path.empty()) {
+    const fs::path p = absolute(spec_.log.trace);
+    if (ranks.size() == 1) traces.push_back(p.string());
+    for (size_t i = 0; ranks.size() > 1 && i < ranks.size(); ++i)
+      traces.push_back((p.parent_path() / (p.stem().string() + ".rank" + std::to_string(i) + p.extension().string())).string());
+  }
+  j["traces"] = traces;
+  j["steps"] = r.steps;
+  j["final_step"] = r.final_step;
+  j["skipped_steps"] = r.skipped_steps;
+  j["train_seconds"] = r.train_seconds;
+  j["total_seconds"] = r.total_seconds;
+  j["samples_per_s"] = r.samples_per_s;
+  j["final_loss"] = r.final_loss;
+  j["resumed_from"] = r.resumed_from;
+  j["checkpoint"] = r.checkpoint;
+  j["final_eval"] = nullptr;
+  if (r.final_eval) {
+    j["final_eval"] = {{"test_loss", r.final_eval->test_loss}};
+    if (r.final_eval->accuracy) j["final_eval"]["test_accuracy"] = *r.final_eval->accuracy;
+    if (r.final_eval->perplexity) j["final_eval"]["perplexity"] = *r.final_eval->perplexity;
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const std::vector<double>& c = ranks[i];
+    const double steps = std::max(1.0, c[kStepsTaken]);
+    auto bytes = [&](RankCounter k) { return static_cast<int64_t>(c[k]); };
+    nlohmann::json row = {
+        {"rank", i},
+        {"host", i < hosts.size() ? hosts[i] : hardware::hostname()},
+        {"model_state_bytes",
+         {{"parameters", bytes(kParameters)}, {"gradients", bytes(kGradients)}, {"optimizer", bytes(kOptimizerState)},
+          {"buffers", bytes(kBuffers)},
+          {"total", bytes(kParameters) + bytes(kGradients) + bytes(kOptimizerState) + bytes(kBuffers)}}},
+        {"peak_rss_bytes", bytes(kPeakRss)},
+        {"step_ms",
+         {{"data", c[kData] * 1e3 / steps}, {"forward", c[kForward] * 1e3 / steps}, {"backward", c[kBackward] * 1e3 / steps},
+          {"gradients", c[kGradientSync] * 1e3 / steps}, {"optimizer", c[kOptimizerStep] * 1e3 / steps}}},
+        {"comm_s", nlohmann::json::object()}};
+    for (size_t a = 0; a < comm_axes_.size(); ++a) row["comm_s"][comm_axes_[a]] = c[kAxisBusy + a];
+    if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
+    rows.push_back(row);
+  }
+  j["ranks"] = rows;
+  std::error_code ec;
+  fs::create_directories(spec_.log.dir, ec);
+  write_file_atomic((fs::path(spec_.log.dir) / "summary.json").string(), j.dump(2) + "\n");
+}
+
 TrainResult Trainer::run() {
   if (options_.on_start) options_.on_start(*this);
   const auto t_start = Clock::now();
+  started_at_ = utc_now();
   const auto& ck = spec_.checkpoint;
   const bool checkpoints = !ck.dir.empty();
   const bool write = writer();  // rank 0 writes the replicated state and the logs
@@ -627,6 +818,7 @@ TrainResult Trainer::run() {
   if (write && !spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
   if (write && !spec_.log.tensorboard.empty())
     metrics.open_tensorboard(spec_.log.tensorboard, resumed_from_.empty() ? -1 : step_);
+  if (write && !spec_.log.dir.empty()) write_run_start();
   Progress progress(write ? spec_.log.progress : "off", spec_.log.every, options_.out);
   if (!resumed_from_.empty())
     progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
@@ -679,6 +871,12 @@ TrainResult Trainer::run() {
     return e;
   };
 
+  comm_axes_.clear();
+  for (const MeshAxis& a : spec_.mesh.axes)
+    if (mesh_ && mesh_->size(a.name) > 1) comm_axes_.push_back(a.name);
+  const std::vector<double> start_counters = rank_counters();  // the loop's, not the set-up's
+  std::vector<double> logged_counters = start_counters;
+
   model_->train();
   std::optional<EvalResult> last_eval;
   int64_t last_eval_step = -1;
@@ -690,7 +888,10 @@ TrainResult Trainer::run() {
     const auto t0 = Clock::now();
     torch::Tensor indices = batches_->global_batch(epoch_, step_in_epoch_);
     const double lr = schedule_->at(step_);
+    const double step_begin_us = trace_.enabled() ? trace_.now_us() : 0;
     const StepOutcome outcome = train_step(indices);
+    // A span per step: report and Perfetto cut one step of a pipeline out by it.
+    if (trace_.enabled()) trace_.span("step", "step " + std::to_string(step_ + 1), step_begin_us, trace_.now_us());
     const double loss = outcome.loss;
     // A skipped step is still a step: its batch is consumed and the step count (hence the
     // learning-rate schedule) moves on, so the run ends where it would have, on the same data.
@@ -739,6 +940,11 @@ TrainResult Trainer::run() {
                         {"optimizer", per_step(phases_.optimizer, logged_phases.optimizer)}};
       logged_phases = phases_;
       logged_step = step_;
+      // Note [Per-rank records]: every rank joins; the writer adds what they sent.
+      const std::vector<double> now = rank_counters();
+      const auto ranks = gather_counters(since(now, logged_counters));
+      logged_counters = now;
+      if (write) add_rank_fields(rec, ranks, comm_axes_);
       metrics.write(rec);
     }
     Progress::Status st;
@@ -814,6 +1020,14 @@ TrainResult Trainer::run() {
   result.checkpoint = last_checkpoint;
   result.phases = phases_;
   result.memory = memory();
+  // Note [Run folder]: every rank's totals for the summary (collective: every rank joins).
+  const auto totals = gather_counters(since(rank_counters(), start_counters));
+  std::vector<std::string> hosts;
+  if (ranks_ && ranks_->size() > 1) {
+    const collectives::HostMap map = collectives::gather_hosts(*ranks_);
+    for (int h : map.host_of) hosts.push_back(map.hosts.at(static_cast<size_t>(h)));
+  }
+  if (write && !spec_.log.dir.empty()) write_summary(result, totals, hosts, trace_path);
   return result;
 }
 

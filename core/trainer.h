@@ -176,6 +176,14 @@ class Trainer {
   TrainResult::Phases phases_;
   // Averages a scalar over the data-parallel ranks (identity on one).
   double data_average(double v);
+  // Note [Run folder] and Note [Per-rank records] (trainer.cpp).
+  std::vector<std::string> comm_axes_;          // the mesh axes of more than one rank
+  std::vector<double> rank_counters() const;    // this rank's, cumulative (RankCounter)
+  std::vector<std::vector<double>> gather_counters(const std::vector<double>& mine);  // collective
+  void write_run_start() const;
+  void write_summary(const TrainResult& r, const std::vector<std::vector<double>>& ranks,
+                     const std::vector<std::string>& hosts, const std::string& trace_path) const;
+  std::string started_at_;  // UTC, ISO 8601
 };
 
 }  // namespace tetra::core

@@ -173,6 +173,7 @@ class Pipeline final : public PipelineStrategy {
   std::string axis() const override { return "pipeline"; }
   bool owns_forward_backward() const override { return true; }
   const PipelineStats& stats() const override { return stats_; }
+  Idle idle() const override { return {stats_.wait_s, stats_.wall_s}; }
   const Partition& partition() const override { return partition_; }
   const Schedule& schedule() const override { return sched_; }
 

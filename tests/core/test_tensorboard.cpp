@@ -238,6 +238,32 @@ TEST(TensorBoard, AResumedRunMarksWhereItResumed) {
   EXPECT_EQ(scalars(records).at("train/loss").size(), 4u);  // 3, 6 then 9, 12
 }
 
+// Per-rank numbers (a record's `ranks`) that differ go to a run per rank, rank<N>/ beside
+// the main file, under one tag, so TensorBoard overlays the ranks on one chart; numbers
+// equal on every rank do not; communication time per axis is under time/comm_ms/.
+TEST(TensorBoard, RanksThatDifferGetARunEach) {
+  std::string why;
+  if (!have_decoder(why)) GTEST_SKIP() << why;
+  const fs::path d = fs::path(testing::TempDir()) / ("tensorboard_ranks_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  {
+    core::EventWriter w;
+    w.open((d / "tb").string());
+    w.record({{"step", 3}, {"loss", 0.5}, {"comm_ms", {{"pipeline", 1.5}}}, {"pipeline_bubble", 0.25},
+              {"ranks", {{{"model_state_bytes", 100}, {"peak_rss_bytes", 7}, {"pipeline_bubble", 0.2}},
+                         {{"model_state_bytes", 300}, {"peak_rss_bytes", 7}, {"pipeline_bubble", 0.3}}}}});
+  }
+  const auto main_run = scalars(decode(d / "tb"));
+  EXPECT_NEAR(main_run.at("time/comm_ms/pipeline").at(3), 1.5, 1e-6);
+  EXPECT_NEAR(main_run.at("train/pipeline_bubble").at(3), 0.25, 1e-6);
+  for (int r = 0; r < 2; ++r) {
+    const auto run = scalars(decode(d / "tb" / ("rank" + std::to_string(r))));
+    EXPECT_NEAR(run.at("per_rank/model_state_bytes").at(3), r == 0 ? 100 : 300, 1e-3) << r;
+    EXPECT_NEAR(run.at("per_rank/pipeline_bubble").at(3), r == 0 ? 0.2 : 0.3, 1e-6) << r;
+    EXPECT_EQ(run.count("per_rank/peak_rss_bytes"), 0u) << r << ": equal on every rank";
+  }
+}
+
 // The framing's CRC on the known answer of CRC-32C ("123456789" -> 0xE3069283), masked.
 TEST(TensorBoard, MaskedCrc32cOfTheCheckString) {
   const uint32_t c = 0xE3069283u;

@@ -307,3 +307,62 @@ train: {max_steps: 1, seed: 5, threads: 1}
   Trainer small(job({"mesh.pipeline=2"}), o);
   EXPECT_EQ(small.plan().find("scaled by its FLOPs"), std::string::npos) << small.plan();
 }
+
+// Note [Run folder] and Note [Per-rank records], on two stages over thread-ranks: the
+// train records carry each rank's model state (the stages hold different layers), the
+// interval's pipeline bubble and the pipeline axis's communication time; the run leaves
+// job.yaml (which parses back to the same job) and summary.json, whose per-rank entries
+// agree with the last record, and whose communication seconds — the union of the ops'
+// run intervals — never exceed the time the run took.
+TEST(PipelineRunFolder, RecordsAndSummaryCarryEveryRanksNumbers) {
+  const fs::path d = fresh_dir("run_folder");
+  const TrainResult r = parallel(2, 1, pp("1f1b", 4, {"log.dir=" + d.string(), "log.metrics=" + (d / "metrics.jsonl").string(),
+                                                      "log.every=3", "log.trace=" + (d / "trace.json").string()}));
+  std::ifstream in(d / "metrics.jsonl");
+  nlohmann::json last;
+  int records = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto rec = nlohmann::json::parse(line);
+    if (!rec.contains("loss")) continue;
+    ++records;
+    ASSERT_TRUE(rec.contains("comm_ms") && rec["comm_ms"].contains("pipeline")) << line;
+    EXPECT_GT(rec["comm_ms"]["pipeline"].get<double>(), 0) << line;
+    ASSERT_TRUE(rec.contains("pipeline_bubble")) << line;
+    EXPECT_GT(rec["pipeline_bubble"].get<double>(), 0) << line;
+    EXPECT_LT(rec["pipeline_bubble"].get<double>(), 1) << line;
+    ASSERT_EQ(rec["ranks"].size(), 2u) << line;
+    EXPECT_NE(rec["ranks"][0]["model_state_bytes"], rec["ranks"][1]["model_state_bytes"]) << line;
+    last = rec;
+  }
+  EXPECT_EQ(records, 4);  // steps 3, 6, 9, 12
+
+  const auto summary = nlohmann::json::parse(std::ifstream(d / "summary.json"));
+  EXPECT_EQ(summary["world"], 2);
+  EXPECT_EQ(summary["final_step"], 12);
+  EXPECT_EQ(summary["mesh"]["pipeline"], 2);
+  EXPECT_DOUBLE_EQ(summary["final_loss"].get<double>(), r.final_loss);
+  ASSERT_EQ(summary["ranks"].size(), 2u);
+  ASSERT_EQ(summary["traces"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    const auto& row = summary["ranks"][i];
+    EXPECT_EQ(row["model_state_bytes"]["total"], last["ranks"][i]["model_state_bytes"]) << i;
+    const double comm = row["comm_s"]["pipeline"].get<double>();
+    EXPECT_GT(comm, 0) << i;
+    EXPECT_LE(comm, summary["total_seconds"].get<double>()) << i;
+    EXPECT_GT(row["pipeline_bubble"].get<double>(), 0) << i;
+    EXPECT_TRUE(fs::exists(summary["traces"][i].get<std::string>())) << summary["traces"][i];
+  }
+  // Each rank's trace has a span per step.
+  const auto trace = nlohmann::json::parse(std::ifstream(summary["traces"][1].get<std::string>()));
+  int steps = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e.value("ph", "") == "X" && e.value("name", "").rfind("step ", 0) == 0) ++steps;
+  EXPECT_EQ(steps, 12);
+
+  std::ifstream yaml_in(d / "job.yaml");
+  const std::string yaml{std::istreambuf_iterator<char>(yaml_in), std::istreambuf_iterator<char>()};
+  const auto again = parse_job_string(yaml, "again", {}, numerics::all_plugins());
+  EXPECT_EQ(again.spec.resolved, yaml);
+  EXPECT_EQ(again.spec.name, "job");
+  EXPECT_EQ(again.spec.mesh.size("pipeline"), 2);
+}

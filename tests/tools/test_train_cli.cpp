@@ -778,7 +778,8 @@ TEST(TrainCli, ASecondSignalExitsAtOnce) {
 // file of configs/ with it, and each mistake below is rejected by both the schema and
 // `train --check` (exit 2): an unknown section, an unknown or misspelt key, a wrong
 // type, a number out of range, a word that is not one of the choices, a list where a
-// word goes. A pipeline.balance list (explicit counts) is valid to both.
+// word goes. A pipeline.balance list (explicit counts) is valid to both, and so is `key: ~`
+// (null reads as the key left out).
 TEST(TrainCli, SchemaAcceptsEveryConfigAndRejectsWhatTheParserRejects) {
   if (std::system("/usr/bin/python3 -c 'import jsonschema, yaml' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "no python3-jsonschema or python3-yaml for /usr/bin/python3 (tools/setup.sh installs them)";
@@ -799,6 +800,10 @@ print(json.dumps({f: [e.message for e in v.iter_errors(yaml.safe_load(open(f)) o
   const std::vector<std::string> good = {
       write_job(d, "explicit_balance.yaml",
                 "model: {type: mlp, hidden: [64, 48, 32]}\nmesh: {pipeline: 2}\npipeline: {balance: [3, 5]}\n")
+          .string(),
+      // `key: ~` is the key left out (its default), for a word, a number, a list and a section.
+      write_job(d, "nulls_are_defaults.yaml",
+                "model: {type: ~, hidden: ~}\noptimizer: {lr: ~, type: sgd}\nschedule: ~\ntrain: {max_steps: ~}\n")
           .string()};
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"unknown_section.yaml", "modle: {type: mlp}\n"},
