@@ -116,7 +116,7 @@ struct LogSpec {
   int64_t every = 50;   // steps between train records / plain progress lines
   std::string trace;    // Chrome trace JSON path (per rank); "" = off
   std::string progress = "auto";  // auto (live line on a terminal) | line | plain | off
-  std::string dir;  // default runs/<name>: flight-recorder dumps go to <dir>/flight
+  std::string dir;  // default runs/<name>: job.yaml, summary.json (Note [Run folder]), flight/
   std::string tensorboard;  // TensorBoard event files go to this folder (rank 0's); "" = off
 };
 

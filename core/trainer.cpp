@@ -689,9 +689,11 @@ std::vector<std::vector<double>> Trainer::gather_counters(const std::vector<doub
 
 void Trainer::write_run_start() const {
   if (spec_.resolved.empty()) return;
-  std::error_code ec;
-  fs::create_directories(spec_.log.dir, ec);
-  write_file_atomic((fs::path(spec_.log.dir) / "job.yaml").string(), spec_.resolved);
+  try {
+    write_file_atomic((fs::path(spec_.log.dir) / "job.yaml").string(), spec_.resolved);
+  } catch (const Error& e) {
+    throw Error(std::string("log.dir: ") + e.what() + " (set log.dir to a folder this run may write, or \"\" for none)");
+  }
 }
 
 void Trainer::write_summary(const TrainResult& r, const std::vector<std::vector<double>>& ranks,
@@ -755,9 +757,14 @@ void Trainer::write_summary(const TrainResult& r, const std::vector<std::vector<
     rows.push_back(row);
   }
   j["ranks"] = rows;
-  std::error_code ec;
-  fs::create_directories(spec_.log.dir, ec);
-  write_file_atomic((fs::path(spec_.log.dir) / "summary.json").string(), j.dump(2) + "\n");
+  // The run is done and its results are elsewhere: a summary that cannot be written
+  // (the disk filled up since job.yaml was) is a warning, not a failed run.
+  const std::string path = (fs::path(spec_.log.dir) / "summary.json").string();
+  try {
+    write_file_atomic(path, j.dump(2) + "\n");
+  } catch (const Error& e) {
+    std::fprintf(stderr, "warning: log.dir: the run's summary was not written: %s\n", e.what());
+  }
 }
 
 TrainResult Trainer::run() {

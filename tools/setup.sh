@@ -27,6 +27,8 @@ packages=(
   slurmctld slurmd slurm-client munge  # a real Slurm for the srun tests (tools/test-slurm.sh)
   protobuf-compiler python3-protobuf   # the TensorBoard test decodes event files independently
   python3-jsonschema python3-yaml      # the schema test validates configs/ with an independent validator
+  chromium chromium-driver python3-selenium python3-pil fonts-dejavu-core  # the report's test opens it in a real browser
+  librsvg2-bin                         # report --png: rsvg-convert draws the report's SVG
 )
 
 missing=()

@@ -75,6 +75,8 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
     std::printf("  weights      %s (safetensors)\n", spec.checkpoint.safetensors.c_str());
   if (!spec.log.metrics.empty()) std::printf("  metrics      %s\n", spec.log.metrics.c_str());
   if (!spec.log.trace.empty()) std::printf("  trace        %s\n", spec.log.trace.c_str());
+  if (!spec.log.dir.empty())
+    std::printf("  run folder   %s (`report %s` draws it as one page)\n", spec.log.dir.c_str(), spec.log.dir.c_str());
 }
 
 int train_main(int argc, char** argv);
@@ -182,12 +184,15 @@ int train_main(int argc, char** argv) {
         return;
       }
       std::printf("%s\n", path.c_str());
-      const auto& words = n.contains("enum") ? n["enum"] : nlohmann::json::array();
-      for (const auto& w : words) std::printf("%s=%s\n", path.c_str(), w.get<std::string>().c_str());
+      // The words of a choice; its null (`key: ~`, the default) is no word to complete.
+      auto words = [&](const nlohmann::json& alt) {
+        if (alt.contains("enum"))
+          for (const auto& w : alt["enum"])
+            if (w.is_string()) std::printf("%s=%s\n", path.c_str(), w.get<std::string>().c_str());
+      };
+      words(n);
       if (n.contains("anyOf"))
-        for (const auto& alt : n["anyOf"])
-          if (alt.contains("enum"))
-            for (const auto& w : alt["enum"]) std::printf("%s=%s\n", path.c_str(), w.get<std::string>().c_str());
+        for (const auto& alt : n["anyOf"]) words(alt);
     };
     walk(s, "");
     return 0;
