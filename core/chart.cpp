@@ -377,6 +377,16 @@ Chart start(const Frame& f, int height, const std::vector<LegendEntry>& legend, 
   return c;
 }
 
+// A chart with its header, plot area `a` and both axes: what line and stacked charts share.
+Chart with_axes(const Frame& f, const std::vector<LegendEntry>& legend, const Ticks& xt, const Ticks& yt, Area* a) {
+  double top = 0;
+  Chart c = start(f, f.height, legend, &top);
+  *a = {left_margin(yt), top, f.width - 16.0, f.height - 40.0};
+  y_axis(c.body, *a, yt, f.y.label);
+  x_axis(c.body, *a, xt, f.x.label);
+  return c;
+}
+
 // The series as a line broken at its gaps (Note [Many points]), and its markers.
 void draw_series(std::string& out, const Series& s, const std::string& col, const Ticks& xt, const Ticks& yt,
                  const Area& a) {
@@ -411,12 +421,9 @@ Chart line_chart(const Frame& f, const std::vector<Series>& series, const std::v
   const Ticks xt = xr.ticks(f.x, 8), yt = yr.ticks(f.y, 5);
   std::vector<LegendEntry> legend;
   add_legend(series, legend);
-  double top = 0;
-  Chart c = start(f, f.height, legend, &top);
+  Area a{};
+  Chart c = with_axes(f, legend, xt, yt, &a);
   std::string& out = c.body;
-  const Area a{left_margin(yt), top, f.width - 16.0, f.height - 40.0};
-  y_axis(out, a, yt, f.y.label);
-  x_axis(out, a, xt, f.x.label);
   for (size_t k = 0; k < series.size(); ++k) draw_series(out, series[k], colour_or(series[k].colour, k), xt, yt, a);
   for (const auto& r : rules) {
     const double x = map(r.x, xt, a.l, a.r);
@@ -451,12 +458,9 @@ Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x, const st
   std::vector<LegendEntry> legend;
   for (size_t k = 0; k < layers.size(); ++k) legend.push_back({layers[k].name, colour_or(layers[k].colour, k), LegendEntry::kBox});
   add_legend(lines, legend);
-  double top = 0;
-  Chart c = start(f, f.height, legend, &top);
+  Area a{};
+  Chart c = with_axes(f, legend, xt, yt, &a);
   std::string& out = c.body;
-  const Area a{left_margin(yt), top, f.width - 16.0, f.height - 40.0};
-  y_axis(out, a, yt, f.y.label);
-  x_axis(out, a, xt, f.x.label);
   std::vector<double> below(idx.size(), 0.0);
   for (size_t k = 0; k < layers.size(); ++k) {
     const Layer& l = layers[k];
@@ -526,7 +530,7 @@ Chart bar_chart(const Frame& f, const std::vector<Group>& groups) {
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const Group& g = groups[gi];
     const double x0 = a.l + slot * static_cast<double>(gi) + (slot - bw * static_cast<double>(g.bars.size())) / 2;
-    double highest = a.b;
+    double highest = a.b, note_left = kInf, note_right = -kInf;  // over the bars that are not cut
     bool captions = false;
     for (size_t bi = 0; bi < g.bars.size(); ++bi) {
       const Bar& b = g.bars[bi];
@@ -546,13 +550,16 @@ Chart bar_chart(const Frame& f, const std::vector<Group>& groups) {
         out += text(x + bw / 2, a.t - 3, human(base, f.y.unit), "middle", kSmall);
       } else {
         highest = std::min(highest, map(base, yt, a.b, a.t));
+        note_left = std::min(note_left, x);
+        note_right = std::max(note_right, x + bw);
       }
       if (!b.caption.empty() && text_width(b.caption, kSmall) <= bw) {
         out += text(x + bw / 2, a.b + 12, b.caption, "middle", kSmall, " fill=\"#444444\"");
         captions = true;
       }
     }
-    if (!g.note.empty()) out += text(x0 + bw * static_cast<double>(g.bars.size()) / 2, highest - 4, g.note, "middle", kSmall);
+    if (!g.note.empty() && note_right > note_left)
+      out += text((note_left + note_right) / 2, highest - 4, g.note, "middle", kSmall);
     const double cx = a.l + slot * (static_cast<double>(gi) + 0.5), w = text_width(g.label, kFont);
     if (cx - w / 2 > last_label + 6) {
       out += text(cx, a.b + (captions ? 26 : 15), g.label, "middle");

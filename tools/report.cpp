@@ -112,8 +112,8 @@ std::string slurp(const fs::path& p) {
 // Note [Resumed runs]: a resumed run appends to the metrics file of the run it resumes,
 // from the step after its checkpoint, so steps can go back. As TensorBoard does at a
 // SessionLog START, the later run wins: a train record whose step is not past the last
-// train step kept (or an eval record not past the last eval step) drops every record
-// of every kind from that step on, and the page marks the step where the run resumed.
+// train step kept (or an eval record before the last eval step) drops every record of
+// every kind from that step on, and the page marks the step where the run resumed.
 // The interrupted run's records between its checkpoint and that step are dropped too
 // whenever the resumed run logs the step after its checkpoint (log.every divides
 // checkpoint.every_steps, or is 1).
@@ -149,7 +149,8 @@ Metrics read_metrics(const fs::path& path) {
       continue;
     }
     std::map<int64_t, json>& kind = eval ? m.eval : failure ? m.failures : m.train;
-    if (!failure && !kind.empty() && step <= kind.rbegin()->first) {
+    // A run writes one train record per step; an eval twice at one step replaces.
+    if (!failure && !kind.empty() && (eval ? step < kind.rbegin()->first : step <= kind.rbegin()->first)) {
       for (auto* k : {&m.train, &m.eval, &m.failures}) k->erase(k->lower_bound(step), k->end());
       m.resumed_at.push_back(step);
     }
@@ -326,6 +327,10 @@ const std::string kWaitColour = "#BBBBBB";
 std::string pct(double fraction) { return std::isfinite(fraction) ? fmt("%.1f%%", 100 * fraction) : "n/a"; }
 std::string ms(double v) { return chart::human(v, Unit::kMilliseconds); }
 std::string bytes(double v) { return chart::human(v, Unit::kBytes); }
+// "0.4 s" under a minute (a short test run), else "1m05s".
+std::string duration(double seconds) {
+  return std::isfinite(seconds) && seconds < 60 ? fmt("%.1f s", seconds) : tetra::core::human_duration(seconds);
+}
 
 // ---- header ---------------------------------------------------------------------------
 
@@ -364,15 +369,14 @@ std::string header_section(Page& page, const Run& run) {
     if (number(s, "steps") != number(s, "final_step")) steps += fmt(" (%.0f this run)", number(s, "steps"));
     if (number(s, "skipped_steps") > 0) steps += fmt(", %.0f skipped", number(s, "skipped_steps"));
     fact("steps", steps);
-    fact("time", tetra::core::human_duration(number(s, "total_seconds")) + " (training " +
-                     tetra::core::human_duration(number(s, "train_seconds")) + ")");
+    fact("time", duration(number(s, "total_seconds")) + " (training " + duration(number(s, "train_seconds")) + ")");
     fact("throughput", fmt("%.0f samples/s", number(s, "samples_per_s")));
     fact("final loss", fmt("%.4f", number(s, "final_loss")));
     fact("resumed from", text_of(s, "resumed_from"));
   } else if (!m.train.empty()) {
     const json& last = m.train.rbegin()->second;
     fact("steps", std::to_string(m.train.rbegin()->first) + " logged (the last record)");
-    fact("time", tetra::core::human_duration(number(last, "time_s")) + " at the last record");
+    fact("time", duration(number(last, "time_s")) + " at the last record");
     fact("throughput", fmt("%.0f samples/s at the last record", number(last, "samples_per_s")));
     double loss = kNaN;
     for (const auto& kv : m.train)
@@ -476,15 +480,16 @@ void curve_section(Page& page, const Metrics& m, const std::string& id, const st
 
 // ---- time per step --------------------------------------------------------------------
 
-struct Phase {
+// A key of the records, its name on the page and its colour in every chart.
+struct Part {
   const char* key;
   const char* name;
   std::string colour;
 };
 // The trainer's phases (core/trainer.cpp's step_ms), bottom to top; "gradients" is the
 // gradient synchronisation after backward.
-const std::vector<Phase>& phases() {
-  static const std::vector<Phase> p = {{"data", "data", chart::colour(4)},
+const std::vector<Part>& phases() {
+  static const std::vector<Part> p = {{"data", "data", chart::colour(4)},
                                        {"forward", "forward", kForward},
                                        {"backward", "backward", kBackward},
                                        {"gradients", "gradient sync", chart::colour(5)},
@@ -546,7 +551,7 @@ void step_time_section(Page& page, const Run& run) {
       row.push_back(ms(total));
       for (const auto& axis : comm_axes) {
         const double s = number(member(r, "comm_s"), axis.c_str());
-        row.push_back(std::isfinite(s) ? tetra::core::human_duration(s) + fmt(" (%.1f s)", s) : "");
+        row.push_back(std::isfinite(s) ? duration(s) : "");
       }
       if (bubble) row.push_back(pct(number(r, "pipeline_bubble")));
       rows.push_back(std::move(row));
@@ -614,13 +619,8 @@ Estimate estimate(const Run& run, bool wanted) {
   return e;
 }
 
-struct Kept {
-  const char* key;
-  const char* name;
-  std::string colour;
-};
-const std::vector<Kept>& state_kinds() {
-  static const std::vector<Kept> k = {{"parameters", "parameters", chart::colour(0)},
+const std::vector<Part>& state_kinds() {
+  static const std::vector<Part> k = {{"parameters", "parameters", chart::colour(0)},
                                       {"gradients", "gradients", chart::colour(1)},
                                       {"optimizer", "optimizer state", chart::colour(2)},
                                       {"buffers", "buffers", chart::colour(3)},
@@ -663,7 +663,7 @@ std::vector<RankMemory> measured_memory(const Run& run, std::string* source) {
       r.state = {{"total", number(pr, "model_state_bytes")}};
       r.rss = number(pr, "peak_rss_bytes");
     }
-    out.push_back(std::move(r));
+    if (std::isfinite(number(r.state, "total")) || std::isfinite(r.rss)) out.push_back(std::move(r));
   }
   return out;
 }
@@ -1126,6 +1126,12 @@ int main(int argc, char** argv) {
   std::string dir, out, png;
   int64_t step = 0;
   bool no_estimate = false;
+  app.footer(
+      "Examples:\n"
+      "  report runs/quickstart                      runs/quickstart/report.html\n"
+      "  report runs/pp-dp -o pp-dp.html --png pp-dp.png --step 40\n\n"
+      "Exit status: 0 written; 2 the input is wrong (no such folder, no metrics, a line that is not JSON, --step not "
+      "in the traces, no rsvg-convert for --png); 1 anything else.");
   app.add_option("run_dir", dir, "the run's folder, its log.dir (summary.json, metrics.jsonl, job.yaml, traces)")
       ->required();
   app.add_option("-o,--output", out, "the page to write (default RUN_DIR/report.html)");
@@ -1133,26 +1139,16 @@ int main(int argc, char** argv) {
   app.add_option("--step", step, "the step the pipeline timeline shows (default: the last whole on every rank)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-estimate", no_estimate, "leave out the plan's memory estimate (it builds the model and reads the data)");
-  app.footer(
-      "Examples:\n"
-      "  report runs/quickstart                      runs/quickstart/report.html\n"
-      "  report runs/pp-dp -o pp-dp.html --png pp-dp.png --step 40\n\n"
-      "Exit status: 0 written; 2 the input is wrong (no such folder, no metrics, a line that is not JSON, --step not "
-      "in the traces, no rsvg-convert for --png); 1 anything else.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     return report(dir, out, png, step, !no_estimate);
-  } catch (const ConfigError& e) {
+  } catch (const std::exception& e) {  // a ConfigError is the input's fault: 2
     std::fprintf(stderr, "report: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "report: %s\n", e.what());
-    return 1;
+    return dynamic_cast<const ConfigError*>(&e) ? 2 : 1;
   } catch (...) {
     std::fprintf(stderr, "report: unknown error\n");
     return 1;

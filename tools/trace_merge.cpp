@@ -69,17 +69,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     return run(inputs, output);
-  } catch (const tetra::ConfigError& e) {
+  } catch (const std::exception& e) {  // a ConfigError names an input that is wrong: 2
     std::fprintf(stderr, "trace-merge: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "trace-merge: %s\n", e.what());
-    return 1;
+    return dynamic_cast<const tetra::ConfigError*>(&e) ? 2 : 1;
   } catch (...) {
     std::fprintf(stderr, "trace-merge: unknown error\n");
     return 1;
