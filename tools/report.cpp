@@ -205,21 +205,13 @@ fs::path locate(const fs::path& dir, const std::string& named) {
 // Without summary.json: RUN_DIR/trace*.json, and only the per-rank files when there are
 // some (a trace.json beside them is trace-merge's output).
 std::vector<std::string> default_traces(const fs::path& dir) {
-  std::vector<std::string> all, ranked;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.rfind("trace", 0) != 0 || it->path().extension() != ".json") continue;
-    all.push_back(it->path().string());
-    if (tetra::core::rank_in_trace_filename(name) >= 0) ranked.push_back(it->path().string());
+  for (const char* pattern : {"trace*rank*.json", "trace*.json"}) {
+    try {
+      return tetra::core::find_trace_files({(dir / pattern).string()});
+    } catch (const ConfigError&) {  // nothing matches
+    }
   }
-  std::vector<std::string>& chosen = ranked.empty() ? all : ranked;
-  std::sort(chosen.begin(), chosen.end(), [](const std::string& a, const std::string& b) {
-    const long ra = tetra::core::rank_in_trace_filename(fs::path(a).filename().string());
-    const long rb = tetra::core::rank_in_trace_filename(fs::path(b).filename().string());
-    return ra != rb ? ra < rb : a < b;
-  });
-  return chosen;
+  return {};
 }
 
 Run read_run(const fs::path& dir) {
@@ -276,10 +268,10 @@ Run read_run(const fs::path& dir) {
 
 class Page {
  public:
-  void open(const std::string& id, const std::string& title, bool wide = true) {
+  void open(const std::string& id, const std::string& title) {
     id_ = id;
     missing_ = false;
-    html += "<section id=\"" + id + "\"" + (wide ? "" : " class=\"half\"") + "><h2>" + chart::escape(title) + "</h2>\n";
+    html += "<section id=\"" + id + "\"><h2>" + chart::escape(title) + "</h2>\n";
   }
   void close() {
     html += "</section>\n";
@@ -384,12 +376,13 @@ std::string header_section(Page& page, const Run& run) {
     fact("last loss", fmt("%.4f", loss));
   }
   json eval = member(s, "final_eval");
-  if (!eval.is_object() && !m.eval.empty()) eval = m.eval.rbegin()->second;
+  const bool final_eval = eval.is_object();
+  if (!final_eval && !m.eval.empty()) eval = m.eval.rbegin()->second;
   if (eval.is_object()) {
     std::string e = fmt("test loss %.4f", number(eval, "test_loss"));
     if (std::isfinite(number(eval, "perplexity"))) e += fmt(", perplexity %.3f", number(eval, "perplexity"));
     if (std::isfinite(number(eval, "test_accuracy"))) e += fmt(", accuracy %.2f%%", 100 * number(eval, "test_accuracy"));
-    fact(have ? "final eval" : "last eval", e);
+    fact(final_eval ? "final eval" : "last eval", e);
   }
   if (!m.resumed_at.empty()) {
     std::vector<std::string> at;
@@ -446,7 +439,7 @@ void loss_section(Page& page, const Metrics& m) {
 }
 
 void eval_section(Page& page, const Metrics& m) {
-  page.open("eval", "Evaluation", false);
+  page.open("eval", "Evaluation");
   const std::vector<double> ppl = column(m.eval, "perplexity"), acc = column(m.eval, "test_accuracy");
   if (m.eval.empty()) {
     page.missing_line("no eval records in the metrics (train.eval_every, or the end of an epoch, writes them)");
@@ -467,7 +460,7 @@ void eval_section(Page& page, const Metrics& m) {
 // One number of the train records over steps, in a half-width section.
 void curve_section(Page& page, const Metrics& m, const std::string& id, const std::string& title, const char* key,
                    const std::string& y, const std::string& why_missing) {
-  page.open(id, title, false);
+  page.open(id, title);
   const std::vector<double> v = column(m.train, key);
   if (!any_finite(v))
     page.missing_line(why_missing);
@@ -767,18 +760,19 @@ struct RankSpans {
 std::map<int, RankSpans> spans_by_rank(const json& doc) {
   std::map<int, std::map<int64_t, std::string>> names;  // pid -> tid -> track
   std::map<int, RankSpans> out;
-  for (const auto& e : doc["traceEvents"]) {
+  const json& events = member(doc, "traceEvents");
+  for (const auto& e : events) {
     if (e.value("ph", "") != "M" || e.value("name", "") != "thread_name") continue;
-    names[e.value("pid", 0)][e.value("tid", int64_t{0})] = e["args"].value("name", "");
+    names[e.value("pid", 0)][e.value("tid", int64_t{0})] = text_of(member(e, "args"), "name");
   }
-  for (const auto& e : doc["traceEvents"]) {
-    if (e.value("ph", "") != "X" || !e.contains("dur")) continue;
+  for (const auto& e : events) {
+    if (e.value("ph", "") != "X" || !std::isfinite(number(e, "dur")) || !std::isfinite(number(e, "ts"))) continue;
     const int pid = e.value("pid", 0);
     const auto& tracks = names[pid];
     const auto t = tracks.find(e.value("tid", int64_t{0}));
     if (t == tracks.end()) continue;
-    const double ts = e["ts"].get<double>();
-    out[pid].tracks[t->second].push_back({ts, ts + e["dur"].get<double>(), e.value("name", "")});
+    const double ts = number(e, "ts");
+    out[pid].tracks[t->second].push_back({ts, ts + number(e, "dur"), e.value("name", "")});
   }
   for (auto& [pid, r] : out)
     for (const auto& [track, spans] : r.tracks)

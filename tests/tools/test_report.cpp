@@ -4,7 +4,8 @@
 // files imply and the bubble the traces imply; missing files are said on the page; bad
 // input exits 2 naming file:line. A real pipeline run under mpirun reports too, a real
 // browser shows every chart (headless Chromium), --png writes a PNG, and 10,000 logged
-// steps render in well under a second.
+// steps render in well under a second. The chart writer's ticks, thinning and escaping
+// are tested on their own at the end.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "collectives/build_config.h"
+#include "core/chart.h"
 #include "tests/tools/spawn.h"
 
 namespace fs = std::filesystem;
@@ -520,4 +522,62 @@ TEST(Report, TenThousandStepsRenderFastAndKeepTheirSpikes) {
   ASSERT_GE(ys.size(), 2u);
   std::sort(ys.begin(), ys.end());
   EXPECT_LT(ys[0], ys[1] - 100) << "the spike at step 7777 was lost";
+}
+
+// The chart writer's pieces on their own (core/chart.h).
+TEST(Chart, TicksAreNiceInHumanUnits) {
+  namespace chart = tetra::core::chart;
+  using chart::Unit;
+  auto texts = [](const chart::Ticks& t) {
+    std::vector<std::string> out;
+    for (double v : t.at) out.push_back(chart::tick_text(v, t));
+    return out;
+  };
+  EXPECT_EQ(texts(chart::nice_ticks(0, 0.93, Unit::kNumber, 6)),
+            (std::vector<std::string>{"0", "0.2", "0.4", "0.6", "0.8", "1.0"}));
+  EXPECT_EQ(texts(chart::nice_ticks(0, 2e-4, Unit::kNumber, 5)),
+            (std::vector<std::string>{"0", "5e-5", "1e-4", "1.5e-4", "2e-4"}));
+  EXPECT_EQ(texts(chart::nice_ticks(0, 31000, Unit::kNumber, 4)), (std::vector<std::string>{"0", "10k", "20k", "30k", "40k"}));
+  EXPECT_EQ(texts(chart::nice_ticks(0, 3.1 * (1 << 30), Unit::kBytes, 4)),
+            (std::vector<std::string>{"0", "1 GiB", "2 GiB", "3 GiB", "4 GiB"}));
+  EXPECT_EQ(texts(chart::nice_ticks(0, 2400, Unit::kMilliseconds, 3)), (std::vector<std::string>{"0", "1 s", "2 s", "3 s"}));
+  EXPECT_EQ(texts(chart::nice_ticks(0, 0.09, Unit::kMilliseconds, 4)),
+            (std::vector<std::string>{"0", "50 \xc2\xb5s", "100 \xc2\xb5s"}));
+  EXPECT_EQ(texts(chart::nice_ticks(18, 22, Unit::kNumber, 8, true)).front(), "18") << "steps are whole";
+  EXPECT_EQ(chart::nice_ticks(18, 22, Unit::kNumber, 8, true).step, 1.0);
+  EXPECT_EQ(chart::human(1536.0 * 1024, Unit::kBytes), "1.50 MiB");
+  EXPECT_EQ(chart::human(41.54, Unit::kMilliseconds), "41.5 ms");
+  const chart::Ticks one = chart::nice_ticks(5, 5, Unit::kNumber);  // a single value still gets a scale
+  EXPECT_LT(one.lo, 5);
+  EXPECT_GT(one.hi, 5);
+}
+
+TEST(Chart, ManyPointsKeepEachBucketsExtremesAndGaps) {
+  namespace chart = tetra::core::chart;
+  std::vector<double> y(100000, 1.0);
+  y[12345] = 100;   // a spike
+  y[54321] = -100;  // a dip
+  y[77777] = std::nan("");  // a skipped step
+  const std::vector<size_t> kept = chart::keep_extremes(y);
+  EXPECT_LE(kept.size(), chart::kMaxPoints + 2);
+  EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+  for (size_t want : {size_t{0}, size_t{12345}, size_t{54321}, size_t{77777}, y.size() - 1})
+    EXPECT_TRUE(std::binary_search(kept.begin(), kept.end(), want)) << want;
+  EXPECT_EQ(chart::keep_extremes(std::vector<double>(10, 0.0)).size(), 10u);
+}
+
+TEST(Chart, TextIsEscapedAndTheComposedSvgIsOneDocument) {
+  namespace chart = tetra::core::chart;
+  EXPECT_EQ(chart::escape("a<b & \"c\" 'd'>\x01"), "a&lt;b &amp; &quot;c&quot; &#39;d&#39;&gt;\xef\xbf\xbd");
+  chart::Frame f;
+  f.title = "<loss & more>";
+  f.x = {"step", chart::Unit::kNumber, false, true};
+  f.y = {"loss", chart::Unit::kNumber, false};
+  const chart::Chart c = chart::line_chart(f, {{"<train>", {1, 2, 3}, {3, 2, 1}, "", true, false, false}});
+  EXPECT_EQ(c.body.find("<loss"), std::string::npos);
+  EXPECT_NE(c.body.find("&lt;loss &amp; more&gt;"), std::string::npos);
+  EXPECT_NE(c.svg().find("<svg class=\"plot\" viewBox=\"0 0 880 280\""), std::string::npos);
+  const std::string doc = chart::compose("run", {c, c});
+  EXPECT_EQ(count(doc, "xmlns=\"http://www.w3.org/2000/svg\""), 1u);
+  EXPECT_EQ(count(doc, "<svg x="), 2u);
 }
