@@ -12,7 +12,7 @@ namespace tetra::core::chart {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kFont = 12;  // px: ticks, legend, labels
+constexpr double kFont = 12;   // px: ticks, legend, labels
 constexpr double kSmall = 10;  // px: captions inside and under marks
 
 // A coordinate to a tenth of a unit: finer is invisible and makes the page larger.
@@ -84,17 +84,18 @@ const char* ink_on(const std::string& fill) {
   return lum > 128 ? "#000000" : "#ffffff";
 }
 
-std::string text(double x, double y, const std::string& s, const char* anchor = "start", double size = kFont,
-                 const char* extra = "") {
+std::string text(double x, double y, const std::string& s, const char* anchor = "start",
+                 double size = kFont, const char* extra = "") {
   std::string out = "<text x=\"" + num(x) + "\" y=\"" + num(y) + "\"";
   if (std::string(anchor) != "start") out += std::string(" text-anchor=\"") + anchor + "\"";
   if (size != kFont) out += " font-size=\"" + num(size) + "\"";
   return out + extra + ">" + escape(s) + "</text>";
 }
 
-std::string rect(double x, double y, double w, double h, const std::string& fill, const std::string& extra = "") {
-  return "<rect x=\"" + num(x) + "\" y=\"" + num(y) + "\" width=\"" + num(std::max(0.0, w)) + "\" height=\"" +
-         num(std::max(0.0, h)) + "\" fill=\"" + fill + "\"" + extra;
+std::string rect(double x, double y, double w, double h, const std::string& fill,
+                 const std::string& extra = "") {
+  return "<rect x=\"" + num(x) + "\" y=\"" + num(y) + "\" width=\"" + num(std::max(0.0, w)) +
+         "\" height=\"" + num(std::max(0.0, h)) + "\" fill=\"" + fill + "\"" + extra;
 }
 
 struct LegendEntry {
@@ -104,7 +105,8 @@ struct LegendEntry {
 };
 
 // Title, legend (wrapped to the width) and note; returns where the plot may begin.
-double header(std::string& out, const Frame& f, double width, const std::vector<LegendEntry>& legend) {
+double header(std::string& out, const Frame& f, double width,
+              const std::vector<LegendEntry>& legend) {
   out += text(12, 20, f.title, "start", 14, " font-weight=\"bold\"");
   double x = 12, y = 20;
   if (!legend.empty()) y += 20;
@@ -118,19 +120,21 @@ double header(std::string& out, const Frame& f, double width, const std::vector<
     switch (e.style) {
       case LegendEntry::kLine:
       case LegendEntry::kDashed:
-        out += "<line x1=\"" + num(x) + "\" y1=\"" + mid + "\" x2=\"" + num(x + 18) + "\" y2=\"" + mid +
-               "\" stroke=\"" + e.colour + "\" stroke-width=\"2\"" +
+        out += "<line x1=\"" + num(x) + "\" y1=\"" + mid + "\" x2=\"" + num(x + 18) + "\" y2=\"" +
+               mid + "\" stroke=\"" + e.colour + "\" stroke-width=\"2\"" +
                (e.style == LegendEntry::kDashed ? " stroke-dasharray=\"5 3\"" : "") + "/>";
         break;
       case LegendEntry::kMarker:
-        out += "<circle cx=\"" + num(x + 9) + "\" cy=\"" + mid + "\" r=\"4\" fill=\"" + e.colour + "\"/>";
+        out += "<circle cx=\"" + num(x + 9) + "\" cy=\"" + mid + "\" r=\"4\" fill=\"" + e.colour +
+               "\"/>";
         break;
       case LegendEntry::kBox:
         out += rect(x + 2, y - 10, 14, 11, e.colour, " stroke=\"#555555\" stroke-width=\"0.5\"/>");
         break;
       case LegendEntry::kPale:
-        out += rect(x + 2, y - 10, 14, 11, e.colour,
-                    " fill-opacity=\"0.35\" stroke=\"" + e.colour + "\" stroke-dasharray=\"2 1\"/>");
+        out +=
+            rect(x + 2, y - 10, 14, 11, e.colour,
+                 " fill-opacity=\"0.35\" stroke=\"" + e.colour + "\" stroke-dasharray=\"2 1\"/>");
         break;
     }
     out += text(x + 24, y, e.name);
@@ -168,16 +172,16 @@ void y_axis(std::string& out, const Area& a, const Ticks& yt, const std::string&
            "\" stroke=\"#e4e4e4\"/>";
     out += text(a.l - 5, map(v, yt, a.b, a.t) + 4, tick_text(v, yt), "end");
   }
-  out += "<text transform=\"translate(14," + num((a.t + a.b) / 2) + ") rotate(-90)\" text-anchor=\"middle\">" +
-         escape(label) + "</text>";
+  out += "<text transform=\"translate(14," + num((a.t + a.b) / 2) +
+         ") rotate(-90)\" text-anchor=\"middle\">" + escape(label) + "</text>";
 }
 
 void x_axis(std::string& out, const Area& a, const Ticks& xt, const std::string& label) {
   double last_right = -kInf;
   for (double v : xt.at) {
     const double x = map(v, xt, a.l, a.r);
-    out += "<line x1=\"" + num(x) + "\" y1=\"" + num(a.t) + "\" x2=\"" + num(x) + "\" y2=\"" + num(a.b) +
-           "\" stroke=\"#efefef\"/>";
+    out += "<line x1=\"" + num(x) + "\" y1=\"" + num(a.t) + "\" x2=\"" + num(x) + "\" y2=\"" +
+           num(a.b) + "\" stroke=\"#efefef\"/>";
     const std::string s = tick_text(v, xt);
     const double w = text_width(s, kFont);
     if (x - w / 2 < last_right + 6) continue;  // would overlap the previous tick's text
@@ -207,9 +211,7 @@ struct Range {
   }
 };
 
-const std::string& colour_or(const std::string& c, size_t i) {
-  return c.empty() ? colour(i) : c;
-}
+const std::string& colour_or(const std::string& c, size_t i) { return c.empty() ? colour(i) : c; }
 
 }  // namespace
 
@@ -249,7 +251,9 @@ std::string tick_text(double value, const Ticks& t) {
   if (x == 0) return "0";
   if (t.exponent) {  // as few digits as read back as the tick: 5e-5, 1e-4, 1.5e-4
     int digits = 0;
-    while (digits < 6 && std::abs(std::strtod(short_exponent(x, digits).c_str(), nullptr) - x) > step * 1e-6) ++digits;
+    while (digits < 6 &&
+           std::abs(std::strtod(short_exponent(x, digits).c_str(), nullptr) - x) > step * 1e-6)
+      ++digits;
     return short_exponent(x, digits) + t.suffix;
   }
   char buf[48];
@@ -264,7 +268,10 @@ std::string human(double value, Unit unit) {
   const double ax = std::abs(x);
   if (unit == Unit::kNumber && s.scale == 1 && ax != 0 && ax < 0.01) return short_exponent(x, 2);
   char buf[48];
-  std::snprintf(buf, sizeof buf, "%.*f%s", ax >= 100 || (unit == Unit::kBytes && s.scale == 1) ? 0 : ax >= 10 ? 1 : 2,
+  std::snprintf(buf, sizeof buf, "%.*f%s",
+                ax >= 100 || (unit == Unit::kBytes && s.scale == 1) ? 0
+                : ax >= 10                                          ? 1
+                                                                    : 2,
                 x, s.suffix);
   return buf;
 }
@@ -274,11 +281,21 @@ std::string escape(const std::string& s) {
   out.reserve(s.size() + s.size() / 8);
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t' && c != '\r')
           out += "\xef\xbf\xbd";  // U+FFFD: XML has no way to write these
@@ -290,7 +307,8 @@ std::string escape(const std::string& s) {
 }
 
 const std::string& colour(size_t i) {
-  static const std::string bright[] = {"#4477AA", "#EE6677", "#228833", "#CCBB44", "#66CCEE", "#AA3377", "#BBBBBB"};
+  static const std::string bright[] = {"#4477AA", "#EE6677", "#228833", "#CCBB44",
+                                       "#66CCEE", "#AA3377", "#BBBBBB"};
   return bright[i % (sizeof bright / sizeof bright[0])];
 }
 
@@ -324,9 +342,10 @@ std::vector<size_t> keep_extremes(const std::vector<double>& y, size_t max_point
 }
 
 std::string Chart::svg() const {
-  return "<svg class=\"plot\" viewBox=\"0 0 " + std::to_string(width) + " " + std::to_string(height) + "\" width=\"" +
-         std::to_string(width) + "\" height=\"" + std::to_string(height) + "\" role=\"img\" aria-label=\"" +
-         escape(title) + "\" font-family=\"sans-serif\" font-size=\"12\">" + body + "</svg>";
+  return "<svg class=\"plot\" viewBox=\"0 0 " + std::to_string(width) + " " +
+         std::to_string(height) + "\" width=\"" + std::to_string(width) + "\" height=\"" +
+         std::to_string(height) + "\" role=\"img\" aria-label=\"" + escape(title) +
+         "\" font-family=\"sans-serif\" font-size=\"12\">" + body + "</svg>";
 }
 
 std::string compose(const std::string& heading, const std::vector<Chart>& charts) {
@@ -342,18 +361,21 @@ std::string compose(const std::string& heading, const std::vector<Chart>& charts
       y += row_h + pad;
       row_h = 0;
     }
-    inner += "<svg x=\"" + std::to_string(x) + "\" y=\"" + std::to_string(y) + "\" width=\"" + std::to_string(c.width) +
-             "\" height=\"" + std::to_string(c.height) + "\" viewBox=\"0 0 " + std::to_string(c.width) + " " +
-             std::to_string(c.height) + "\">" + c.body + "</svg>\n";
+    inner += "<svg x=\"" + std::to_string(x) + "\" y=\"" + std::to_string(y) + "\" width=\"" +
+             std::to_string(c.width) + "\" height=\"" + std::to_string(c.height) +
+             "\" viewBox=\"0 0 " + std::to_string(c.width) + " " + std::to_string(c.height) +
+             "\">" + c.body + "</svg>\n";
     x += c.width + pad;
     row_h = std::max(row_h, c.height);
   }
   const int width = 2 * pad + row_limit, height = y + row_h + pad;
-  return "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" +
-         std::to_string(width) + "\" height=\"" + std::to_string(height) + "\" viewBox=\"0 0 " + std::to_string(width) +
-         " " + std::to_string(height) + "\" font-family=\"sans-serif\" font-size=\"12\">\n" +
-         rect(0, 0, width, height, "#ffffff", "/>") + text(pad, 28, heading, "start", 18, " font-weight=\"bold\"") +
-         "\n" + inner + "</svg>\n";
+  return "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
+         "width=\"" +
+         std::to_string(width) + "\" height=\"" + std::to_string(height) + "\" viewBox=\"0 0 " +
+         std::to_string(width) + " " + std::to_string(height) +
+         "\" font-family=\"sans-serif\" font-size=\"12\">\n" +
+         rect(0, 0, width, height, "#ffffff", "/>") +
+         text(pad, 28, heading, "start", 18, " font-weight=\"bold\"") + "\n" + inner + "</svg>\n";
 }
 
 namespace {
@@ -367,7 +389,9 @@ void add_ranges(const std::vector<Series>& series, Range& xr, Range& yr) {
 void add_legend(const std::vector<Series>& series, std::vector<LegendEntry>& legend) {
   for (size_t k = 0; k < series.size(); ++k)
     legend.push_back({series[k].name, colour_or(series[k].colour, k),
-                      !series[k].line ? LegendEntry::kMarker : series[k].dashed ? LegendEntry::kDashed : LegendEntry::kLine});
+                      !series[k].line    ? LegendEntry::kMarker
+                      : series[k].dashed ? LegendEntry::kDashed
+                                         : LegendEntry::kLine});
 }
 
 // A chart of the frame's size on a white ground, with its header; `top`: where the plot may begin.
@@ -378,7 +402,8 @@ Chart start(const Frame& f, int height, const std::vector<LegendEntry>& legend, 
 }
 
 // A chart with its header, plot area `a` and both axes: what line and stacked charts share.
-Chart with_axes(const Frame& f, const std::vector<LegendEntry>& legend, const Ticks& xt, const Ticks& yt, Area* a) {
+Chart with_axes(const Frame& f, const std::vector<LegendEntry>& legend, const Ticks& xt,
+                const Ticks& yt, Area* a) {
   double top = 0;
   Chart c = start(f, f.height, legend, &top);
   *a = {left_margin(yt), top, f.width - 16.0, f.height - 40.0};
@@ -388,8 +413,8 @@ Chart with_axes(const Frame& f, const std::vector<LegendEntry>& legend, const Ti
 }
 
 // The series as a line broken at its gaps (Note [Many points]), and its markers.
-void draw_series(std::string& out, const Series& s, const std::string& col, const Ticks& xt, const Ticks& yt,
-                 const Area& a) {
+void draw_series(std::string& out, const Series& s, const std::string& col, const Ticks& xt,
+                 const Ticks& yt, const Area& a) {
   std::string d, dots;
   size_t finite = 0;
   bool pen = false;
@@ -407,14 +432,16 @@ void draw_series(std::string& out, const Series& s, const std::string& col, cons
   const std::string name = " data-series=\"" + escape(s.name) + "\"";
   if (s.line && finite > 1)
     out += "<path class=\"line\"" + name + " d=\"" + d + "\" fill=\"none\" stroke=\"" + col +
-           "\" stroke-width=\"1.5\" stroke-linejoin=\"round\"" + (s.dashed ? " stroke-dasharray=\"5 3\"" : "") + "/>";
+           "\" stroke-width=\"1.5\" stroke-linejoin=\"round\"" +
+           (s.dashed ? " stroke-dasharray=\"5 3\"" : "") + "/>";
   if ((s.markers || !s.line || finite == 1) && finite)
     out += "<g class=\"markers\"" + name + " fill=\"" + col + "\">" + dots + "</g>";
 }
 
 }  // namespace
 
-Chart line_chart(const Frame& f, const std::vector<Series>& series, const std::vector<Rule>& rules) {
+Chart line_chart(const Frame& f, const std::vector<Series>& series,
+                 const std::vector<Rule>& rules) {
   Range xr, yr;
   add_ranges(series, xr, yr);
   for (const auto& r : rules) xr.add(r.x);
@@ -424,12 +451,14 @@ Chart line_chart(const Frame& f, const std::vector<Series>& series, const std::v
   Area a{};
   Chart c = with_axes(f, legend, xt, yt, &a);
   std::string& out = c.body;
-  for (size_t k = 0; k < series.size(); ++k) draw_series(out, series[k], colour_or(series[k].colour, k), xt, yt, a);
+  for (size_t k = 0; k < series.size(); ++k)
+    draw_series(out, series[k], colour_or(series[k].colour, k), xt, yt, a);
   for (const auto& r : rules) {
     const double x = map(r.x, xt, a.l, a.r);
-    out += "<line class=\"rule\" x1=\"" + num(x) + "\" y1=\"" + num(a.t) + "\" x2=\"" + num(x) + "\" y2=\"" +
-           num(a.b) + "\" stroke=\"" + r.colour + "\" stroke-dasharray=\"3 3\"/>";
-    const bool right = x > a.l + a.w() * 0.7;  // near the right edge the label goes left of the line
+    out += "<line class=\"rule\" x1=\"" + num(x) + "\" y1=\"" + num(a.t) + "\" x2=\"" + num(x) +
+           "\" y2=\"" + num(a.b) + "\" stroke=\"" + r.colour + "\" stroke-dasharray=\"3 3\"/>";
+    const bool right =
+        x > a.l + a.w() * 0.7;  // near the right edge the label goes left of the line
     out += text(right ? x - 3 : x + 3, a.t + 11, r.label, right ? "end" : "start", kSmall,
                 (" fill=\"" + r.colour + "\"").c_str());
   }
@@ -437,8 +466,8 @@ Chart line_chart(const Frame& f, const std::vector<Series>& series, const std::v
   return c;
 }
 
-Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x, const std::vector<Layer>& layers,
-                          const std::vector<Series>& lines) {
+Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x,
+                          const std::vector<Layer>& layers, const std::vector<Series>& lines) {
   const size_t n = x.size();
   std::vector<double> total(n, 0.0);
   for (const auto& l : layers)
@@ -456,7 +485,8 @@ Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x, const st
   add_ranges(lines, xr, yr);
   const Ticks xt = xr.ticks(f.x, 8), yt = yr.ticks(f.y, 5);
   std::vector<LegendEntry> legend;
-  for (size_t k = 0; k < layers.size(); ++k) legend.push_back({layers[k].name, colour_or(layers[k].colour, k), LegendEntry::kBox});
+  for (size_t k = 0; k < layers.size(); ++k)
+    legend.push_back({layers[k].name, colour_or(layers[k].colour, k), LegendEntry::kBox});
   add_legend(lines, legend);
   Area a{};
   Chart c = with_axes(f, legend, xt, yt, &a);
@@ -470,19 +500,21 @@ Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x, const st
       const double v = idx[j] < l.y.size() && std::isfinite(l.y[idx[j]]) ? l.y[idx[j]] : 0.0;
       above[j] += v;
       const std::string yl = num(map(above[j], yt, a.b, a.t));
-      up += (j ? "L" : "M") + num(map(left[j], xt, a.l, a.r)) + " " + yl + "L" + num(map(x[idx[j]], xt, a.l, a.r)) +
-            " " + yl;
+      up += (j ? "L" : "M") + num(map(left[j], xt, a.l, a.r)) + " " + yl + "L" +
+            num(map(x[idx[j]], xt, a.l, a.r)) + " " + yl;
     }
     for (size_t j = idx.size(); j-- > 0;) {
       const std::string yl = num(map(below[j], yt, a.b, a.t));
-      down += "L" + num(map(x[idx[j]], xt, a.l, a.r)) + " " + yl + "L" + num(map(left[j], xt, a.l, a.r)) + " " + yl;
+      down += "L" + num(map(x[idx[j]], xt, a.l, a.r)) + " " + yl + "L" +
+              num(map(left[j], xt, a.l, a.r)) + " " + yl;
     }
     if (!idx.empty())
-      out += "<path class=\"layer\" data-series=\"" + escape(l.name) + "\" d=\"" + up + down + "Z\" fill=\"" +
-             colour_or(l.colour, k) + "\"/>";
+      out += "<path class=\"layer\" data-series=\"" + escape(l.name) + "\" d=\"" + up + down +
+             "Z\" fill=\"" + colour_or(l.colour, k) + "\"/>";
     below = std::move(above);
   }
-  for (size_t k = 0; k < lines.size(); ++k) draw_series(out, lines[k], colour_or(lines[k].colour, k), xt, yt, a);
+  for (size_t k = 0; k < lines.size(); ++k)
+    draw_series(out, lines[k], colour_or(lines[k].colour, k), xt, yt, a);
   frame(out, a);
   return c;
 }
@@ -501,7 +533,8 @@ Chart bar_chart(const Frame& f, const std::vector<Group>& groups) {
   size_t per_group = 1;
   std::vector<LegendEntry> legend;
   auto listed = [&](const std::string& name) {
-    return std::any_of(legend.begin(), legend.end(), [&](const LegendEntry& e) { return e.name == name; });
+    return std::any_of(legend.begin(), legend.end(),
+                       [&](const LegendEntry& e) { return e.name == name; });
   };
   for (bool pale : {false, true})
     for (const auto& g : groups) {
@@ -529,7 +562,8 @@ Chart bar_chart(const Frame& f, const std::vector<Group>& groups) {
   double last_label = -kInf;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const Group& g = groups[gi];
-    const double x0 = a.l + slot * static_cast<double>(gi) + (slot - bw * static_cast<double>(g.bars.size())) / 2;
+    const double x0 =
+        a.l + slot * static_cast<double>(gi) + (slot - bw * static_cast<double>(g.bars.size())) / 2;
     double highest = a.b, note_left = kInf, note_right = -kInf;  // over the bars that are not cut
     bool captions = false;
     for (size_t bi = 0; bi < g.bars.size(); ++bi) {
@@ -537,16 +571,25 @@ Chart bar_chart(const Frame& f, const std::vector<Group>& groups) {
       const double x = x0 + bw * static_cast<double>(bi);
       double base = 0;
       for (const auto& s : b.segments) {
-        const double y0 = std::max(a.t, map(base, yt, a.b, a.t)), y1 = std::max(a.t, map(base + s.value, yt, a.b, a.t));
+        const double y0 = std::max(a.t, map(base, yt, a.b, a.t)),
+                     y1 = std::max(a.t, map(base + s.value, yt, a.b, a.t));
         base += s.value;
-        const std::string tip = "<title>" + escape(g.label + ", " + b.caption + ": " + s.name + " " + human(s.value, f.y.unit)) + "</title></rect>";
+        const std::string tip =
+            "<title>" +
+            escape(g.label + ", " + b.caption + ": " + s.name + " " + human(s.value, f.y.unit)) +
+            "</title></rect>";
         out += rect(x + 1, y1, bw - 2, y0 - y1, s.colour,
-                    " class=\"bar\"" + std::string(b.pale ? " fill-opacity=\"0.35\" stroke=\"" + s.colour + "\" stroke-dasharray=\"2 1\">" : ">") + tip);
+                    " class=\"bar\"" +
+                        std::string(b.pale ? " fill-opacity=\"0.35\" stroke=\"" + s.colour +
+                                                 "\" stroke-dasharray=\"2 1\">"
+                                           : ">") +
+                        tip);
       }
       if (clipped(b)) {  // a break near the top, and the value it would reach
         for (double dy : {10.0, 15.0})
-          out += "<line x1=\"" + num(x) + "\" y1=\"" + num(a.t + dy + 3) + "\" x2=\"" + num(x + bw) + "\" y2=\"" +
-                 num(a.t + dy - 3) + "\" stroke=\"#ffffff\" stroke-width=\"2\"/>";
+          out += "<line x1=\"" + num(x) + "\" y1=\"" + num(a.t + dy + 3) + "\" x2=\"" +
+                 num(x + bw) + "\" y2=\"" + num(a.t + dy - 3) +
+                 "\" stroke=\"#ffffff\" stroke-width=\"2\"/>";
         out += text(x + bw / 2, a.t - 3, human(base, f.y.unit), "middle", kSmall);
       } else {
         highest = std::min(highest, map(base, yt, a.b, a.t));
@@ -588,7 +631,8 @@ Chart timeline_chart(const Frame& f, const std::vector<Row>& rows, const std::ve
   double top = 0;
   Chart c = start(f, f.height > 0 ? f.height : static_cast<int>(std::ceil(height)), legend, &top);
   std::string& out = c.body;
-  const Area a{label_w + 20, top, f.width - 16.0, top + static_cast<double>(rows.size()) * (row_h + gap)};
+  const Area a{label_w + 20, top, f.width - 16.0,
+               top + static_cast<double>(rows.size()) * (row_h + gap)};
   x_axis(out, a, xt, f.x.label);
   for (size_t ri = 0; ri < rows.size(); ++ri) {
     const Row& r = rows[ri];
@@ -601,7 +645,8 @@ Chart timeline_chart(const Frame& f, const std::vector<Row>& rows, const std::ve
       const std::string& fill = b.kind < kinds.size() ? kinds[b.kind].colour : colour(b.kind);
       const std::string name = b.kind < kinds.size() ? kinds[b.kind].name : "";
       out += rect(x0, y + 1, std::max(0.5, x1 - x0), row_h - 2, fill,
-                  " class=\"block\" data-kind=\"" + escape(name) + "\"><title>" + escape(b.label.empty() ? name : b.label + " (" + name + ")") + " " +
+                  " class=\"block\" data-kind=\"" + escape(name) + "\"><title>" +
+                      escape(b.label.empty() ? name : b.label + " (" + name + ")") + " " +
                       escape(human(b.end - b.begin, f.x.unit)) + "</title></rect>");
       if (!b.label.empty() && text_width(b.label, kSmall) + 4 <= x1 - x0)
         out += text((x0 + x1) / 2, y + row_h / 2 + 3.5, b.label, "middle", kSmall,

@@ -83,7 +83,8 @@ struct Rule {
   std::string label;
   std::string colour = "#555555";
 };
-Chart line_chart(const Frame& f, const std::vector<Series>& series, const std::vector<Rule>& rules = {});
+Chart line_chart(const Frame& f, const std::vector<Series>& series,
+                 const std::vector<Rule>& rules = {});
 
 // Stacked layers over x, where each y is a mean over the steps since the previous x (what
 // a metrics record reports): drawn as steps, not slopes. `lines` are drawn over them.
@@ -92,8 +93,8 @@ struct Layer {
   std::vector<double> y;  // one per x; NaN counts as 0
   std::string colour;
 };
-Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x, const std::vector<Layer>& layers,
-                          const std::vector<Series>& lines = {});
+Chart stacked_steps_chart(const Frame& f, const std::vector<double>& x,
+                          const std::vector<Layer>& layers, const std::vector<Series>& lines = {});
 
 // Groups of bars, each bar a stack of segments; a pale bar is an estimate beside a measure.
 struct Segment {

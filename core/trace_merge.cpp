@@ -43,14 +43,16 @@ std::optional<long> rank_in_filename(const std::string& name) {
 void sort_by_rank(std::vector<fs::path>& files) {
   std::stable_sort(files.begin(), files.end(), [](const fs::path& a, const fs::path& b) {
     auto ra = rank_in_filename(a.filename().string()), rb = rank_in_filename(b.filename().string());
-    long ka = ra ? *ra : std::numeric_limits<long>::max(), kb = rb ? *rb : std::numeric_limits<long>::max();
+    long ka = ra ? *ra : std::numeric_limits<long>::max(),
+         kb = rb ? *rb : std::numeric_limits<long>::max();
     if (ka != kb) return ka < kb;
     return a.filename().string() < b.filename().string();
   });
 }
 
 // Files in `dir` whose name passes `keep`.
-std::vector<fs::path> list_dir(const fs::path& dir, bool (*keep)(const std::string&, const std::string&),
+std::vector<fs::path> list_dir(const fs::path& dir,
+                               bool (*keep)(const std::string&, const std::string&),
                                const std::string& stem) {
   std::vector<fs::path> out;
   std::error_code ec;
@@ -64,7 +66,9 @@ std::vector<fs::path> list_dir(const fs::path& dir, bool (*keep)(const std::stri
   return out;
 }
 
-bool is_rank_file(const std::string& name, const std::string&) { return rank_in_filename(name).has_value(); }
+bool is_rank_file(const std::string& name, const std::string&) {
+  return rank_in_filename(name).has_value();
+}
 
 // "<stem>.rank<N>.json"
 bool is_stem_rank_file(const std::string& name, const std::string& stem) {
@@ -72,7 +76,8 @@ bool is_stem_rank_file(const std::string& name, const std::string& stem) {
   if (name.size() <= head.size() + 5 || name.compare(0, head.size(), head) != 0) return false;
   if (name.compare(name.size() - 5, 5, ".json") != 0) return false;
   std::string digits = name.substr(head.size(), name.size() - head.size() - 5);
-  return !digits.empty() && std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+  return !digits.empty() &&
+         std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
 bool has_glob_chars(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
@@ -98,17 +103,17 @@ std::string key_of(const fs::path& p) {
 
 struct Rank {
   fs::path file;
-  std::vector<json> events;          // as read (objects only)
-  std::optional<long> named_rank;    // from process_name "... rank N"
-  std::optional<double> epoch_us;    // unix µs of ts=0
-  std::string clock;                 // "clock_sync", "wall_start_us" or ""
+  std::vector<json> events;        // as read (objects only)
+  std::optional<long> named_rank;  // from process_name "... rank N"
+  std::optional<double> epoch_us;  // unix µs of ts=0
+  std::string clock;               // "clock_sync", "wall_start_us" or ""
   double earliest = std::numeric_limits<double>::infinity();
   bool has_process_name = false;
-  size_t pids = 0;                   // distinct pids among its events
-  size_t skipped = 0;                // entries that are not objects or lack a numeric ts
-  int pid = 0;                       // in the output
-  bool moved = false;                // pid is not the rank it claimed (taken by another file)
-  double offset = 0;                 // added to every ts
+  size_t pids = 0;     // distinct pids among its events
+  size_t skipped = 0;  // entries that are not objects or lack a numeric ts
+  int pid = 0;         // in the output
+  bool moved = false;  // pid is not the rank it claimed (taken by another file)
+  double offset = 0;   // added to every ts
 };
 
 bool is_meta(const json& e) { return e.value("ph", std::string()) == "M"; }
@@ -157,7 +162,8 @@ Rank read_rank(const fs::path& file) {
         if (args && args->contains("name") && (*args)["name"].is_string() && !r.named_rank)
           r.named_rank = rank_in_process_name((*args)["name"].get<std::string>());
       }
-      if (name == "clock_sync" && args && args->contains("epoch_us") && (*args)["epoch_us"].is_number() && !sync)
+      if (name == "clock_sync" && args && args->contains("epoch_us") &&
+          (*args)["epoch_us"].is_number() && !sync)
         sync = (*args)["epoch_us"].get<double>();
       if (args && args->contains("wall_start_us") && (*args)["wall_start_us"].is_number() && !wall)
         wall = (*args)["wall_start_us"].get<double>();
@@ -199,8 +205,8 @@ void assign_pids(std::vector<Rank>& ranks, std::vector<std::string>& warnings) {
     if (used.count(pid) || pid > std::numeric_limits<int>::max()) {
       long free = 0;
       while (used.count(free) || claimed.count(free)) ++free;
-      warnings.push_back(ranks[i].file.string() + ": rank " + std::to_string(pid) + " is already taken; shown as pid " +
-                         std::to_string(free));
+      warnings.push_back(ranks[i].file.string() + ": rank " + std::to_string(pid) +
+                         " is already taken; shown as pid " + std::to_string(free));
       pid = free;
       ranks[i].moved = true;
     }
@@ -220,7 +226,8 @@ std::string align(std::vector<Rank>& ranks) {
     if (!r.epoch_us) continue;
     ++synced;
     r.offset = *r.epoch_us - *base;
-    if (std::isfinite(r.earliest)) synced_earliest = std::min(synced_earliest, r.earliest + r.offset);
+    if (std::isfinite(r.earliest))
+      synced_earliest = std::min(synced_earliest, r.earliest + r.offset);
   }
   const double anchor = std::isfinite(synced_earliest) ? synced_earliest : 0.0;
   for (auto& r : ranks)
@@ -228,7 +235,8 @@ std::string align(std::vector<Rank>& ranks) {
   if (synced == ranks.size()) {
     std::set<std::string> kinds;
     for (const auto& r : ranks) kinds.insert(r.clock);
-    return kinds.size() == 1 ? "aligned by " + *kinds.begin() : "aligned by clock_sync / wall_start_us";
+    return kinds.size() == 1 ? "aligned by " + *kinds.begin()
+                             : "aligned by clock_sync / wall_start_us";
   }
   if (synced == 0) return "aligned by earliest event (assumes the ranks started together)";
   return "aligned by clock for " + std::to_string(synced) + " of " + std::to_string(ranks.size()) +
@@ -247,7 +255,8 @@ struct Sorted {
 
 long rank_in_trace_filename(const std::string& name) { return rank_in_filename(name).value_or(-1); }
 
-std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs, const std::string& exclude) {
+std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs,
+                                          const std::string& exclude) {
   const std::string out_key = exclude.empty() ? std::string() : key_of(exclude);
   std::vector<std::string> files;
   std::set<std::string> seen;
@@ -262,7 +271,8 @@ std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs
     fs::file_status st = fs::status(p, ec);
     if (fs::is_directory(st)) {
       auto found = list_dir(p, is_rank_file, "");
-      if (found.empty()) throw ConfigError(a + ": a folder with no trace files named *rank<N>.json");
+      if (found.empty())
+        throw ConfigError(a + ": a folder with no trace files named *rank<N>.json");
       for (const auto& f : found) add(f, true);
     } else if (fs::exists(st)) {
       add(p, false);
@@ -294,7 +304,8 @@ MergedTrace merge_traces(const std::vector<std::string>& files) {
 
   std::vector<Sorted> all;
   size_t seq = 0;
-  double first = std::numeric_limits<double>::infinity(), last = -std::numeric_limits<double>::infinity();
+  double first = std::numeric_limits<double>::infinity(),
+         last = -std::numeric_limits<double>::infinity();
   for (auto& r : ranks) {
     m.pids.push_back(r.pid);
     if (r.pids > 1)
@@ -303,12 +314,19 @@ MergedTrace merge_traces(const std::vector<std::string>& files) {
     if (r.skipped)
       m.warnings.push_back(r.file.string() + ": skipped " + std::to_string(r.skipped) +
                            " entries that are not events with a numeric ts");
-    const std::string label = "rank " + std::to_string(r.pid) + " (" + r.file.filename().string() + ")";
+    const std::string label =
+        "rank " + std::to_string(r.pid) + " (" + r.file.filename().string() + ")";
     if (!r.has_process_name)
       all.push_back({true, 0, 0, r.pid, seq++,
-                     json{{"ph", "M"}, {"name", "process_name"}, {"pid", r.pid}, {"args", {{"name", label}}}}});
+                     json{{"ph", "M"},
+                          {"name", "process_name"},
+                          {"pid", r.pid},
+                          {"args", {{"name", label}}}}});
     all.push_back({true, 0, 0, r.pid, seq++,
-                   json{{"ph", "M"}, {"name", "process_sort_index"}, {"pid", r.pid}, {"args", {{"sort_index", r.pid}}}}});
+                   json{{"ph", "M"},
+                        {"name", "process_sort_index"},
+                        {"pid", r.pid},
+                        {"args", {{"sort_index", r.pid}}}}});
     for (auto& e : r.events) {
       e["pid"] = r.pid;
       if (is_meta(e)) {
@@ -316,7 +334,8 @@ MergedTrace merge_traces(const std::vector<std::string>& files) {
         if (name == "process_sort_index") continue;  // ours orders by rank
         if (name == "process_name" && r.moved && e.contains("args") && e["args"].is_object() &&
             e["args"].contains("name") && e["args"]["name"].is_string())
-          e["args"]["name"] = e["args"]["name"].get<std::string>() + " [" + r.file.filename().string() + "]";
+          e["args"]["name"] =
+              e["args"]["name"].get<std::string>() + " [" + r.file.filename().string() + "]";
         all.push_back({true, 0, 0, r.pid, seq++, std::move(e)});
         continue;
       }

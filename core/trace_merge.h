@@ -24,9 +24,8 @@
 // sorted by ts (ties: by pid, longer first so enclosing spans precede, then input order).
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstddef>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -40,7 +39,8 @@ namespace tetra::core {
 // Files a folder, glob or prefix finds are sorted by rank (rank2 before rank10) and never
 // include `exclude` (the output of a merge). Throws tetra::ConfigError naming an input
 // that finds nothing.
-std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs, const std::string& exclude = "");
+std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs,
+                                          const std::string& exclude = "");
 
 // The N of a file name "...rank<N>.json" ("trace.rank3.json", "rank3.json"); -1 if none.
 long rank_in_trace_filename(const std::string& name);

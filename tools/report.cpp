@@ -25,15 +25,15 @@
 // Exit status: 0 written; 2 the input is wrong (RUN_DIR missing, no metrics, a line
 // that is not JSON: named as file:line; --step not in the traces; no rsvg-convert for
 // --png); 1 anything else (the page cannot be written).
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-#include <yaml-cpp/yaml.h>
+#include "core/report.h"
 
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <yaml-cpp/yaml.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -45,6 +45,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string>
@@ -54,7 +55,6 @@
 #include "collectives/error.h"
 #include "core/chart.h"
 #include "core/job_spec.h"
-#include "core/report.h"
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/trace_merge.h"
@@ -75,7 +75,9 @@ using tetra::ConfigError;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // j[key] as a number; NaN when j is not an object or the key is missing, null or not a number.
 double number(const json& j, const char* key) {
@@ -136,10 +138,12 @@ Metrics read_metrics(const fs::path& path) {
     try {
       rec = json::parse(line);
     } catch (const json::exception& e) {
-      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not a JSON object (" + e.what() + ")");
+      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not a JSON object (" +
+                        e.what() + ")");
     }
     if (!rec.is_object() || !rec.contains("step") || !rec["step"].is_number_integer())
-      throw ConfigError(path.string() + ":" + std::to_string(n) + ": a record without an integer \"step\"");
+      throw ConfigError(path.string() + ":" + std::to_string(n) +
+                        ": a record without an integer \"step\"");
     ++m.records;
     const int64_t step = rec["step"].get<int64_t>();
     const bool eval = rec.value("eval", false), failure = rec.contains("checkpoint_failures"),
@@ -150,7 +154,8 @@ Metrics read_metrics(const fs::path& path) {
     }
     std::map<int64_t, json>& kind = eval ? m.eval : failure ? m.failures : m.train;
     // A run writes one train record per step; an eval twice at one step replaces.
-    if (!failure && !kind.empty() && (eval ? step < kind.rbegin()->first : step <= kind.rbegin()->first)) {
+    if (!failure && !kind.empty() &&
+        (eval ? step < kind.rbegin()->first : step <= kind.rbegin()->first)) {
       for (auto* k : {&m.train, &m.eval, &m.failures}) k->erase(k->lower_bound(step), k->end());
       m.resumed_at.push_back(step);
     }
@@ -160,10 +165,12 @@ Metrics read_metrics(const fs::path& path) {
 }
 
 // `key` (then `sub` inside it) of each record; NaN where absent.
-std::vector<double> column(const std::map<int64_t, json>& recs, const char* key, const char* sub = nullptr) {
+std::vector<double> column(const std::map<int64_t, json>& recs, const char* key,
+                           const char* sub = nullptr) {
   std::vector<double> out;
   out.reserve(recs.size());
-  for (const auto& [step, r] : recs) out.push_back(sub ? number(member(r, key), sub) : number(r, key));
+  for (const auto& [step, r] : recs)
+    out.push_back(sub ? number(member(r, key), sub) : number(r, key));
   return out;
 }
 
@@ -216,7 +223,8 @@ std::vector<std::string> default_traces(const fs::path& dir) {
 
 Run read_run(const fs::path& dir) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw ConfigError(dir.string() + ": no such folder (the run's log.dir)");
+  if (!fs::is_directory(dir, ec))
+    throw ConfigError(dir.string() + ": no such folder (the run's log.dir)");
   Run run;
   run.dir = dir;
   const fs::path summary = dir / "summary.json";
@@ -232,10 +240,12 @@ Run read_run(const fs::path& dir) {
   const std::string named = text_of(run.summary, "metrics");
   if (!named.empty()) {
     metrics = locate(dir, named);
-    if (metrics != fs::path(named)) run.notes.push_back("summary.json names " + named + "; read " + metrics.string());
+    if (metrics != fs::path(named))
+      run.notes.push_back("summary.json names " + named + "; read " + metrics.string());
   }
   if (!fs::exists(metrics, ec))
-    throw ConfigError(dir.string() + ": no metrics (" + metrics.string() + " does not exist; set log.metrics)");
+    throw ConfigError(dir.string() + ": no metrics (" + metrics.string() +
+                      " does not exist; set log.metrics)");
   run.metrics = read_metrics(metrics);
   if (run.metrics.train.empty() && run.metrics.eval.empty())
     throw ConfigError(metrics.string() + ": no train or eval records");
@@ -256,7 +266,8 @@ Run read_run(const fs::path& dir) {
       if (fs::exists(p, ec))
         run.traces.push_back(p.string());
       else
-        run.notes.push_back("summary.json names the trace " + t.get<std::string>() + ", which is not there");
+        run.notes.push_back("summary.json names the trace " + t.get<std::string>() +
+                            ", which is not there");
     }
   } else {
     run.traces = default_traces(dir);
@@ -282,12 +293,15 @@ class Page {
     missing_ = true;
     html += "<p class=\"missing\">" + chart::escape(why) + "</p>\n";
   }
-  void note(const std::string& text) { html += "<p class=\"note\">" + chart::escape(text) + "</p>\n"; }
+  void note(const std::string& text) {
+    html += "<p class=\"note\">" + chart::escape(text) + "</p>\n";
+  }
   void add(chart::Chart c) {
     html += c.svg() + "\n";
     charts.push_back(std::move(c));
   }
-  void table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows) {
+  void table(const std::vector<std::string>& head,
+             const std::vector<std::vector<std::string>>& rows) {
     html += "<table><thead><tr>";
     for (const auto& h : head) html += "<th>" + chart::escape(h) + "</th>";
     html += "</tr></thead><tbody>\n";
@@ -316,12 +330,15 @@ const std::string& kForward = chart::colour(0);
 const std::string& kBackward = chart::colour(1);
 const std::string kWaitColour = "#BBBBBB";
 
-std::string pct(double fraction) { return std::isfinite(fraction) ? fmt("%.1f%%", 100 * fraction) : "n/a"; }
+std::string pct(double fraction) {
+  return std::isfinite(fraction) ? fmt("%.1f%%", 100 * fraction) : "n/a";
+}
 std::string ms(double v) { return chart::human(v, Unit::kMilliseconds); }
 std::string bytes(double v) { return chart::human(v, Unit::kBytes); }
 // "0.4 s" under a minute (a short test run), else "1m05s".
 std::string duration(double seconds) {
-  return std::isfinite(seconds) && seconds < 60 ? fmt("%.1f s", seconds) : tetra::core::human_duration(seconds);
+  return std::isfinite(seconds) && seconds < 60 ? fmt("%.1f s", seconds)
+                                                : tetra::core::human_duration(seconds);
 }
 
 // ---- header ---------------------------------------------------------------------------
@@ -332,12 +349,16 @@ std::string header_section(Page& page, const Run& run) {
   const Metrics& m = run.metrics;
   const bool have = s.is_object();
   std::string name = text_of(s, "job");
-  if (name.empty()) name = run.dir.filename().empty() ? run.dir.parent_path().filename().string() : run.dir.filename().string();
+  if (name.empty())
+    name = run.dir.filename().empty() ? run.dir.parent_path().filename().string()
+                                      : run.dir.filename().string();
   page.html += "<h1>" + chart::escape(name) + "</h1>\n";
   page.open("run", "Run");
   if (!have)
-    page.note("No summary.json: the run did not finish (killed, or still running). What follows is from " +
-              m.path + (run.traces.empty() ? "" : " and the traces") + ".");
+    page.note(
+        "No summary.json: the run did not finish (killed, or still running). What follows is "
+        "from " +
+        m.path + (run.traces.empty() ? "" : " and the traces") + ".");
   std::vector<std::pair<std::string, std::string>> facts;
   auto fact = [&](const std::string& k, const std::string& v) {
     if (!v.empty()) facts.emplace_back(k, v);
@@ -348,20 +369,24 @@ std::string header_section(Page& page, const Run& run) {
     fact("tetra", version);
     fact("started", text_of(s, "started"));
     fact("finished", text_of(s, "finished"));
-    std::string world = std::isfinite(number(s, "world")) ? fmt("%.0f processes", number(s, "world")) : "";
+    std::string world =
+        std::isfinite(number(s, "world")) ? fmt("%.0f processes", number(s, "world")) : "";
     const json& mesh = member(s, "mesh");
     if (mesh.is_object() && !mesh.empty()) {
       std::vector<std::string> axes;
       for (const auto& [axis, n] : mesh.items()) axes.push_back(axis + "=" + n.dump());
       world += ", mesh " + tetra::core::join(axes, " x ");
     }
-    if (number(s, "replicas") > 1) world += fmt(", %.0f replicas per process", number(s, "replicas"));
+    if (number(s, "replicas") > 1)
+      world += fmt(", %.0f replicas per process", number(s, "replicas"));
     fact("world", world);
     std::string steps = fmt("%.0f", number(s, "final_step"));
-    if (number(s, "steps") != number(s, "final_step")) steps += fmt(" (%.0f this run)", number(s, "steps"));
+    if (number(s, "steps") != number(s, "final_step"))
+      steps += fmt(" (%.0f this run)", number(s, "steps"));
     if (number(s, "skipped_steps") > 0) steps += fmt(", %.0f skipped", number(s, "skipped_steps"));
     fact("steps", steps);
-    fact("time", duration(number(s, "total_seconds")) + " (training " + duration(number(s, "train_seconds")) + ")");
+    fact("time", duration(number(s, "total_seconds")) + " (training " +
+                     duration(number(s, "train_seconds")) + ")");
     fact("throughput", fmt("%.0f samples/s", number(s, "samples_per_s")));
     fact("final loss", fmt("%.4f", number(s, "final_loss")));
     fact("resumed from", text_of(s, "resumed_from"));
@@ -380,8 +405,10 @@ std::string header_section(Page& page, const Run& run) {
   if (!final_eval && !m.eval.empty()) eval = m.eval.rbegin()->second;
   if (eval.is_object()) {
     std::string e = fmt("test loss %.4f", number(eval, "test_loss"));
-    if (std::isfinite(number(eval, "perplexity"))) e += fmt(", perplexity %.3f", number(eval, "perplexity"));
-    if (std::isfinite(number(eval, "test_accuracy"))) e += fmt(", accuracy %.2f%%", 100 * number(eval, "test_accuracy"));
+    if (std::isfinite(number(eval, "perplexity")))
+      e += fmt(", perplexity %.3f", number(eval, "perplexity"));
+    if (std::isfinite(number(eval, "test_accuracy")))
+      e += fmt(", accuracy %.2f%%", 100 * number(eval, "test_accuracy"));
     fact(final_eval ? "final eval" : "last eval", e);
   }
   if (!m.resumed_at.empty()) {
@@ -390,7 +417,8 @@ std::string header_section(Page& page, const Run& run) {
     fact("metrics", "resumed at step " + tetra::core::join(at) + " (the later records win)");
   }
   page.html += "<dl class=\"facts\">";
-  for (const auto& [k, v] : facts) page.html += "<dt>" + chart::escape(k) + "</dt><dd>" + chart::escape(v) + "</dd>";
+  for (const auto& [k, v] : facts)
+    page.html += "<dt>" + chart::escape(k) + "</dt><dd>" + chart::escape(v) + "</dd>";
   page.html += "</dl>\n";
   for (const auto& n : run.notes) page.note(n);
   page.close();
@@ -407,7 +435,8 @@ std::vector<chart::Rule> rules_of(const Metrics& m) {
   return rules;
 }
 
-chart::Frame frame_over_steps(const std::string& title, const std::string& y, Unit unit, int width, bool zero) {
+chart::Frame frame_over_steps(const std::string& title, const std::string& y, Unit unit, int width,
+                              bool zero) {
   chart::Frame f;
   f.title = title;
   f.x = {"step", Unit::kNumber, false, true};
@@ -421,36 +450,47 @@ void loss_section(Page& page, const Metrics& m) {
   page.open("loss", "Loss");
   const std::vector<double> loss = column(m.train, "loss"), test = column(m.eval, "test_loss");
   if (!any_finite(loss) && !any_finite(test)) {
-    page.missing_line("no loss in the metrics: neither train records with a finite loss nor eval records");
+    page.missing_line(
+        "no loss in the metrics: neither train records with a finite loss nor eval records");
     page.close();
     return;
   }
   std::vector<chart::Series> series;
-  if (any_finite(loss)) series.push_back({"train loss", steps_of(m.train), loss, kForward, true, false, false});
-  if (any_finite(test)) series.push_back({"test loss (eval)", steps_of(m.eval), test, kBackward, true, true, true});
+  if (any_finite(loss))
+    series.push_back({"train loss", steps_of(m.train), loss, kForward, true, false, false});
+  if (any_finite(test))
+    series.push_back({"test loss (eval)", steps_of(m.eval), test, kBackward, true, true, true});
   chart::Frame f = frame_over_steps("Loss", "loss", Unit::kNumber, kWide, false);
-  const auto skipped = std::count_if(m.train.begin(), m.train.end(),
-                                     [](const auto& kv) { return kv.second.value("skipped", false); });
-  if (skipped) f.note = std::to_string(skipped) + " logged step(s) skipped (loss not finite): gaps in the line";
+  const auto skipped = std::count_if(m.train.begin(), m.train.end(), [](const auto& kv) {
+    return kv.second.value("skipped", false);
+  });
+  if (skipped)
+    f.note =
+        std::to_string(skipped) + " logged step(s) skipped (loss not finite): gaps in the line";
   page.add(chart::line_chart(f, series, rules_of(m)));
   for (const auto& [st, rec] : m.failures)
-    page.note("step " + std::to_string(st) + ": checkpoint failed (" + text_of(rec, "checkpoint_error") + ")");
+    page.note("step " + std::to_string(st) + ": checkpoint failed (" +
+              text_of(rec, "checkpoint_error") + ")");
   page.close();
 }
 
 void eval_section(Page& page, const Metrics& m) {
   page.open("eval", "Evaluation");
-  const std::vector<double> ppl = column(m.eval, "perplexity"), acc = column(m.eval, "test_accuracy");
+  const std::vector<double> ppl = column(m.eval, "perplexity"),
+                            acc = column(m.eval, "test_accuracy");
   if (m.eval.empty()) {
-    page.missing_line("no eval records in the metrics (train.eval_every, or the end of an epoch, writes them)");
+    page.missing_line(
+        "no eval records in the metrics (train.eval_every, or the end of an epoch, writes them)");
   } else if (any_finite(ppl)) {
-    page.add(chart::line_chart(frame_over_steps("Perplexity (test)", "perplexity", Unit::kNumber, kHalf, false),
-                               {{"perplexity", steps_of(m.eval), ppl, kBackward, true, true, false}}, rules_of(m)));
+    page.add(chart::line_chart(
+        frame_over_steps("Perplexity (test)", "perplexity", Unit::kNumber, kHalf, false),
+        {{"perplexity", steps_of(m.eval), ppl, kBackward, true, true, false}}, rules_of(m)));
   } else if (any_finite(acc)) {
     std::vector<double> percent = acc;
     for (double& v : percent) v *= 100;
-    page.add(chart::line_chart(frame_over_steps("Accuracy (test)", "accuracy (%)", Unit::kPercent, kHalf, false),
-                               {{"test accuracy", steps_of(m.eval), percent, kBackward, true, true, false}}, rules_of(m)));
+    page.add(chart::line_chart(
+        frame_over_steps("Accuracy (test)", "accuracy (%)", Unit::kPercent, kHalf, false),
+        {{"test accuracy", steps_of(m.eval), percent, kBackward, true, true, false}}, rules_of(m)));
   } else {
     page.missing_line("the eval records carry neither test_accuracy nor perplexity");
   }
@@ -458,16 +498,17 @@ void eval_section(Page& page, const Metrics& m) {
 }
 
 // One number of the train records over steps, in a half-width section.
-void curve_section(Page& page, const Metrics& m, const std::string& id, const std::string& title, const char* key,
-                   const std::string& y, const std::string& why_missing) {
+void curve_section(Page& page, const Metrics& m, const std::string& id, const std::string& title,
+                   const char* key, const std::string& y, const std::string& why_missing) {
   page.open(id, title);
   const std::vector<double> v = column(m.train, key);
   if (!any_finite(v))
     page.missing_line(why_missing);
   else
-    page.add(chart::line_chart(frame_over_steps(title, y, Unit::kNumber, kHalf, true),
-                               {{title, steps_of(m.train), v, chart::colour(2), true, m.train.size() < 40, false}},
-                               rules_of(m)));
+    page.add(chart::line_chart(
+        frame_over_steps(title, y, Unit::kNumber, kHalf, true),
+        {{title, steps_of(m.train), v, chart::colour(2), true, m.train.size() < 40, false}},
+        rules_of(m)));
   page.close();
 }
 
@@ -483,10 +524,10 @@ struct Part {
 // gradient synchronisation after backward.
 const std::vector<Part>& phases() {
   static const std::vector<Part> p = {{"data", "data", chart::colour(4)},
-                                       {"forward", "forward", kForward},
-                                       {"backward", "backward", kBackward},
-                                       {"gradients", "gradient sync", chart::colour(5)},
-                                       {"optimizer", "optimizer", chart::colour(2)}};
+                                      {"forward", "forward", kForward},
+                                      {"backward", "backward", kBackward},
+                                      {"gradients", "gradient sync", chart::colour(5)},
+                                      {"optimizer", "optimizer", chart::colour(2)}};
   return p;
 }
 
@@ -510,11 +551,16 @@ void step_time_section(Page& page, const Run& run) {
   std::vector<chart::Series> lines;
   size_t k = 0;
   for (const auto& axis : axes)
-    lines.push_back({"communication, " + axis + " axis", steps_of(m.train), column(m.train, "comm_ms", axis.c_str()),
+    lines.push_back({"communication, " + axis + " axis", steps_of(m.train),
+                     column(m.train, "comm_ms", axis.c_str()),
                      k++ ? chart::colour(6) : chart::colour(3), true, false, true});
-  chart::Frame f = frame_over_steps("Time per step, by phase (rank 0)", "time per step", Unit::kMilliseconds, kWide, true);
-  f.note = "each record's mean over the steps since the one before" +
-           std::string(lines.empty() ? "" : "; dashed: time in communication per mesh axis, which overlaps the phases");
+  chart::Frame f = frame_over_steps("Time per step, by phase (rank 0)", "time per step",
+                                    Unit::kMilliseconds, kWide, true);
+  f.note =
+      "each record's mean over the steps since the one before" +
+      std::string(lines.empty()
+                      ? ""
+                      : "; dashed: time in communication per mesh axis, which overlaps the phases");
   page.add(chart::stacked_steps_chart(f, steps_of(m.train), layers, lines));
 
   // Means per rank from summary.json; else rank 0's from the records, each weighted by
@@ -567,7 +613,8 @@ void step_time_section(Page& page, const Run& run) {
     }
     row.push_back(ms(total));
     rows.push_back(std::move(row));
-    page.note("Mean per step over the logged steps, rank 0 only (no summary.json with every rank's):");
+    page.note(
+        "Mean per step over the logged steps, rank 0 only (no summary.json with every rank's):");
   }
   page.table(head, rows);
   page.close();
@@ -592,7 +639,8 @@ Estimate estimate(const Run& run, bool wanted) {
   try {
     tetra::core::SectionRegistry plugins;
     tetra::register_builtin_plugins(plugins);
-    tetra::core::ParsedJob parsed = tetra::core::parse_job_string(run.job_yaml, run.job_path.string(), {}, plugins);
+    tetra::core::ParsedJob parsed =
+        tetra::core::parse_job_string(run.job_yaml, run.job_path.string(), {}, plugins);
     e.resolved = parsed.resolved;
     if (!wanted) {
       e.why = "not worked out (--no-estimate)";
@@ -613,11 +661,12 @@ Estimate estimate(const Run& run, bool wanted) {
 }
 
 const std::vector<Part>& state_kinds() {
-  static const std::vector<Part> k = {{"parameters", "parameters", chart::colour(0)},
-                                      {"gradients", "gradients", chart::colour(1)},
-                                      {"optimizer", "optimizer state", chart::colour(2)},
-                                      {"buffers", "buffers", chart::colour(3)},
-                                      {"activations", "activations (estimate only)", chart::colour(4)}};
+  static const std::vector<Part> k = {
+      {"parameters", "parameters", chart::colour(0)},
+      {"gradients", "gradients", chart::colour(1)},
+      {"optimizer", "optimizer state", chart::colour(2)},
+      {"buffers", "buffers", chart::colour(3)},
+      {"activations", "activations (estimate only)", chart::colour(4)}};
   return k;
 }
 
@@ -636,13 +685,14 @@ std::vector<RankMemory> measured_memory(const Run& run, std::string* source) {
   if (ranks.is_array() && !ranks.empty()) {
     *source = "summary.json";
     for (const auto& r : ranks)
-      out.push_back({static_cast<int>(number(r, "rank")), text_of(r, "host"), member(r, "model_state_bytes"),
-                     number(r, "peak_rss_bytes")});
+      out.push_back({static_cast<int>(number(r, "rank")), text_of(r, "host"),
+                     member(r, "model_state_bytes"), number(r, "peak_rss_bytes")});
     return out;
   }
   if (run.metrics.train.empty()) return out;
   const json& last = run.metrics.train.rbegin()->second;
-  *source = "the last train record (step " + std::to_string(run.metrics.train.rbegin()->first) + ")";
+  *source =
+      "the last train record (step " + std::to_string(run.metrics.train.rbegin()->first) + ")";
   const json& per_rank = member(last, "ranks");
   const size_t n = per_rank.is_array() && !per_rank.empty() ? per_rank.size() : 1;
   for (size_t i = 0; i < n; ++i) {
@@ -656,7 +706,8 @@ std::vector<RankMemory> measured_memory(const Run& run, std::string* source) {
       r.state = {{"total", number(pr, "model_state_bytes")}};
       r.rss = number(pr, "peak_rss_bytes");
     }
-    if (std::isfinite(number(r.state, "total")) || std::isfinite(r.rss)) out.push_back(std::move(r));
+    if (std::isfinite(number(r.state, "total")) || std::isfinite(r.rss))
+      out.push_back(std::move(r));
   }
   return out;
 }
@@ -669,13 +720,15 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
   for (const auto& r : measured) by_rank[r.rank] = &r;
   std::map<int, json> planned;
   if (est.ranks.is_array())
-    for (const auto& r : est.ranks) planned[static_cast<int>(number(r, "rank"))] = member(r, "bytes");
+    for (const auto& r : est.ranks)
+      planned[static_cast<int>(number(r, "rank"))] = member(r, "bytes");
   std::set<int> ranks;
   for (const auto& kv : by_rank) ranks.insert(kv.first);
   for (const auto& kv : planned) ranks.insert(kv.first);
   if (ranks.empty()) {
-    page.missing_line("no memory: neither summary.json's ranks nor a train record with model_state_bytes, and " +
-                      (est.why.empty() ? std::string("no estimate") : "no estimate (" + est.why + ")"));
+    page.missing_line(
+        "no memory: neither summary.json's ranks nor a train record with model_state_bytes, and " +
+        (est.why.empty() ? std::string("no estimate") : "no estimate (" + est.why + ")"));
     page.close();
     return;
   }
@@ -694,7 +747,8 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
       rss = r.rss;
       if (std::isfinite(number(r.state, "parameters"))) {
         for (const auto& k : state_kinds())
-          if (std::string(k.key) != "activations") bar.segments.push_back({k.name, number(r.state, k.key), k.colour});
+          if (std::string(k.key) != "activations")
+            bar.segments.push_back({k.name, number(r.state, k.key), k.colour});
       } else {
         bar.segments.push_back({"model state (total only)", state, chart::colour(5)});
       }
@@ -702,17 +756,20 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
     }
     if (pi != planned.end()) {
       chart::Bar bar{"estimate", {}, true};
-      for (const auto& k : state_kinds()) bar.segments.push_back({k.name, number(pi->second, k.key), k.colour});
+      for (const auto& k : state_kinds())
+        bar.segments.push_back({k.name, number(pi->second, k.key), k.colour});
       plan_state = number(pi->second, "total") - number(pi->second, "activations");
       g.bars.push_back(std::move(bar));
     }
     const double ratio = plan_state > 0 ? state / plan_state : kNaN;
     if (std::isfinite(ratio)) g.note = fmt("%.2fx", ratio);
-    if (std::isfinite(rss)) g.bars.push_back({"RSS", {{"peak RSS (whole process)", rss, "#888888"}}, false, true});
+    if (std::isfinite(rss))
+      g.bars.push_back({"RSS", {{"peak RSS (whole process)", rss, "#888888"}}, false, true});
     groups.push_back(std::move(g));
-    rows.push_back({std::to_string(rank), mi != by_rank.end() ? mi->second->host : "", bytes(state), bytes(plan_state),
-                    std::isfinite(ratio) ? fmt("%.3f", ratio) : "n/a",
-                    pi != planned.end() ? bytes(number(pi->second, "activations")) : "n/a", bytes(rss)});
+    rows.push_back({std::to_string(rank), mi != by_rank.end() ? mi->second->host : "", bytes(state),
+                    bytes(plan_state), std::isfinite(ratio) ? fmt("%.3f", ratio) : "n/a",
+                    pi != planned.end() ? bytes(number(pi->second, "activations")) : "n/a",
+                    bytes(rss)});
   }
   chart::Frame f;
   f.title = "Model state per rank: measured, the plan's estimate (pale), and peak RSS";
@@ -721,13 +778,18 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
   f.width = kWide;
   f.height = 320;
   if (!planned.empty())
-    f.note = "over each rank: measured model state / estimated model state (activations are estimated only)";
+    f.note =
+        "over each rank: measured model state / estimated model state (activations are estimated "
+        "only)";
   page.add(chart::bar_chart(f, groups));
   if (!est.why.empty()) page.note("No estimate: " + est.why + ".");
-  page.note((measured.empty() ? "Nothing measured (no summary.json ranks, no model_state_bytes in the records)."
-                              : "Measured from " + source + ".") +
-            std::string(" The estimate is train --dry-run's (job.yaml, the run's world); n/a: not known."));
-  page.table({"rank", "host", "model state", "estimate", "measured / estimate", "activations (est.)", "peak RSS"},
+  page.note((measured.empty()
+                 ? "Nothing measured (no summary.json ranks, no model_state_bytes in the records)."
+                 : "Measured from " + source + ".") +
+            std::string(
+                " The estimate is train --dry-run's (job.yaml, the run's world); n/a: not known."));
+  page.table({"rank", "host", "model state", "estimate", "measured / estimate",
+              "activations (est.)", "peak RSS"},
              rows);
   page.close();
 }
@@ -754,7 +816,7 @@ struct Span {
 
 struct RankSpans {
   std::map<std::string, std::vector<Span>> tracks;  // track name -> spans
-  std::vector<int> stages;                           // from the "stage S" tracks
+  std::vector<int> stages;                          // from the "stage S" tracks
 };
 
 std::map<int, RankSpans> spans_by_rank(const json& doc) {
@@ -766,7 +828,9 @@ std::map<int, RankSpans> spans_by_rank(const json& doc) {
     names[e.value("pid", 0)][e.value("tid", int64_t{0})] = text_of(member(e, "args"), "name");
   }
   for (const auto& e : events) {
-    if (e.value("ph", "") != "X" || !std::isfinite(number(e, "dur")) || !std::isfinite(number(e, "ts"))) continue;
+    if (e.value("ph", "") != "X" || !std::isfinite(number(e, "dur")) ||
+        !std::isfinite(number(e, "ts")))
+      continue;
     const int pid = e.value("pid", 0);
     const auto& tracks = names[pid];
     const auto t = tracks.find(e.value("tid", int64_t{0}));
@@ -781,7 +845,8 @@ std::map<int, RankSpans> spans_by_rank(const json& doc) {
 }
 
 // Step number -> [begin, end] on one rank (Note [Pipeline step]).
-std::map<int64_t, std::pair<double, double>> step_windows(const RankSpans& r, bool* from_step_track) {
+std::map<int64_t, std::pair<double, double>> step_windows(const RankSpans& r,
+                                                          bool* from_step_track) {
   std::map<int64_t, std::pair<double, double>> out;
   const auto step = r.tracks.find("step");
   *from_step_track = step != r.tracks.end();
@@ -843,24 +908,29 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
     std::vector<chart::Series> series;
     const std::vector<double> b0 = column(run.metrics.train, "pipeline_bubble");
     size_t ranks = 0;
-    for (const auto& kv : run.metrics.train) ranks = std::max(ranks, member(kv.second, "ranks").size());
+    for (const auto& kv : run.metrics.train)
+      ranks = std::max(ranks, member(kv.second, "ranks").size());
     for (size_t r = 0; r < ranks; ++r) {
       std::vector<double> y;
       for (const auto& kv : run.metrics.train) {
         const json& pr = member(kv.second, "ranks");
         y.push_back(pr.is_array() && r < pr.size() ? 100 * number(pr[r], "pipeline_bubble") : kNaN);
       }
-      if (any_finite(y)) series.push_back({"rank " + std::to_string(r), steps_of(run.metrics.train), y, chart::colour(r), true, false, false});
+      if (any_finite(y))
+        series.push_back({"rank " + std::to_string(r), steps_of(run.metrics.train), y,
+                          chart::colour(r), true, false, false});
     }
     if (series.empty() && any_finite(b0)) {
       std::vector<double> y = b0;
       for (double& x : y) x *= 100;
-      series.push_back({"rank 0", steps_of(run.metrics.train), y, chart::colour(0), true, false, false});
+      series.push_back(
+          {"rank 0", steps_of(run.metrics.train), y, chart::colour(0), true, false, false});
     }
     if (!series.empty())
       page.add(chart::line_chart(
-          frame_over_steps("Pipeline bubble per logged interval (the trainer's: time waiting / pipeline time)",
-                           "bubble (%)", Unit::kPercent, kWide, true),
+          frame_over_steps(
+              "Pipeline bubble per logged interval (the trainer's: time waiting / pipeline time)",
+              "bubble (%)", Unit::kPercent, kWide, true),
           series, rules_of(run.metrics)));
   };
 
@@ -884,8 +954,9 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
   for (const auto& [pid, r] : ranks)
     if (!r.stages.empty()) staged.push_back(pid);
   if (staged.empty()) {
-    page.missing_line("the traces have no pipeline stage tracks" +
-                      std::string(p == 1 ? ": there is no pipeline in this job (mesh.pipeline is 1)" : ""));
+    page.missing_line(
+        "the traces have no pipeline stage tracks" +
+        std::string(p == 1 ? ": there is no pipeline in this job (mesh.pipeline is 1)" : ""));
     page.close();
     return;
   }
@@ -902,12 +973,15 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
       common = here;
     } else {
       std::set<int64_t> both;
-      std::set_intersection(common.begin(), common.end(), here.begin(), here.end(), std::inserter(both, both.end()));
+      std::set_intersection(common.begin(), common.end(), here.begin(), here.end(),
+                            std::inserter(both, both.end()));
       common = both;
     }
   }
   if (common.empty()) {
-    page.missing_line("no step is whole on every pipeline rank in the traces (no \"step\" track, nor optimizer spans)");
+    page.missing_line(
+        "no step is whole on every pipeline rank in the traces (no \"step\" track, nor optimizer "
+        "spans)");
     page.close();
     return;
   }
@@ -915,8 +989,10 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
   int64_t step = *common.rbegin();
   if (wanted_step > 0) {
     if (!common.count(wanted_step))
-      throw ConfigError("--step " + std::to_string(wanted_step) + ": not whole on every pipeline rank of the traces (" +
-                        which + "s " + std::to_string(*common.begin()) + " to " + std::to_string(*common.rbegin()) + ")");
+      throw ConfigError("--step " + std::to_string(wanted_step) +
+                        ": not whole on every pipeline rank of the traces (" + which + "s " +
+                        std::to_string(*common.begin()) + " to " +
+                        std::to_string(*common.rbegin()) + ")");
     step = wanted_step;
   }
   std::sort(staged.begin(), staged.end(), [&](int a, int b) {
@@ -934,7 +1010,8 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
     chart::Row row;
     std::vector<std::string> stages;
     for (int s : r.stages) stages.push_back(std::to_string(s));
-    row.label = "rank " + std::to_string(pid) + ", stage" + (stages.size() > 1 ? "s " : " ") + tetra::core::join(stages, ",");
+    row.label = "rank " + std::to_string(pid) + ", stage" + (stages.size() > 1 ? "s " : " ") +
+                tetra::core::join(stages, ",");
     row.begin = (b - t0) / 1e3;
     row.end = (e - t0) / 1e3;
     std::vector<std::pair<double, double>> busy, waits;
@@ -943,10 +1020,14 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
       if (track.rfind("stage ", 0) != 0) continue;
       for (const auto& s : spans) {
         if (s.end <= b || s.begin >= e) continue;
-        const bool wait = s.name.rfind("wait", 0) == 0, fwd = !wait && s.name[0] == 'F', bwd = !wait && s.name[0] == 'B';
+        const bool wait = s.name.rfind("wait", 0) == 0, fwd = !wait && s.name[0] == 'F',
+                   bwd = !wait && s.name[0] == 'B';
         if (!wait && !fwd && !bwd) continue;
         row.blocks.push_back({(std::max(s.begin, b) - t0) / 1e3, (std::min(s.end, e) - t0) / 1e3,
-                              wait ? size_t{2} : fwd ? size_t{0} : size_t{1}, wait ? "" : micro_batch(s.name)});
+                              wait  ? size_t{2}
+                              : fwd ? size_t{0}
+                                    : size_t{1},
+                              wait ? "" : micro_batch(s.name)});
         (wait ? waits : busy).emplace_back(s.begin, s.end);
         if (!wait) first = std::min(first, s.begin), last = std::max(last, s.end);
       }
@@ -956,34 +1037,47 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
     all_span += span;
     all_busy += on;
     table.push_back({row.label, ms(span / 1e3), ms(on / 1e3), ms(covered(waits, b, e) / 1e3),
-                     pct(span > 0 ? 1 - on / span : kNaN), pct(window > 0 ? 1 - covered(busy, first, last) / window : kNaN)});
+                     pct(span > 0 ? 1 - on / span : kNaN),
+                     pct(window > 0 ? 1 - covered(busy, first, last) / window : kNaN)});
     rows.push_back(std::move(row));
   }
   chart::Frame f;
-  f.title = "Pipeline, " + which + " " + std::to_string(step) + ": forward and backward per micro-batch on each rank";
+  f.title = "Pipeline, " + which + " " + std::to_string(step) +
+            ": forward and backward per micro-batch on each rank";
   f.x = {"time from the step's start on the first rank", Unit::kMilliseconds, true};
   f.width = kWide;
   f.height = 0;
   f.note = "labels: micro-batch (.c: virtual-stage chunk c); white: idle in the step";
   page.add(chart::timeline_chart(f, rows,
-                                 {{"forward", kForward}, {"backward", kBackward}, {"waiting for a neighbour", kWaitColour},
+                                 {{"forward", kForward},
+                                  {"backward", kBackward},
+                                  {"waiting for a neighbour", kWaitColour},
                                   {"idle (no forward/backward)", "#FFFFFF"}}));
   const double overall = all_span > 0 ? 1 - all_busy / all_span : kNaN;
-  table.push_back({"all pipeline ranks", ms(all_span / 1e3), ms(all_busy / 1e3), "", pct(overall), ""});
-  page.table({"rank", "step", "forward + backward", "waiting", "idle / step", "idle between first F and last B"}, table);
+  table.push_back(
+      {"all pipeline ranks", ms(all_span / 1e3), ms(all_busy / 1e3), "", pct(overall), ""});
+  page.table({"rank", "step", "forward + backward", "waiting", "idle / step",
+              "idle between first F and last B"},
+             table);
   std::string textbook;
   if (p > 1 && m > 0)
-    textbook = "Textbook bubble for p=" + std::to_string(p) + " stages, m=" + std::to_string(m) + " micro-batches" +
+    textbook = "Textbook bubble for p=" + std::to_string(p) + " stages, m=" + std::to_string(m) +
+               " micro-batches" +
                (v > 1 ? ", v=" + std::to_string(v) + " virtual stages: (p-1)/(v*m+p-1) = "
                       : ": (p-1)/(m+p-1) = ") +
                pct(tetra::pipeline::ideal_bubble(p, m, v)) + "; measured overall: " + pct(overall) +
                " of the step (idle includes gradient sync, the optimizer and data loading).";
   else
-    textbook = "No textbook bubble: " + std::string(est.resolved.IsMap() ? "the job's mesh.pipeline or pipeline.micro_batches is unknown"
-                                                                 : "job.yaml is missing or does not parse") + ".";
+    textbook = "No textbook bubble: " +
+               std::string(est.resolved.IsMap()
+                               ? "the job's mesh.pipeline or pipeline.micro_batches is unknown"
+                               : "job.yaml is missing or does not parse") +
+               ".";
   page.note(textbook);
   if (!from_step_track)
-    page.note("The traces have no \"step\" track: steps are cut at the optimizer, numbered from the trace's first step.");
+    page.note(
+        "The traces have no \"step\" track: steps are cut at the optimizer, numbered from the "
+        "trace's first step.");
   page.note("Traces " + merged.alignment + ": " + tetra::core::join(run.traces) + ".");
   for (const auto& w : merged.warnings) page.note("warning: " + w);
   bubble_curves();
@@ -995,7 +1089,8 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
 void job_section(Page& page, const Run& run) {
   page.open("job", "Job spec");
   if (!run.has_job)
-    page.missing_line("no job.yaml in " + run.dir.string() + " (the resolved job is written there by the trainer)");
+    page.missing_line("no job.yaml in " + run.dir.string() +
+                      " (the resolved job is written there by the trainer)");
   else
     page.html += "<p class=\"note\">" + chart::escape(run.job_path.string()) + "</p>\n<pre>" +
                  chart::escape(run.job_yaml) + "</pre>\n";
@@ -1038,8 +1133,8 @@ std::string on_path(const std::string& name) {
 }
 
 // The charts as one SVG, converted by rsvg-convert (a child process, no shell).
-void write_png(const std::string& rsvg, const std::string& heading, const std::vector<chart::Chart>& charts,
-               const std::string& png) {
+void write_png(const std::string& rsvg, const std::string& heading,
+               const std::vector<chart::Chart>& charts, const std::string& png) {
   const std::string svg_path = png + ".svg.tmp";
   {
     std::ofstream out(svg_path, std::ios::binary);
@@ -1060,14 +1155,16 @@ void write_png(const std::string& rsvg, const std::string& heading, const std::v
     throw tetra::Error(rsvg + " could not convert the charts to " + png);
 }
 
-int report(const std::string& dir, std::string out, const std::string& png, int64_t step, bool with_estimate) {
+int report(const std::string& dir, std::string out, const std::string& png, int64_t step,
+           bool with_estimate) {
   const auto t_start = Clock::now();
   std::string rsvg;
   if (!png.empty()) {
     rsvg = on_path("rsvg-convert");
     if (rsvg.empty())
-      throw ConfigError("--png needs rsvg-convert, which is not on PATH: install Debian's librsvg2-bin "
-                        "(apt-get install librsvg2-bin)");
+      throw ConfigError(
+          "--png needs rsvg-convert, which is not on PATH: install Debian's librsvg2-bin "
+          "(apt-get install librsvg2-bin)");
   }
   if (out.empty()) out = (fs::path(dir) / "report.html").string();
   const Run run = read_run(dir);
@@ -1080,35 +1177,44 @@ int report(const std::string& dir, std::string out, const std::string& png, int6
   loss_section(page, run.metrics);
   page.html += "<div class=\"grid\">\n";
   eval_section(page, run.metrics);
-  curve_section(page, run.metrics, "lr", "Learning rate", "lr", "learning rate", "the train records carry no lr");
+  curve_section(page, run.metrics, "lr", "Learning rate", "lr", "learning rate",
+                "the train records carry no lr");
   curve_section(page, run.metrics, "throughput", "Throughput", "samples_per_s", "samples/s",
                 "the train records carry no samples_per_s");
-  curve_section(page, run.metrics, "grad-norm", "Gradient norm", "grad_norm", "gradient norm (L2, before clipping)",
-                "no grad_norm in the train records (the trainer logs it when optimizer.clip_grad_norm is set)");
+  curve_section(page, run.metrics, "grad-norm", "Gradient norm", "grad_norm",
+                "gradient norm (L2, before clipping)",
+                "no grad_norm in the train records (the trainer logs it when "
+                "optimizer.clip_grad_norm is set)");
   page.html += "</div>\n";
   step_time_section(page, run);
   memory_section(page, run, est);
   pipeline_section(page, run, est, step);
   job_section(page, run);
 
-  std::string html = "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>" + title +
-                     " — tetra report</title>\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-                     "<style>" + kStyle + "</style></head>\n<body><main>\n" + page.html +
-                     "<footer>Written by tetra's report from " + chart::escape(fs::absolute(dir).string()) +
-                     ". Charts: series of more than " + std::to_string(chart::kMaxPoints) +
-                     " points are drawn from each bucket's lowest and highest.</footer>\n</main></body></html>\n";
+  std::string html =
+      "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>" + title +
+      " — tetra report</title>\n<meta name=\"viewport\" content=\"width=device-width, "
+      "initial-scale=1\">\n"
+      "<style>" +
+      kStyle + "</style></head>\n<body><main>\n" + page.html +
+      "<footer>Written by tetra's report from " + chart::escape(fs::absolute(dir).string()) +
+      ". Charts: series of more than " + std::to_string(chart::kMaxPoints) +
+      " points are drawn from each bucket's lowest and highest.</footer>\n</main></body></html>\n";
   const double render_s = seconds_since(t_render);
   tetra::core::write_file_atomic(out, html);
 
-  std::string line = "report: wrote " + out + " (" + tetra::core::human_bytes3(static_cast<int64_t>(html.size())) + ")";
+  std::string line = "report: wrote " + out + " (" +
+                     tetra::core::human_bytes3(static_cast<int64_t>(html.size())) + ")";
   if (!png.empty()) {
     write_png(rsvg, name + " — tetra report", page.charts, png);
     std::error_code ec;
-    line += " and " + png + " (" + tetra::core::human_bytes3(static_cast<int64_t>(fs::file_size(png, ec))) + ")";
+    line += " and " + png + " (" +
+            tetra::core::human_bytes3(static_cast<int64_t>(fs::file_size(png, ec))) + ")";
   }
   line += ": " + tetra::core::join(page.drawn, ", ");
   if (!page.missing.empty()) line += "; missing: " + tetra::core::join(page.missing, ", ");
-  line += fmt("; read %.3f s", read_s) + fmt(", estimate %.3f s", est.seconds) + fmt(", render %.3f s", render_s);
+  line += fmt("; read %.3f s", read_s) + fmt(", estimate %.3f s", est.seconds) +
+          fmt(", render %.3f s", render_s);
   std::printf("%s\n", line.c_str());
   return 0;
 }
@@ -1116,30 +1222,35 @@ int report(const std::string& dir, std::string out, const std::string& png, int6
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"report: one self-contained HTML page about a training run (charts as inline SVG, no script)", "report"};
   std::string dir, out, png;
   int64_t step = 0;
   bool no_estimate = false;
+  CLI::App app{
+      "report: one self-contained HTML page about a training run (charts as inline SVG, no script)",
+      "report"};
   app.footer(
       "Examples:\n"
       "  report runs/quickstart                      runs/quickstart/report.html\n"
       "  report runs/pp-dp -o pp-dp.html --png pp-dp.png --step 40\n\n"
-      "Exit status: 0 written; 2 the input is wrong (no such folder, no metrics, a line that is not JSON, --step not "
+      "Exit status: 0 written; 2 the input is wrong (no such folder, no metrics, a line that is "
+      "not JSON, --step not "
       "in the traces, no rsvg-convert for --png); 1 anything else.");
-  app.add_option("run_dir", dir, "the run's folder, its log.dir (summary.json, metrics.jsonl, job.yaml, traces)")
+  app.add_option("run_dir", dir,
+                 "the run's folder, its log.dir (summary.json, metrics.jsonl, job.yaml, traces)")
       ->required();
   app.add_option("-o,--output", out, "the page to write (default RUN_DIR/report.html)");
-  app.add_option("--png", png, "also every chart in one PNG (rsvg-convert, from Debian's librsvg2-bin)");
-  app.add_option("--step", step, "the step the pipeline timeline shows (default: the last whole on every rank)")
+  app.add_option("--png", png,
+                 "also every chart in one PNG (rsvg-convert, from Debian's librsvg2-bin)");
+  app.add_option("--step", step,
+                 "the step the pipeline timeline shows (default: the last whole on every rank)")
       ->check(CLI::PositiveNumber);
-  app.add_flag("--no-estimate", no_estimate, "leave out the plan's memory estimate (it builds the model and reads the data)");
+  app.add_flag("--no-estimate", no_estimate,
+               "leave out the plan's memory estimate (it builds the model and reads the data)");
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  try {
     return report(dir, out, png, step, !no_estimate);
+  } catch (const CLI::ParseError& e) {  // --help and --version are "errors" that exit 0
+    return app.exit(e) == 0 ? 0 : 2;
   } catch (const std::exception& e) {  // a ConfigError is the input's fault: 2
     std::fprintf(stderr, "report: %s\n", e.what());
     return dynamic_cast<const ConfigError*>(&e) ? 2 : 1;
