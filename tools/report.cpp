@@ -138,20 +138,19 @@ Metrics read_metrics(const fs::path& path) {
     try {
       rec = json::parse(line);
     } catch (const json::exception& e) {
-      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not a JSON object (" +
-                        e.what() + ")");
+      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not JSON (" + e.what() + ")");
     }
-    if (!rec.is_object() || !rec.contains("step") || !rec["step"].is_number_integer())
-      throw ConfigError(path.string() + ":" + std::to_string(n) +
-                        ": a record without an integer \"step\"");
+    if (!rec.is_object())
+      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not a JSON object");
     ++m.records;
-    const int64_t step = rec["step"].get<int64_t>();
-    const bool eval = rec.value("eval", false), failure = rec.contains("checkpoint_failures"),
+    // Kinds this reader does not know (a later trainer's) are counted and left out.
+    const bool eval = member(rec, "eval") == true, failure = rec.contains("checkpoint_failures"),
                train = !eval && !failure && rec.contains("loss");
-    if (!eval && !failure && !train) {
+    if (!member(rec, "step").is_number_integer() || (!eval && !failure && !train)) {
       ++m.other;
       continue;
     }
+    const int64_t step = rec["step"].get<int64_t>();
     std::map<int64_t, json>& kind = eval ? m.eval : failure ? m.failures : m.train;
     // A run writes one train record per step; an eval twice at one step replaces.
     if (!failure && !kind.empty() &&
@@ -248,7 +247,15 @@ Run read_run(const fs::path& dir) {
                       " does not exist; set log.metrics)");
   run.metrics = read_metrics(metrics);
   if (run.metrics.train.empty() && run.metrics.eval.empty())
-    throw ConfigError(metrics.string() + ": no train or eval records");
+    throw ConfigError(metrics.string() + ": no train or eval records (" +
+                      std::to_string(run.metrics.records) +
+                      " records, none with an integer \"step\" and a \"loss\" or \"eval\": true)");
+  if (run.metrics.other)
+    run.notes.push_back(
+        std::to_string(run.metrics.other) + " of the " + std::to_string(run.metrics.records) +
+        " records in " + metrics.string() +
+        " are of no kind this report knows (no integer step, or neither train, eval nor checkpoint "
+        "failure): left out");
 
   run.job_path = dir / "job.yaml";
   const std::string job = text_of(run.summary, "job_yaml");
