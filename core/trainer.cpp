@@ -752,7 +752,11 @@ void Trainer::write_summary(const TrainResult& r, const std::vector<std::vector<
          {{"data", c[kData] * 1e3 / steps}, {"forward", c[kForward] * 1e3 / steps}, {"backward", c[kBackward] * 1e3 / steps},
           {"gradients", c[kGradientSync] * 1e3 / steps}, {"optimizer", c[kOptimizerStep] * 1e3 / steps}}},
         {"comm_s", nlohmann::json::object()}};
-    for (size_t a = 0; a < comm_axes_.size(); ++a) row["comm_s"][comm_axes_[a]] = c[kAxisBusy + a];
+    row["comm_ms"] = nlohmann::json::object();  // per step, as step_ms
+    for (size_t a = 0; a < comm_axes_.size(); ++a) {
+      row["comm_s"][comm_axes_[a]] = c[kAxisBusy + a];
+      row["comm_ms"][comm_axes_[a]] = c[kAxisBusy + a] * 1e3 / steps;
+    }
     if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
     rows.push_back(row);
   }

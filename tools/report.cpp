@@ -581,10 +581,10 @@ void step_time_section(Page& page, const Run& run) {
     std::set<std::string> comm_axes;
     bool bubble = false;
     for (const auto& r : ranks) {
-      for (const auto& [axis, v] : member(r, "comm_s").items()) comm_axes.insert(axis);
+      for (const auto& [axis, v] : member(r, "comm_ms").items()) comm_axes.insert(axis);
       bubble = bubble || std::isfinite(number(r, "pipeline_bubble"));
     }
-    for (const auto& axis : comm_axes) head.push_back("comm " + axis + " (run)");
+    for (const auto& axis : comm_axes) head.push_back("comm " + axis);
     if (bubble) head.push_back("pipeline bubble");
     for (const auto& r : ranks) {
       std::vector<std::string> row = {fmt("%.0f", number(r, "rank"))};
@@ -596,8 +596,8 @@ void step_time_section(Page& page, const Run& run) {
       }
       row.push_back(ms(total));
       for (const auto& axis : comm_axes) {
-        const double s = number(member(r, "comm_s"), axis.c_str());
-        row.push_back(std::isfinite(s) ? duration(s) : "");
+        const double v = number(member(r, "comm_ms"), axis.c_str());
+        row.push_back(std::isfinite(v) ? ms(v) : "");
       }
       if (bubble) row.push_back(pct(number(r, "pipeline_bubble")));
       rows.push_back(std::move(row));

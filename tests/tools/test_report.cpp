@@ -267,6 +267,7 @@ fs::path write_fixture(const std::string& name) {
                        {"gradients", 0.5},
                        {"optimizer", 0.2}}},
                      {"comm_s", {{"pipeline", 0.7}}},
+                     {"comm_ms", {{"pipeline", 3.5}}},
                      {"pipeline_bubble", 0.23}});
   const json summary = {{"job", "fixture"},
                         {"tetra", "0.9.0"},
@@ -304,9 +305,9 @@ std::string rsvg_convert() {
 }
 
 // A tiny pipeline job on Fashion-MNIST, trained by `mpirun -np 2` into `d` (a few seconds),
-// with its job file as d/job.yaml.
+// from d/tiny.yaml; train leaves job.yaml and summary.json in d, its log.dir.
 void train_tiny_pipeline(const fs::path& d) {
-  std::ofstream(d / "job.yaml")
+  std::ofstream(d / "tiny.yaml")
       << "name: tiny\n"
          "model: {type: mlp, hidden: [64, 64, 64]}\n"
          "data: {type: fashion-mnist, batch_size: 64, eval_samples: 500}\n"
@@ -322,8 +323,9 @@ void train_tiny_pipeline(const fs::path& d) {
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   const Outcome t = tetra::testing_tools::run_tool(
       TETRA_MPIEXEC, d,
-      {"--oversubscribe", "--bind-to", "none", "-np", "2", kTrain, (d / "job.yaml").string()});
+      {"--oversubscribe", "--bind-to", "none", "-np", "2", kTrain, (d / "tiny.yaml").string()});
   ASSERT_EQ(t.status, 0) << t.out << t.err;
+  ASSERT_TRUE(fs::exists(d / "job.yaml") && fs::exists(d / "summary.json")) << "train wrote no run folder";
 }
 
 }  // namespace
@@ -375,6 +377,8 @@ TEST(Report, HandWrittenRunGivesEveryChartWithTheSeriesItsFilesImply) {
   EXPECT_EQ(count(path_of(time, "line", "communication, pipeline axis"), "L"), 7u);
   EXPECT_NE(time.find("<td>1.20 ms</td>"), std::string::npos) << "rank 0's forward";
   EXPECT_NE(time.find("<td>2.20 ms</td>"), std::string::npos) << "rank 1's forward";
+  EXPECT_NE(time.find("<th>comm pipeline</th>"), std::string::npos) << time;
+  EXPECT_NE(time.find("<td>3.50 ms</td>"), std::string::npos) << "the pipeline axis's comm_ms per step";
 
   // Memory: per rank, measured (4 kinds), the estimate (5, pale) and peak RSS.
   const std::string mem = section(html, "memory");
@@ -513,6 +517,11 @@ TEST(Report, RealPipelineRunUnderMpirun) {
       std::string::npos)
       << o.out;
   const std::string html = slurp(d / "report.html");
+  // What train itself left: its summary, its job.yaml, and a "step" span per step.
+  EXPECT_EQ(html.find("No summary.json"), std::string::npos);
+  EXPECT_EQ(html.find("no job.yaml in"), std::string::npos);
+  EXPECT_EQ(html.find("have no \"step\" track"), std::string::npos);
+  EXPECT_NE(section(html, "job").find("name: tiny"), std::string::npos);
   EXPECT_EQ(count(path_of(section(html, "loss"), "line", "train loss"), "L"), 7u)
       << "steps 2, 4, ..., 16";
   EXPECT_EQ(markers_of(section(html, "loss"), "test loss (eval)"), 2u) << "evals at 8 and 16";
