@@ -615,6 +615,13 @@ std::vector<double> since(std::vector<double> now, const std::vector<double>& be
   return now;
 }
 
+// One trace per rank when there are several: trace.json -> trace.rank1.json beside it.
+std::string rank_trace_path(const std::string& trace, int rank, int world) {
+  if (trace.empty() || world == 1) return trace;
+  const fs::path p(trace);
+  return (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(rank) + p.extension().string())).string();
+}
+
 double bubble_of(const std::vector<double>& c) { return c[kIdleWall] > 0 ? c[kIdleWait] / c[kIdleWall] : -1; }
 
 // The record's share of Note [Per-rank records]: `ranks` holds every rank's counters over
@@ -705,7 +712,8 @@ void Trainer::write_summary(const TrainResult& r, const std::vector<std::vector<
   j["commit"] = TETRA_GIT_COMMIT;
   j["started"] = started_at_;
   j["finished"] = utc_now();
-  j["world"] = ranks_ ? ranks_->size() : 1;
+  j["world"] = ranks_ ? ranks_->size() : 1;  // ranks: processes x replica threads
+  j["processes"] = plan_.process_count();
   j["replicas"] = plan_.replicas();
   j["mesh"] = nlohmann::json::object();
   for (const MeshAxis& a : spec_.mesh.axes) j["mesh"][a.name] = a.size;
@@ -713,12 +721,9 @@ void Trainer::write_summary(const TrainResult& r, const std::vector<std::vector<
   j["job_yaml"] = spec_.resolved.empty() ? "" : "job.yaml";
   // The files Trace::write left: trace.json alone, else one per rank beside it.
   nlohmann::json traces = nlohmann::json::array();
-  if (!trace_path.empty()) {
-    const fs::path p = absolute(spec_.log.trace);
-    if (ranks.size() == 1) traces.push_back(p.string());
-    for (size_t i = 0; ranks.size() > 1 && i < ranks.size(); ++i)
-      traces.push_back((p.parent_path() / (p.stem().string() + ".rank" + std::to_string(i) + p.extension().string())).string());
-  }
+  if (!trace_path.empty())
+    for (size_t i = 0; i < ranks.size(); ++i)
+      traces.push_back(absolute(rank_trace_path(spec_.log.trace, static_cast<int>(i), static_cast<int>(ranks.size()))));
   j["traces"] = traces;
   j["steps"] = r.steps;
   j["final_step"] = r.final_step;
@@ -780,12 +785,7 @@ TrainResult Trainer::run() {
   const bool write = writer();  // rank 0 writes the replicated state and the logs
   const int world_rank = ranks_ ? ranks_->rank() : 0;
   const int world_size = ranks_ ? ranks_->size() : 1;
-  // One trace per rank: trace.json -> trace.rank1.json beside it when there are several.
-  std::string trace_path = spec_.log.trace;
-  if (!trace_path.empty() && world_size > 1) {
-    fs::path p(trace_path);
-    trace_path = (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(world_rank) + p.extension().string())).string();
-  }
+  const std::string trace_path = rank_trace_path(spec_.log.trace, world_rank, world_size);
   if (!trace_path.empty()) trace_.enable(world_rank, spec_.name + " rank " + std::to_string(world_rank));
 
   // Resume: auto takes the newest intact checkpoint in checkpoint.dir when there is one.
@@ -883,8 +883,9 @@ TrainResult Trainer::run() {
   };
 
   comm_axes_.clear();
-  for (const MeshAxis& a : spec_.mesh.axes)
-    if (mesh_ && mesh_->size(a.name) > 1) comm_axes_.push_back(a.name);
+  // Mesh::size counts replica threads in the data axis: a job of replicas alone syncs there.
+  for (const std::string& a : kAxisOrder)
+    if (mesh_ && mesh_->size(a) > 1) comm_axes_.push_back(a);
   const std::vector<double> start_counters = rank_counters();  // the loop's, not the set-up's
   std::vector<double> logged_counters = start_counters;
 

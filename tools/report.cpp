@@ -337,6 +337,12 @@ const std::string& kForward = chart::colour(0);
 const std::string& kBackward = chart::colour(1);
 const std::string kWaitColour = "#BBBBBB";
 
+// summary.json's processes; its world counts replica threads too (older summaries: world).
+double processes(const json& summary) {
+  const double p = number(summary, "processes");
+  return std::isfinite(p) ? p : number(summary, "world");
+}
+
 std::string pct(double fraction) {
   return std::isfinite(fraction) ? fmt("%.1f%%", 100 * fraction) : "n/a";
 }
@@ -377,7 +383,7 @@ std::string header_section(Page& page, const Run& run) {
     fact("started", text_of(s, "started"));
     fact("finished", text_of(s, "finished"));
     std::string world =
-        std::isfinite(number(s, "world")) ? fmt("%.0f processes", number(s, "world")) : "";
+        std::isfinite(processes(s)) ? fmt("%.0f processes", processes(s)) : "";
     const json& mesh = member(s, "mesh");
     if (mesh.is_object() && !mesh.empty()) {
       std::vector<std::string> axes;
@@ -655,7 +661,7 @@ Estimate estimate(const Run& run, bool wanted) {
     }
     tetra::DryRunOptions how;
     how.json = true;
-    const double world = number(run.summary, "world");
+    const double world = processes(run.summary);
     how.np = std::isfinite(world) ? static_cast<int>(world) : 0;
     e.ranks = json::parse(tetra::dry_run(parsed.spec, {}, how)).at("estimate");
   } catch (const std::exception& ex) {
