@@ -98,6 +98,38 @@ TEST(Local, TrafficCountsPayloadAndSentBytesAndSplitsAddToTheirParent) {
   });
 }
 
+// Note [Traffic counters]: busy time is the union of the ops' run intervals. Rank 0 has
+// a receive running on each of two communicators split from one parent for ~0.3 s at
+// once (rank 1 sends only then): each split is busy ~0.3 s and so is the parent — not
+// the ~0.6 s their sum would be. Idle before and after counts nothing.
+TEST(Local, BusySecondsAreTheUnionOfOverlappingOps) {
+  constexpr double kHold = 0.3;
+  run_local_ranks(2, [&](int rank, Communicator& c) {
+    auto a = c.split(0, rank), b = c.split(0, rank);
+    c.barrier()->wait();
+    const double before = c.busy_seconds();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // idle: not counted
+    at::Tensor x = at::zeros({4}, at::kFloat), y = at::zeros({4}, at::kFloat);
+    if (rank == 0) {
+      auto wa = a->recv(x, 1), wb = b->recv(y, 1);
+      wa->wait();
+      wb->wait();
+    } else {
+      std::this_thread::sleep_for(std::chrono::duration<double>(kHold));
+      a->send(x, 0)->wait();
+      b->send(y, 0)->wait();
+    }
+    if (rank == 0) {
+      const double parent = c.busy_seconds() - before;
+      EXPECT_GE(a->busy_seconds(), kHold * 0.9);
+      EXPECT_GE(b->busy_seconds(), kHold * 0.9);
+      EXPECT_GE(parent, kHold * 0.9);
+      EXPECT_LT(parent, kHold * 1.6) << "the two receives overlapped: their union, not their sum";
+    }
+    c.barrier()->wait();
+  });
+}
+
 TEST(Local, Basics) {
   auto comms = make_local_group(3, "replicas");
   ASSERT_EQ(comms.size(), 3u);
