@@ -66,6 +66,11 @@ std::string format_number(double x) {
   if (std::isnan(x)) return ".nan";
   if (std::isinf(x)) return x > 0 ? ".inf" : "-.inf";
   char buf[40];
+  // A whole number is written out (timeout_s: 300), not as %g's shortest (3e+02).
+  if (x == std::floor(x) && std::abs(x) < 1e15) {
+    std::snprintf(buf, sizeof buf, "%.0f", x);
+    return buf;
+  }
   for (int prec = 1; prec <= 17; ++prec) {
     std::snprintf(buf, sizeof buf, "%.*g", prec, x);
     if (std::strtod(buf, nullptr) == x) break;
