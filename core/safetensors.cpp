@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -93,7 +94,10 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
     fs::create_directories(dir, ec);
     if (ec) throw Error("cannot create folder " + dir.string() + ": " + ec.message());
   }
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  // Unique per call: two threads of one process (trainers of two jobs in one program)
+  // may write the same path; each renames its own whole file.
+  static std::atomic<uint64_t> calls{0};
+  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(calls++);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw Error("cannot write " + tmp + ": " + errno_text());
   size_t done = 0;
