@@ -596,7 +596,9 @@ void Trainer::restore(const CheckpointReader& ckpt) {
 // communicator's busy_seconds(), Note [Traffic counters]). The record's `comm_ms` (per
 // step) and `pipeline_bubble` are the means over the ranks; `ranks` lists each rank's
 // numbers, for worlds of up to kRanksInRecords ranks (a record of thousands would be
-// larger than the rest of the file); summary.json always has every rank.
+// larger than the rest of the file); summary.json always has every rank. A job that keeps
+// no records (log.metrics and log.tensorboard both "") gathers nothing; one without a
+// run folder (log.dir "") skips the summary's gather.
 namespace {
 
 // The slots of a rank's counters: memory now, then times summed since the loop began.
@@ -886,6 +888,7 @@ TrainResult Trainer::run() {
   // Mesh::size counts replica threads in the data axis: a job of replicas alone syncs there.
   for (const std::string& a : kAxisOrder)
     if (mesh_ && mesh_->size(a) > 1) comm_axes_.push_back(a);
+  const bool records_kept = !spec_.log.metrics.empty() || !spec_.log.tensorboard.empty();
   const std::vector<double> start_counters = rank_counters();  // the loop's, not the set-up's
   std::vector<double> logged_counters = start_counters;
 
@@ -952,11 +955,14 @@ TrainResult Trainer::run() {
                         {"optimizer", per_step(phases_.optimizer, logged_phases.optimizer)}};
       logged_phases = phases_;
       logged_step = step_;
-      // Note [Per-rank records]: every rank joins; the writer adds what they sent.
-      const std::vector<double> now = rank_counters();
-      const auto ranks = gather_counters(since(now, logged_counters));
-      logged_counters = now;
-      if (write) add_rank_fields(rec, ranks, comm_axes_);
+      // Note [Per-rank records]: every rank joins (the job's log settings are every
+      // rank's), when the records go somewhere; the writer adds what they sent.
+      if (records_kept) {
+        const std::vector<double> now = rank_counters();
+        const auto ranks = gather_counters(since(now, logged_counters));
+        logged_counters = now;
+        if (write) add_rank_fields(rec, ranks, comm_axes_);
+      }
       metrics.write(rec);
     }
     Progress::Status st;
@@ -1033,13 +1039,15 @@ TrainResult Trainer::run() {
   result.phases = phases_;
   result.memory = memory();
   // Note [Run folder]: every rank's totals for the summary (collective: every rank joins).
-  const auto totals = gather_counters(since(rank_counters(), start_counters));
-  std::vector<std::string> hosts;
-  if (ranks_ && ranks_->size() > 1) {
-    const collectives::HostMap map = collectives::gather_hosts(*ranks_);
-    for (int h : map.host_of) hosts.push_back(map.hosts.at(static_cast<size_t>(h)));
+  if (!spec_.log.dir.empty()) {
+    const auto totals = gather_counters(since(rank_counters(), start_counters));
+    std::vector<std::string> hosts;
+    if (ranks_ && ranks_->size() > 1) {
+      const collectives::HostMap map = collectives::gather_hosts(*ranks_);
+      for (int h : map.host_of) hosts.push_back(map.hosts.at(static_cast<size_t>(h)));
+    }
+    if (write) write_summary(result, totals, hosts, trace_path);
   }
-  if (write && !spec_.log.dir.empty()) write_summary(result, totals, hosts, trace_path);
   return result;
 }
 
