@@ -125,9 +125,11 @@ void EventWriter::record(const nlohmann::json& rec) {
     } else if (k == "ranks" && v.is_array() && !v.empty() && v[0].is_object()) {
       for (const auto& [key, first] : v[0].items()) {
         if (!first.is_number()) continue;
-        bool differ = false;
+        // Once a number has differed it stays per rank, so no rank's line has gaps.
+        bool differ = per_rank_.count(key) > 0;
         for (const auto& r : v) differ = differ || r.value(key, nlohmann::json()) != first;
         if (!differ) continue;
+        per_rank_.insert(key);
         for (size_t i = 0; i < v.size(); ++i) {
           auto& w = ranks_[i];
           if (!w) {

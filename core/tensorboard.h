@@ -25,6 +25,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 namespace tetra::core {
@@ -50,7 +51,8 @@ class EventWriter {
   // that differs between the ranks is written for every rank, under the same tag
   // (per_rank/peak_rss_bytes, ...) in a run of its own, the folder rank<N> beside this
   // file: TensorBoard draws one line per run on one chart, so the ranks overlay. Numbers
-  // equal on every rank add nothing to rank 0's own.
+  // equal on every rank add nothing to rank 0's own; one that has differed once is written
+  // per rank from then on, so no rank's line has gaps.
   void record(const nlohmann::json& rec);
 
  private:
@@ -60,6 +62,7 @@ class EventWriter {
   std::string dir_;
   int64_t resumed_at_ = -1;
   std::map<size_t, std::unique_ptr<EventWriter>> ranks_;  // opened when a rank first differs
+  std::set<std::string> per_rank_;                          // the numbers that have differed
 };
 
 // The masked CRC-32C of TFRecord framing (Note [Event files]).

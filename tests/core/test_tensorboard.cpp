@@ -240,7 +240,8 @@ TEST(TensorBoard, AResumedRunMarksWhereItResumed) {
 
 // Per-rank numbers (a record's `ranks`) that differ go to a run per rank, rank<N>/ beside
 // the main file, under one tag, so TensorBoard overlays the ranks on one chart; numbers
-// equal on every rank do not; communication time per axis is under time/comm_ms/.
+// equal on every rank do not, and one that differed once stays per rank; communication
+// time per axis is under time/comm_ms/.
 TEST(TensorBoard, RanksThatDifferGetARunEach) {
   std::string why;
   if (!have_decoder(why)) GTEST_SKIP() << why;
@@ -252,6 +253,10 @@ TEST(TensorBoard, RanksThatDifferGetARunEach) {
     w.record({{"step", 3}, {"loss", 0.5}, {"comm_ms", {{"pipeline", 1.5}}}, {"pipeline_bubble", 0.25},
               {"ranks", {{{"model_state_bytes", 100}, {"peak_rss_bytes", 7}, {"pipeline_bubble", 0.2}},
                          {{"model_state_bytes", 300}, {"peak_rss_bytes", 7}, {"pipeline_bubble", 0.3}}}}});
+    // Later equal on both ranks: the bubble stays per rank (no gap in either line).
+    w.record({{"step", 6}, {"loss", 0.4},
+              {"ranks", {{{"model_state_bytes", 100}, {"peak_rss_bytes", 7}, {"pipeline_bubble", 0.25}},
+                         {{"model_state_bytes", 300}, {"peak_rss_bytes", 7}, {"pipeline_bubble", 0.25}}}}});
   }
   const auto main_run = scalars(decode(d / "tb"));
   EXPECT_NEAR(main_run.at("time/comm_ms/pipeline").at(3), 1.5, 1e-6);
@@ -260,6 +265,7 @@ TEST(TensorBoard, RanksThatDifferGetARunEach) {
     const auto run = scalars(decode(d / "tb" / ("rank" + std::to_string(r))));
     EXPECT_NEAR(run.at("per_rank/model_state_bytes").at(3), r == 0 ? 100 : 300, 1e-3) << r;
     EXPECT_NEAR(run.at("per_rank/pipeline_bubble").at(3), r == 0 ? 0.2 : 0.3, 1e-6) << r;
+    EXPECT_NEAR(run.at("per_rank/pipeline_bubble").at(6), 0.25, 1e-6) << r;
     EXPECT_EQ(run.count("per_rank/peak_rss_bytes"), 0u) << r << ": equal on every rank";
   }
 }
