@@ -811,10 +811,8 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
 
 // Note [Pipeline step]: the timeline shows one training step on every rank that has
 // "stage S" tracks, on the merged clock (core/trace_merge.h). A step is the rank's span
-// "step N" on its "step" track; traces without that track are cut at each "optimizer"
-// span of the "compute" track instead (step k: from the first span after the (k-1)-th
-// optimizer to the end of the k-th), numbered from the trace's first step, since a trace
-// does not know the step it started at. The step shown is --step, else the last one
+// "step N" on its "step" track (the trainer's, Note [Run folder]). The step shown is
+// --step, else the last one
 // every such rank has whole. Per rank: busy = the union of its forward (F<m>) and
 // backward (B<m>) spans in the step; idle = step span - busy, so it counts the waits for
 // a neighbour (wait recvA/recvG) and everything else the step does outside the stages
@@ -858,30 +856,12 @@ std::map<int, RankSpans> spans_by_rank(const json& doc) {
 }
 
 // Step number -> [begin, end] on one rank (Note [Pipeline step]).
-std::map<int64_t, std::pair<double, double>> step_windows(const RankSpans& r,
-                                                          bool* from_step_track) {
+std::map<int64_t, std::pair<double, double>> step_windows(const RankSpans& r) {
   std::map<int64_t, std::pair<double, double>> out;
   const auto step = r.tracks.find("step");
-  *from_step_track = step != r.tracks.end();
-  if (*from_step_track) {
+  if (step != r.tracks.end())
     for (const auto& s : step->second)
       if (s.name.rfind("step ", 0) == 0) out[std::atoll(s.name.c_str() + 5)] = {s.begin, s.end};
-    return out;
-  }
-  const auto compute = r.tracks.find("compute");
-  if (compute == r.tracks.end()) return out;
-  std::vector<double> ends;
-  for (const auto& s : compute->second)
-    if (s.name == "optimizer") ends.push_back(s.end);
-  std::sort(ends.begin(), ends.end());
-  for (size_t k = 0; k < ends.size(); ++k) {
-    const double after = k ? ends[k - 1] : -std::numeric_limits<double>::infinity();
-    double begin = ends[k];
-    for (const auto& [track, spans] : r.tracks)
-      for (const auto& s : spans)
-        if (s.begin >= after && s.begin < begin) begin = s.begin;
-    out[static_cast<int64_t>(k + 1)] = {begin, ends[k]};
-  }
   return out;
 }
 
@@ -973,13 +953,10 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
     page.close();
     return;
   }
-  bool from_step_track = true;
   std::map<int, std::map<int64_t, std::pair<double, double>>> windows;
   std::set<int64_t> common;
   for (size_t i = 0; i < staged.size(); ++i) {
-    bool tracked = false;
-    windows[staged[i]] = step_windows(ranks[staged[i]], &tracked);
-    from_step_track = from_step_track && tracked;
+    windows[staged[i]] = step_windows(ranks[staged[i]]);
     std::set<int64_t> here;
     for (const auto& kv : windows[staged[i]]) here.insert(kv.first);
     if (i == 0) {
@@ -993,17 +970,16 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
   }
   if (common.empty()) {
     page.missing_line(
-        "no step is whole on every pipeline rank in the traces (no \"step\" track, nor optimizer "
-        "spans)");
+        "no step is whole on every pipeline rank in the traces (no \"step N\" span of a "
+        "\"step\" track common to them)");
     page.close();
     return;
   }
-  const std::string which = from_step_track ? "step" : "the trace's step";
   int64_t step = *common.rbegin();
   if (wanted_step > 0) {
     if (!common.count(wanted_step))
       throw ConfigError("--step " + std::to_string(wanted_step) +
-                        ": not whole on every pipeline rank of the traces (" + which + "s " +
+                        ": not whole on every pipeline rank of the traces (steps " +
                         std::to_string(*common.begin()) + " to " +
                         std::to_string(*common.rbegin()) + ")");
     step = wanted_step;
@@ -1055,7 +1031,7 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
     rows.push_back(std::move(row));
   }
   chart::Frame f;
-  f.title = "Pipeline, " + which + " " + std::to_string(step) +
+  f.title = "Pipeline, step " + std::to_string(step) +
             ": forward and backward per micro-batch on each rank";
   f.x = {"time from the step's start on the first rank", Unit::kMilliseconds, true};
   f.width = kWide;
@@ -1087,10 +1063,6 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
                                : "job.yaml is missing or does not parse") +
                ".";
   page.note(textbook);
-  if (!from_step_track)
-    page.note(
-        "The traces have no \"step\" track: steps are cut at the optimizer, numbered from the "
-        "trace's first step.");
   page.note("Traces " + merged.alignment + ": " + tetra::core::join(run.traces) + ".");
   for (const auto& w : merged.warnings) page.note("warning: " + w);
   bubble_curves();
