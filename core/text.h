@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,13 @@ inline std::string join(const std::vector<std::string>& items, const std::string
     out += items[i];
   }
   return out;
+}
+
+// One number through a printf format: fmt("%.4f", loss).
+inline std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
 }
 
 // "[1, 28, 28]"

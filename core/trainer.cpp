@@ -24,6 +24,7 @@
 #include "core/random.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
+#include "core/text.h"
 #include "core/torch_compat.h"
 #include "hardware/host.h"
 
@@ -61,12 +62,6 @@ std::string broadcast_string(collectives::Communicator& group, const std::string
   if (bytes.numel() == 0) return "";
   group.broadcast(bytes)->wait();
   return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-}
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), f, v);
-  return buf;
 }
 
 // Note [One decision per step]

@@ -98,11 +98,7 @@ std::string text_of(const json& j, const char* key) {
   return v.is_string() ? v.get<std::string>() : std::string();
 }
 
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
+using tetra::core::fmt;
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
