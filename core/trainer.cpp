@@ -662,8 +662,7 @@ std::string utc_now() {
 
 }  // namespace
 
-std::vector<double> Trainer::rank_counters() const {
-  const ModelStateBytes m = memory();
+std::vector<double> Trainer::rank_counters(const ModelStateBytes& m) const {
   Strategy::Idle idle;
   for (const auto& s : strategies_) {
     const Strategy::Idle i = s->idle();
@@ -838,8 +837,6 @@ TrainResult Trainer::run() {
   const int64_t eval_every = spec_.train.eval_every;
   double train_seconds = 0, interval_seconds = 0;
   int64_t interval_samples = 0;
-  TrainResult::Phases logged_phases = phases_;  // at the last train record
-  int64_t logged_step = step_;
   std::string last_checkpoint;
   int64_t last_saved = resumed_from_.empty() ? -1 : step_;  // a resumed step is on disk
   int64_t checkpoint_failures = 0;
@@ -884,7 +881,7 @@ TrainResult Trainer::run() {
   for (const std::string& a : kAxisOrder)
     if (mesh_ && mesh_->size(a) > 1) comm_axes_.push_back(a);
   const bool records_kept = !spec_.log.metrics.empty() || !spec_.log.tensorboard.empty();
-  const std::vector<double> start_counters = rank_counters();  // the loop's, not the set-up's
+  const std::vector<double> start_counters = rank_counters(memory());  // the loop's, not the set-up's
   std::vector<double> logged_counters = start_counters;
 
   model_->train();
@@ -940,22 +937,22 @@ TrainResult Trainer::run() {
       if (outcome.skipped) rec["skipped"] = true;  // its loss is not finite: JSON null
       if (outcome.grad_norm >= 0) rec["grad_norm"] = outcome.grad_norm;
       rec["peak_rss_bytes"] = hardware::peak_rss_bytes();
+      // The interval since the last record, from this rank's counters.
+      const std::vector<double> now = rank_counters(m);
+      const std::vector<double> interval = since(now, logged_counters);
+      logged_counters = now;
       // Where the interval's steps went, per step (this rank's clock).
-      const int64_t steps = std::max<int64_t>(1, step_ - logged_step);
-      auto per_step = [&](double now, double before) { return (now - before) * 1e3 / static_cast<double>(steps); };
-      rec["step_ms"] = {{"data", per_step(phases_.data, logged_phases.data)},
-                        {"forward", per_step(phases_.forward, logged_phases.forward)},
-                        {"backward", per_step(phases_.backward, logged_phases.backward)},
-                        {"gradients", per_step(phases_.gradients, logged_phases.gradients)},
-                        {"optimizer", per_step(phases_.optimizer, logged_phases.optimizer)}};
-      logged_phases = phases_;
-      logged_step = step_;
+      const double steps = std::max(1.0, interval[kStepsTaken]);
+      auto per_step = [&](RankCounter k) { return interval[k] * 1e3 / steps; };
+      rec["step_ms"] = {{"data", per_step(kData)},
+                        {"forward", per_step(kForward)},
+                        {"backward", per_step(kBackward)},
+                        {"gradients", per_step(kGradientSync)},
+                        {"optimizer", per_step(kOptimizerStep)}};
       // Note [Per-rank records]: every rank joins (the job's log settings are every
       // rank's), when the records go somewhere; the writer adds what they sent.
       if (records_kept) {
-        const std::vector<double> now = rank_counters();
-        const auto ranks = gather_counters(since(now, logged_counters));
-        logged_counters = now;
+        const auto ranks = gather_counters(interval);
         if (write) add_rank_fields(rec, ranks, comm_axes_);
       }
       metrics.write(rec);
@@ -1035,7 +1032,7 @@ TrainResult Trainer::run() {
   result.memory = memory();
   // Note [Run folder]: every rank's totals for the summary (collective: every rank joins).
   if (!spec_.log.dir.empty()) {
-    const auto totals = gather_counters(since(rank_counters(), start_counters));
+    const auto totals = gather_counters(since(rank_counters(result.memory), start_counters));
     std::vector<std::string> hosts;
     if (ranks_ && ranks_->size() > 1) {
       const collectives::HostMap map = collectives::gather_hosts(*ranks_);

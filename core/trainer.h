@@ -178,7 +178,8 @@ class Trainer {
   double data_average(double v);
   // Note [Run folder] and Note [Per-rank records] (trainer.cpp).
   std::vector<std::string> comm_axes_;          // the mesh axes of more than one rank
-  std::vector<double> rank_counters() const;    // this rank's, cumulative (RankCounter)
+  // This rank's, cumulative (RankCounter), with `m` its memory() now (the caller has it).
+  std::vector<double> rank_counters(const ModelStateBytes& m) const;
   std::vector<std::vector<double>> gather_counters(const std::vector<double>& mine);  // collective
   void write_run_start() const;
   void write_summary(const TrainResult& r, const std::vector<std::vector<double>>& ranks,
