@@ -343,6 +343,7 @@ class MpiCommunicator final : public Communicator {
       rt.orphans.push_back(std::move(a));
     }
     abandoned_.clear();
+    if (ring_ != MPI_COMM_NULL) MPI_Comm_free(&ring_);
     MPI_Comm_free(&comm_);  // legal with requests pending: freed once they complete
     comm_ = MPI_COMM_NULL;
   }
@@ -375,7 +376,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Request req;
     // libnbc's MPI_IN_PLACE allreduce is slow too: 152 ms for 64 MiB on two ranks against
     // 16 ms out of place (bench-collectives --in-place). Out of place into the kept
-    // scratch, then back (Note [Reduce-scatter as an allreduce]).
+    // scratch, then back.
     const at::Tensor out = in_place ? scratch(input) : output;
     TETRA_MPI(MPI_Iallreduce, input.data_ptr(), out.data_ptr(), count, mpi_type(output.scalar_type()),
               mpi_op(output.scalar_type(), op), comm_, &req);
@@ -392,20 +393,50 @@ class MpiCommunicator final : public Communicator {
       if (input.data_ptr() != output.data_ptr()) output.copy_(input);
       return;
     }
-    // Note [Reduce-scatter as an allreduce]
+    // Note [Reduce-scatter as a ring]
     // Open MPI 4.1.4's libnbc MPI_Ireduce_scatter_block is slow and partly wrong: on two
     // ranks a 64 MiB f32 reduce-scatter took 319 ms against 22 ms for MPI_Iallreduce of
     // the same 64 MiB (bench-collectives, shared memory), and it saturates u8 sums at 255
-    // where the blocking one and MPI_Iallreduce wrap. So the reduce-scatter allreduces the
-    // whole input into a scratch buffer and keeps this rank's chunk: more arithmetic than
-    // a ring would do, but 14x faster than libnbc's here, and non-blocking (deadlines hold).
-    MPI_Request req;
-    at::Tensor full = scratch(input);
-    TETRA_MPI(MPI_Iallreduce, input.data_ptr(), full.data_ptr(), mpi_count(input.numel()),
-              mpi_type(input.scalar_type()), mpi_op(input.scalar_type(), op), comm_, &req);
-    await(req, deadline, "MPI_Iallreduce (for a reduce_scatter)", __LINE__, {input, full});
-    output.view({-1}).copy_(full.narrow(0, static_cast<int64_t>(rank()) * count, count));
-    finish_average(output, op, size());
+    // where the blocking one and MPI_Iallreduce wrap. An allreduce of the whole input
+    // reduces every chunk on every rank (n times the arithmetic) and needed a scratch the
+    // size of the input. So the reduce-scatter is the bandwidth-optimal ring, by hand: in
+    // n - 1 steps each rank sends one chunk's running sum to the next rank, receives the
+    // previous rank's running sum of another chunk and adds its own share of it; after the
+    // last step it holds its own chunk's sum. (n - 1)/n of the input crosses each link, 1/n
+    // of it is added per step, and the scratch is two chunks (none on two ranks). The sum of
+    // chunk c is taken in ring order from rank c + 1: a fixed order for a given group, as a
+    // tree's would be. Below kRingBytes (the loss, fingerprints) it stays one MPI
+    // allreduce: one call, not n - 1 steps.
+    if (input.nbytes() < kRingBytes) {
+      MPI_Request req;
+      at::Tensor full = scratch(input);
+      TETRA_MPI(MPI_Iallreduce, input.data_ptr(), full.data_ptr(), mpi_count(input.numel()),
+                mpi_type(input.scalar_type()), mpi_op(input.scalar_type(), op), comm_, &req);
+      await(req, deadline, "MPI_Iallreduce (for a small reduce_scatter)", __LINE__, {input, full});
+      output.view({-1}).copy_(full.narrow(0, static_cast<int64_t>(rank()) * count, count));
+      finish_average(output, op, size());
+      return;
+    }
+    const int n = size(), me = rank();
+    const at::Tensor in = input.view({-1}), out = output.view({-1});
+    auto chunk = [&](int c) { return in.narrow(0, static_cast<int64_t>((c % n + n) % n) * count, count); };
+    // The output may lie inside the input (its own chunk): then the last sum lands in the
+    // scratch first, and the own share is read before it is overwritten.
+    const char* ib = static_cast<const char*>(in.data_ptr());
+    const char* ob = static_cast<const char*>(out.data_ptr());
+    const bool overlaps = ob < ib + in.nbytes() && ib < ob + out.nbytes();
+    // Running sums alternate between two chunks of scratch; two ranks need none.
+    const at::Tensor buf = n > 2 || overlaps ? scratch(input, 2 * static_cast<int64_t>(count)) : at::Tensor();
+    at::Tensor sending = chunk(me - 1);
+    for (int step = 0; step < n - 1; ++step) {
+      const bool last = step == n - 2;
+      const at::Tensor into = last && !overlaps ? out : buf.narrow(0, (step % 2) * static_cast<int64_t>(count), count);
+      ring_step(sending, into, deadline, "a reduce-scatter", {input});
+      reduce_into(into, chunk(me - step - 2), op);  // the running sum takes this rank's share
+      sending = into;
+    }
+    if (overlaps) out.copy_(sending);
+    finish_average(out, op, n);
   }
 
   void backend_allgather(const at::Tensor& input, const at::Tensor& output, Deadline deadline) override {
@@ -420,10 +451,25 @@ class MpiCommunicator final : public Communicator {
       if (!in_place && input.data_ptr() != output.data_ptr()) output.copy_(input);
       return;
     }
-    MPI_Request req;
-    TETRA_MPI(MPI_Iallgather, in_place ? MPI_IN_PLACE : input.data_ptr(), count, type, output.data_ptr(),
-              count, type, comm_, &req);
-    await(req, deadline, "MPI_Iallgather", __LINE__, {input, output});
+    if (output.nbytes() < kRingBytes) {
+      MPI_Request req;
+      TETRA_MPI(MPI_Iallgather, in_place ? MPI_IN_PLACE : input.data_ptr(), count, type, output.data_ptr(),
+                count, type, comm_, &req);
+      await(req, deadline, "MPI_Iallgather", __LINE__, {input, output});
+      return;
+    }
+    // Note [Allgather as a ring]
+    // libnbc's MPI_Iallgather keeps a temporary the size of the whole output on every rank
+    // but the first: ZeRO's gathers of 64 MiB units left rank 1's peak RSS 64 MiB above
+    // rank 0's. Large gathers are the ring by hand instead, straight into the output: in
+    // step s each rank passes on the chunk it got in step s - 1 (its own first) and
+    // receives the next one into its place. (n - 1)/n of the output crosses each link, and
+    // nothing is allocated.
+    const int n = size(), me = rank();
+    const at::Tensor out = output.view({-1});
+    auto chunk = [&](int c) { return out.narrow(0, static_cast<int64_t>((c % n + n) % n) * count, count); };
+    if (!in_place) chunk(me).copy_(input.view({-1}));
+    for (int step = 0; step < n - 1; ++step) ring_step(chunk(me - step), chunk(me - step - 1), deadline, "an allgather", {output});
   }
 
   void backend_broadcast(const at::Tensor& tensor, int root, Deadline deadline) override {
@@ -495,6 +541,36 @@ class MpiCommunicator final : public Communicator {
     await(req, deadline, call, __LINE__, {});
   }
 
+  // One step of a ring (Note [Reduce-scatter as a ring], Note [Allgather as a ring]): sends
+  // `send` to the next rank and receives `recv` from the previous one, on the ring's own
+  // communicator (a dup, made on first use), so that they never meet a send/recv of the
+  // program's on the same tag. A timeout on the receive keeps the send, with the tensors,
+  // for MPI to finish.
+  void ring_step(const at::Tensor& send, const at::Tensor& recv, Deadline deadline, const char* what,
+                 std::vector<at::Tensor> keep) {
+    if (ring_ == MPI_COMM_NULL) {
+      MPI_Request req;
+      TETRA_MPI(MPI_Comm_idup, comm_, &ring_, &req);
+      await(req, deadline, "MPI_Comm_idup (the rings' communicator)", __LINE__, {});
+    }
+    const int n = size(), right = (rank() + 1) % n, left = (rank() + n - 1) % n;
+    const MPI_Datatype type = mpi_type(send.scalar_type());
+    const std::string call = std::string("MPI_Isend/MPI_Irecv (a step of ") + what + "'s ring)";
+    keep.push_back(send);
+    keep.push_back(recv);
+    MPI_Request reqs[2];
+    TETRA_MPI(MPI_Irecv, recv.data_ptr(), mpi_count(recv.numel()), type, left, 0, ring_, &reqs[0]);
+    TETRA_MPI(MPI_Isend, send.data_ptr(), mpi_count(send.numel()), type, right, 0, ring_, &reqs[1]);
+    try {
+      await(reqs[0], deadline, call.c_str(), __LINE__, keep, /*cancellable=*/true);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      abandoned_.push_back({reqs[1], std::move(keep), name() + ": " + call});
+      throw;
+    }
+    await(reqs[1], deadline, call.c_str(), __LINE__, std::move(keep), /*cancellable=*/true);
+  }
+
   // Waits for `req` up to the deadline. On the deadline a cancellable (p2p) request is
   // cancelled; one that cannot be is kept, with the tensors MPI may still write, and
   // the op throws TimeoutError.
@@ -521,18 +597,21 @@ class MpiCommunicator final : public Communicator {
                        " (a peer did not join this op, or is slower than the timeout)");
   }
 
-  std::mutex mu_;  // comm_ at shutdown, abandoned_
+  std::mutex mu_;  // comm_ and ring_ at shutdown, abandoned_
   MPI_Comm comm_;
-  // The whole-input scratch of reduce-scatters and in-place allreduces (Note
-  // [Reduce-scatter as an allreduce]), kept
-  // across ops: a fresh one was faulted in by both ranks on every op. Only the progress
-  // thread touches it.
+  MPI_Comm ring_ = MPI_COMM_NULL;  // the rings' sends (Note [Reduce-scatter as a ring])
+  // Reduce-scatters and allgathers of at least this many bytes run as rings by hand.
+  static constexpr size_t kRingBytes = 1 << 20;
+  // The scratch of in-place allreduces (the whole tensor) and of reduce-scatters (two
+  // chunks), kept across ops: a fresh one was faulted in by both ranks on every op. Only
+  // the progress thread touches it.
   at::Tensor scratch_;
-  // A tensor like `t` (1-D, its numel) in the kept scratch.
-  at::Tensor scratch(const at::Tensor& t) {
-    if (!scratch_.defined() || scratch_.scalar_type() != t.scalar_type() || scratch_.numel() < t.numel())
-      scratch_ = at::empty({t.numel()}, t.options());
-    return scratch_.narrow(0, 0, t.numel());
+  // `numel` elements of t's dtype (1-D; default: t's numel) in the kept scratch.
+  at::Tensor scratch(const at::Tensor& t, int64_t numel = -1) {
+    if (numel < 0) numel = t.numel();
+    if (!scratch_.defined() || scratch_.scalar_type() != t.scalar_type() || scratch_.numel() < numel)
+      scratch_ = at::empty({numel}, t.options());
+    return scratch_.narrow(0, 0, numel);
   }
   Duration default_timeout_;
   int tag_ub_ = -1;

@@ -13,8 +13,9 @@
 // * Each communicator owns a dup of MPI_COMM_WORLD (never the world itself), with
 //   MPI_ERRORS_RETURN: every MPI return code becomes a CommError naming the MPI call,
 //   MPI's error string and mpi.cpp's line.
-// * Timeouts: every op is non-blocking (MPI_Iallreduce, MPI_Ireduce_scatter_block,
-//   MPI_Iallgather, MPI_Ibcast, MPI_Ibarrier, MPI_Isend/MPI_Irecv, MPI_Comm_idup)
+// * Timeouts: every op is non-blocking (MPI_Iallreduce, MPI_Iallgather, MPI_Ibcast,
+//   MPI_Ibarrier, MPI_Isend/MPI_Irecv, also for the reduce-scatter's ring (Note
+//   [Reduce-scatter as a ring] in mpi.cpp), MPI_Comm_idup)
 //   followed by an MPI_Test loop up to the deadline (Note [Awaited and background
 //   polls]). On the
 //   deadline the op throws TimeoutError; its request and tensors are kept (MPI may still
