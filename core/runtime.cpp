@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.h"
 #include "hardware/host.h"
 
 namespace tetra::core {
@@ -62,10 +63,11 @@ void tune_allocator() {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
-  // Blocks above the 32 MiB ceiling would still be mapped and faulted in afresh on every
-  // step (a 4096 x 4096 layer's gradient is 64 MiB): serve them from the heap too.
-  if (const char* mmap = std::getenv("TETRA_MALLOC_MMAP"); !(mmap && std::strcmp(mmap, "1") == 0))
-    mallopt(M_MMAP_MAX, 0);
+  const char* mmap = std::getenv("TETRA_MALLOC_MMAP");
+  const bool map_each = mmap && std::strcmp(mmap, "1") == 0;
+  // What malloc still serves above 32 MiB (not tensors: those are big blocks) stays off mmap.
+  if (!map_each) mallopt(M_MMAP_MAX, 0);
+  install_big_block_cache(/*cache=*/!map_each);  // Note [Big blocks]
 }
 
 int local_ranks_from_env() {

@@ -12,12 +12,12 @@
 // glibc's malloc serves blocks above M_MMAP_THRESHOLD with mmap and returns them to the
 // kernel on free, so every step maps, faults in and unmaps each large activation and
 // gradient (and trims the heap top past M_TRIM_THRESHOLD). Raising both keeps those
-// pages in the heap across steps: about 15% on a small MLP here. The mmap threshold
-// cannot go above 32 MiB, so blocks beyond it (a 4096 x 4096 layer's 64 MiB gradient) are
-// kept off mmap altogether (M_MMAP_MAX = 0): mapped afresh, the 104M-parameter MLP of
-// bench-zero spent most of its step in the kernel faulting them in (stage 0 went from
-// 5.9 to 11.4 samples/s). TETRA_MALLOC_MMAP=1 maps them again; TETRA_MALLOC_DEFAULTS=1
-// keeps all of glibc's defaults, to measure it.
+// pages in the heap across steps: about 15% on a small MLP here. Tensors of 1 MiB and
+// more do not reach malloc at all: they come from tetra's cache of big blocks (Note [Big
+// blocks] in core/allocator.h), which neither faults them in afresh each step nor lets
+// small allocations cut them up. TETRA_MALLOC_MMAP=1 maps and unmaps each big block (no
+// cache); TETRA_MALLOC_DEFAULTS=1 keeps all of glibc's defaults and LibTorch's allocator,
+// to measure them.
 //
 // Note [Stop requests]
 // SIGTERM or SIGINT — what Slurm and Kubernetes send some time before they kill a job —
@@ -50,7 +50,8 @@ std::mutex& global_rng_mutex();
 // to set the OpenMP wait policy; then tunes the allocator. Idempotent.
 void prepare_process(int argc, char** argv);
 
-// Raises glibc malloc's mmap and trim thresholds (Note [Allocator thresholds]).
+// Raises glibc malloc's mmap and trim thresholds and installs the cache of big blocks
+// (Note [Allocator thresholds]).
 void tune_allocator();
 
 // Intra-op threads for LibTorch (OpenMP) and OpenBLAS, per rank. 0 picks
