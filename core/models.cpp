@@ -3,9 +3,12 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/init.h"
+#include "core/layers.h"
 #include "core/random.h"
 #include "core/text.h"
 
@@ -17,16 +20,22 @@ namespace {
 
 // ---- the GPT layers: each one a Sequential element, so a pipeline can cut between them --
 
+// GPT-2's draws: weights normal(0, 0.02), biases zero (norms ones and zeros).
+const Init kGptWeight = Init::normal(0.0, 0.02);
+const Init kGptBias = Init::constant(0.0);
+
+Linear gpt_linear(int64_t in, int64_t out) { return Linear(in, out, true, kGptWeight, kGptBias); }
+
 // Token embedding + learned positional embedding (+ dropout): int64 [n, T] -> [n, T, d].
-class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl> {
+class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl>, public Initialized {
  public:
   GptEmbeddingImpl(int64_t vocab, int64_t seq_len, int64_t d_model, double dropout)
       : vocab_(vocab), seq_len_(seq_len), d_model_(d_model), dropout_(dropout) {
     reset();
   }
   void reset() override {
-    tok = register_module("tok", torch::nn::Embedding(vocab_, d_model_));
-    pos = register_parameter("pos", torch::zeros({seq_len_, d_model_}));
+    tok = register_module("tok", Embedding(vocab_, d_model_, kGptWeight));
+    pos = register_parameter("pos", shape_parameter({seq_len_, d_model_}, pos));
     drop = register_module("drop", Dropout(dropout_));
   }
   torch::Tensor forward(torch::Tensor tokens) {
@@ -36,12 +45,13 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl> {
     TETRA_CHECK(T <= seq_len_, "sequence of ", T, " tokens is longer than the context ", seq_len_);
     return drop(tok(tokens) + pos.slice(0, 0, T).unsqueeze(0));
   }
+  Init init_of(const std::string&) const override { return kGptWeight; }  // pos
   void pretty_print(std::ostream& os) const override {
     os << "GptEmbedding(vocab=" << vocab_ << ", seq_len=" << seq_len_ << ", d_model=" << d_model_
        << ", dropout=" << dropout_ << ")";
   }
 
-  torch::nn::Embedding tok{nullptr};
+  Embedding tok{nullptr};
   torch::Tensor pos;
   Dropout drop{nullptr};
 
@@ -59,12 +69,12 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     reset();
   }
   void reset() override {
-    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
-    qkv = register_module("qkv", torch::nn::Linear(d_model_, 3 * d_model_));
-    proj = register_module("proj", torch::nn::Linear(d_model_, d_model_));
-    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
-    fc1 = register_module("fc1", torch::nn::Linear(d_model_, d_ff_));
-    fc2 = register_module("fc2", torch::nn::Linear(d_ff_, d_model_));
+    ln1 = register_module("ln1", LayerNorm(std::vector<int64_t>{d_model_}));
+    qkv = register_module("qkv", gpt_linear(d_model_, 3 * d_model_));
+    proj = register_module("proj", gpt_linear(d_model_, d_model_));
+    ln2 = register_module("ln2", LayerNorm(std::vector<int64_t>{d_model_}));
+    fc1 = register_module("fc1", gpt_linear(d_model_, d_ff_));
+    fc2 = register_module("fc2", gpt_linear(d_ff_, d_model_));
     // One dropout per place it is used: each is its own layer of the mask key.
     attn_drop = register_module("attn_drop", Dropout(dropout_));
     proj_drop = register_module("proj_drop", Dropout(dropout_));
@@ -92,8 +102,8 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
        << ", dropout=" << dropout_ << ")";
   }
 
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+  LayerNorm ln1{nullptr}, ln2{nullptr};
+  Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   Dropout attn_drop{nullptr}, proj_drop{nullptr}, mlp_drop{nullptr};
 
  private:
@@ -107,16 +117,16 @@ class GptHeadImpl : public torch::nn::Cloneable<GptHeadImpl> {
  public:
   GptHeadImpl(int64_t d_model, int64_t vocab) : d_model_(d_model), vocab_(vocab) { reset(); }
   void reset() override {
-    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model_})));
-    out = register_module("out", torch::nn::Linear(d_model_, vocab_));
+    ln = register_module("ln", LayerNorm(std::vector<int64_t>{d_model_}));
+    out = register_module("out", gpt_linear(d_model_, vocab_));
   }
   torch::Tensor forward(torch::Tensor x) { return out(ln(x)); }
   void pretty_print(std::ostream& os) const override {
     os << "GptHead(d_model=" << d_model_ << ", vocab=" << vocab_ << ")";
   }
 
-  torch::nn::LayerNorm ln{nullptr};
-  torch::nn::Linear out{nullptr};
+  LayerNorm ln{nullptr};
+  Linear out{nullptr};
 
  private:
   int64_t d_model_, vocab_;
@@ -149,12 +159,12 @@ void check_common(const ModelSpec& spec) {
 // Dense hidden layers (Linear, activation, dropout) and the final Linear to classes.
 void push_dense(torch::nn::Sequential& seq, const ModelSpec& spec, int64_t in, int64_t classes) {
   for (int64_t width : spec.hidden) {
-    seq->push_back(torch::nn::Linear(in, width));
+    seq->push_back(Linear(in, width));
     push_activation(seq, spec.activation);
     if (spec.dropout > 0) seq->push_back(Dropout(spec.dropout));
     in = width;
   }
-  seq->push_back(torch::nn::Linear(in, classes));
+  seq->push_back(Linear(in, classes));
 }
 
 torch::nn::Sequential build_mlp(const ModelSpec& spec, const DataInfo& data) {
@@ -180,7 +190,7 @@ torch::nn::Sequential build_cnn(const ModelSpec& spec, const DataInfo& data) {
     const int64_t out = spec.channels[i];
     if (out < 1)
       throw ConfigError(concat("model.channels[", i, "] must be >= 1, got ", out));
-    seq->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(c, out, 3).padding(1)));
+    seq->push_back(Conv2d(c, out, 3, /*padding=*/1));
     push_activation(seq, spec.activation);
     seq->push_back(torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
     c = out;
@@ -195,20 +205,6 @@ torch::nn::Sequential build_cnn(const ModelSpec& spec, const DataInfo& data) {
   seq->push_back(torch::nn::Flatten());
   push_dense(seq, spec, c * h * w, data.num_classes);
   return seq;
-}
-
-void init_gpt(torch::nn::Sequential& seq) {
-  torch::NoGradGuard no_grad;
-  for (const auto& m : seq->modules(/*include_self=*/false)) {
-    if (auto* lin = m->as<torch::nn::Linear>()) {
-      torch::nn::init::normal_(lin->weight, 0.0, 0.02);
-      if (lin->bias.defined()) torch::nn::init::zeros_(lin->bias);
-    } else if (auto* emb = m->as<torch::nn::Embedding>()) {
-      torch::nn::init::normal_(emb->weight, 0.0, 0.02);
-    } else if (auto* pe = m->as<GptEmbedding>()) {
-      torch::nn::init::normal_(pe->pos, 0.0, 0.02);
-    }
-  }
 }
 
 torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data) {
@@ -229,7 +225,6 @@ torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data) {
   for (int64_t i = 0; i < spec.layers; ++i)
     seq->push_back(GptBlock(spec.d_model, spec.heads, d_ff, spec.dropout));
   seq->push_back(GptHead(spec.d_model, data.num_classes));
-  init_gpt(seq);
   return seq;
 }
 
@@ -261,11 +256,18 @@ torch::nn::Sequential build_layers(const ModelSpec& spec, const DataInfo& data) 
 
 }  // namespace
 
-torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data) {
+torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data) {
   torch::nn::Sequential model = build_layers(spec, data);
   // Ids from the model's structure alone: every process and pipeline stage builds the whole
-  // model, so a dropout has the same id wherever it runs (Note [Layout-invariant dropout]).
+  // model's shapes, so a dropout has the same id wherever it runs (Note [Layout-invariant
+  // dropout]).
   number_dropout_layers(*model);
+  return model;
+}
+
+torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data, uint64_t seed) {
+  torch::nn::Sequential model = model_shapes(spec, data);
+  Materializer(*model, seed).create_all(*model);
   return model;
 }
 
@@ -291,6 +293,26 @@ int64_t parameter_count(const torch::nn::Module& model) {
   return n;
 }
 
+at::Tensor linear_weight(const torch::nn::Module& m) {
+  if (auto* lin = dynamic_cast<const LinearImpl*>(&m)) return lin->weight;
+  if (auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(&m)) return lin->weight;
+  return {};
+}
+
+at::Tensor conv_weight(const torch::nn::Module& m) {
+  if (auto* conv = dynamic_cast<const Conv2dImpl*>(&m)) return conv->weight;
+  if (auto* conv = dynamic_cast<const torch::nn::Conv2dImpl*>(&m)) return conv->weight;
+  return {};
+}
+
+std::string layer_signature(const torch::nn::Module& layer, const torch::Tensor& input) {
+  std::ostringstream os;
+  os << layer_text(layer) << " on " << input.sizes() << " " << input.scalar_type();
+  for (const auto& p : layer.named_parameters()) os << " " << p.key() << p.value().sizes() << p.value().scalar_type();
+  for (const auto& b : layer.named_buffers()) os << " " << b.key() << b.value().sizes() << b.value().scalar_type();
+  return os.str();
+}
+
 LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample) {
   LayerProbe probe;
   torch::Tensor x = sample;
@@ -305,10 +327,22 @@ LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sampl
   model->eval();
   {
     torch::NoGradGuard no_grad;
+    // A layer like one already run (the same signature: a transformer's repeated blocks)
+    // gives an output of the same shape and dtype: its output is reused, not recomputed.
+    std::map<std::string, torch::Tensor> seen;
     for (auto& layer : *model) {
       LayerShapes s;
       s.input = x;
-      x = layer.forward(x);
+      const std::string key = layer_signature(*layer.ptr(), x);
+      auto it = seen.find(key);
+      if (it != seen.end()) {
+        x = it->second;
+      } else {
+        // A model built as shapes runs one layer at a time in real memory, freed after.
+        MaterializedScope created(*layer.ptr());
+        x = layer.forward(x);
+        seen.emplace(key, x);
+      }
       s.output = x;
       probe.layers.push_back(s);
     }
@@ -330,20 +364,17 @@ std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe
     // Rows a Linear of this layer multiplies: the output's positions (1 for an MLP, the
     // sequence for a transformer block or head).
     const double rows = (y.dim() > 0 ? double(y.numel()) / double(y.size(-1)) : 1) * probe.scale;
+    // 3x3 "same" convolutions of the zoo: as many output positions as input ones.
+    const double positions = in.dim() >= 2 ? double(in.size(-1) * in.size(-2)) : 1;
     double flops = 0;
     for (const auto& m : layer->modules(/*include_self=*/true)) {
-      if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
-        flops += 2.0 * double(lin->weight.numel()) * rows;
-      } else if (auto* conv = dynamic_cast<torch::nn::Conv2dImpl*>(m.get())) {
-        // 3x3 "same" convolutions of the zoo: as many output positions as input ones.
-        const double positions = in.dim() >= 2 ? double(in.size(-1) * in.size(-2)) : 1;
-        flops += 2.0 * double(conv->weight.numel()) * positions;
-      }
+      if (const at::Tensor w = linear_weight(*m); w.defined()) flops += 2.0 * double(w.numel()) * rows;
+      if (const at::Tensor w = conv_weight(*m); w.defined()) flops += 2.0 * double(w.numel()) * positions;
     }
     for (const auto& child : layer->named_children())
       if (child.key() == "qkv")
-        if (auto* qkv = dynamic_cast<torch::nn::LinearImpl*>(child.value().get()))
-          flops += 4.0 * rows * rows * double(qkv->weight.size(1));  // QK^T and AV
+        if (const at::Tensor w = linear_weight(*child.value()); w.defined())
+          flops += 4.0 * rows * rows * double(w.size(1));  // QK^T and AV
     out.push_back(flops);
   }
   return out;

@@ -12,12 +12,16 @@
 
 namespace tetra::core {
 
-// Builds model.type for the data it will see (input shape, classes or vocabulary).
-// Parameters are initialised from the current torch RNG state: seed it first. Its
-// dropouts are tetra::core::Dropout, numbered in order (number_dropout_layers): in training
-// mode they draw from the key a RandomContext::Scope sets (Note [Layout-invariant dropout]).
-// Incompatible pairs (gpt on images, mlp on text) are ConfigErrors.
-torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data);
+// Builds model.type for the data it will see (input shape, classes or vocabulary) as
+// shapes: tetra's layers (core/layers.h), every parameter on the meta device, no storage
+// (Note [Layout-invariant initialisation] in core/init.h). A Materializer creates what a
+// rank holds. Its dropouts are tetra::core::Dropout, numbered in order
+// (number_dropout_layers): in training mode they draw from the key a RandomContext::Scope
+// sets (Note [Layout-invariant dropout]). Incompatible pairs (gpt on images, mlp on text)
+// are ConfigErrors.
+torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data);
+// The same model created whole, with the initial weights every layout draws at `seed`.
+torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data, uint64_t seed);
 
 // The training loss of a model's output against targets: cross-entropy over classes,
 // or over next tokens (output [n, seq, vocab] against targets [n, seq]), averaged over
@@ -29,7 +33,12 @@ int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets)
 
 int64_t parameter_count(const torch::nn::Module& model);
 
-// One sample's input and output of each layer (no gradients, eval mode). A sample of
+// The weight of a Linear or Conv2d module, tetra's or torch::nn's; undefined for others.
+at::Tensor linear_weight(const torch::nn::Module& m);
+at::Tensor conv_weight(const torch::nn::Module& m);
+
+// One sample's input and output of each layer (no gradients, eval mode; a layer built as
+// shapes is created for its forward and freed after, MaterializedScope). A sample of
 // more than 64 tokens runs as its first 64, and `scale` is how many times longer the
 // whole one is: every layer of the zoo but attention works position by position, so the
 // whole sample's outputs are `scale` times the probe's (forward_flops scales attention's
@@ -42,6 +51,12 @@ struct LayerProbe {
   double scale = 1;
 };
 LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample);
+
+// What makes two layers cost the same and give outputs of the same shape: the layer's
+// printed type and options, its parameters' and buffers' names, shapes and dtypes, and the
+// input's shape and dtype. A model's repeated blocks share one; a probe runs (and the
+// pipeline times) each signature once.
+std::string layer_signature(const torch::nn::Module& layer, const torch::Tensor& input);
 
 // Each layer's forward FLOPs for one sample (2 per multiply-add), for the cost model
 // (Note [Cost model]): the matmuls of its Linear and Conv2d modules, and attention's two

@@ -8,7 +8,6 @@
 
 #include "collectives/error.h"
 #include "core/models.h"
-#include "core/torch_compat.h"
 
 namespace tetra::core {
 
@@ -49,6 +48,7 @@ void check_same_job(collectives::Communicator& group, const TrainState& state, c
 }
 
 void broadcast_from_first(collectives::Communicator& group, TrainState& state) {
+  if (state.weights && !state.weights->given()) return;  // the same draws on every rank
   at::NoGradGuard no_grad;
   std::vector<collectives::WorkPtr> works;
   for (auto& p : state.params) works.push_back(group.broadcast(p.tensor.detach()));
@@ -60,17 +60,15 @@ void broadcast_from_first(collectives::Communicator& group, TrainState& state) {
 
 namespace {
 
-// The outputs of every layer for one micro-batch, from one sample's (probe_layers: a long
-// sequence probed by its first 64 tokens, so a billion-parameter model's plan is quick),
-// run as training runs it (bf16 autocast included): what autograd keeps of one
-// micro-batch, roughly, when nothing recomputes.
+// The outputs of every layer for one micro-batch, from one sample's (the plan's probe: a
+// long sequence probed by its first 64 tokens and scaled, so a billion-parameter model's
+// plan is quick), run as training runs it (bf16 autocast included): what autograd keeps
+// of one micro-batch, roughly, when nothing recomputes.
 std::vector<int64_t> layer_outputs(const PlanInput& in) {
   const int64_t micro = std::max<int64_t>(1, in.plan.micro_batch_size());
-  compat::CpuAutocast autocast(in.spec.train.precision == Precision::kBf16);
-  const LayerProbe probe = probe_layers(in.model, in.data.range(Split::kTrain, 0, 1).inputs);
   std::vector<int64_t> out;
-  for (const LayerShapes& s : probe.layers)
-    out.push_back(static_cast<int64_t>(double(s.output.nbytes()) * probe.scale) * micro);
+  for (const LayerShapes& s : in.probe.layers)
+    out.push_back(static_cast<int64_t>(double(s.output.nbytes()) * in.probe.scale) * micro);
   return out;
 }
 

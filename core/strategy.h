@@ -40,8 +40,10 @@
 #include "collectives/communicator.h"
 #include "core/checkpoint.h"
 #include "core/data.h"
+#include "core/init.h"
 #include "core/job_spec.h"
 #include "core/mesh.h"
+#include "core/models.h"
 #include "core/optim.h"
 #include "core/plan.h"
 #include "core/random.h"
@@ -52,6 +54,13 @@ namespace tetra::core {
 
 // What a strategy may see and change. A strategy may replace `model` and `params` in
 // attach (the pipeline keeps its stage's layers, named as in the whole model).
+//
+// The model arrives as shapes (Note [Layout-invariant initialisation], core/init.h):
+// parameters on the meta device, except in a program's own model built with its values.
+// A strategy that decides what this rank holds creates it through `weights` (ZeRO its
+// chunks); one that needs the parameters whole (data parallelism) creates them whole with
+// weights->create_all before it reads or hooks them; the trainer creates whatever is still
+// a shape after the last attach. Nothing else creates a parameter.
 struct TrainState {
   const JobSpec& spec;
   torch::nn::Sequential& model;
@@ -59,6 +68,7 @@ struct TrainState {
   const Mesh* mesh;  // nullptr for a single process
   Trace& trace;
   const Dataset* data = nullptr;  // the job's data (the pipeline probes its shapes)
+  const Materializer* weights = nullptr;  // the one place that creates the model's tensors
 };
 
 // One step's work, for the strategy that runs forward and backward itself.
@@ -210,15 +220,21 @@ class ModelStateOwner {
 // across the group; a difference is a ConfigError naming the rank (`who` names the
 // strategy in it). Collective.
 void check_same_job(collectives::Communicator& group, const TrainState& state, const std::string& who);
-// Parameters and buffers start as group rank 0's. Collective.
+// Parameters and buffers start as group rank 0's, when the model came with its values
+// (Materializer::given: a program's own, built whole on each rank). Drawn weights are
+// every rank's already (Note [Layout-invariant initialisation]): then it does nothing.
+// Collective.
 void broadcast_from_first(collectives::Communicator& group, TrainState& state);
 
 // What `train --dry-run` shows a strategy.
 struct PlanInput {
   const Plan& plan;
   const JobSpec& spec;
-  torch::nn::Sequential& model;  // the whole model, built from the job's seed
+  torch::nn::Sequential& model;  // the whole model, as shapes (nothing created)
   const Dataset& data;
+  // One training sample run through the model at the job's precision (probe_layers), taken
+  // once for everything the plan works out.
+  const LayerProbe& probe;
 };
 
 // A plugin section that builds a strategy.

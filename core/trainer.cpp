@@ -125,10 +125,13 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
                       " but no world; replicas need the process world (a communicator of 1 for one process)");
   }
   data_ = options_.data ? options_.data : std::shared_ptr<const Dataset>(make_dataset(spec_.data, spec_.train.seed));
-  {
+  if (options_.model) {
+    // A program's own builder may draw from torch's generator, which thread-ranks share.
     std::lock_guard<std::mutex> lock(global_rng_mutex());
     torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
-    model_ = options_.model ? options_.model(data_->info()) : build_model(spec_.model, data_->info());
+    model_ = options_.model(data_->info());
+  } else {
+    model_ = model_shapes(spec_.model, data_->info());  // no storage: strategies decide what is created
   }
   if (!model_ || model_->size() == 0)
     throw ConfigError("the model the program gave the trainer (TrainerOptions::model) is empty: it needs at least one layer");
@@ -138,6 +141,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     params_.push_back({p.key(), p.value()});
   }
   model_parameters_ = parameter_count(*model_);
+  weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed));
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
@@ -149,7 +153,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   if (!options_.dry_run)
     for (const auto& cfg : plan_.strategies())
       if (auto s = cfg->build()) strategies_.push_back(std::move(s));
-  state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get()});
+  state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get(), weights_.get()});
   for (auto& s : strategies_) {
     s->attach(*state_);
     if (s->owns_forward_backward()) {
@@ -161,6 +165,9 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   }
   for (auto& s : strategies_)
     if (auto* o = dynamic_cast<ModelStateOwner*>(s.get())) owner_ = o;
+  // What no strategy created is this rank's whole (one process, a pipeline's stage); a
+  // dry run creates nothing.
+  if (!options_.dry_run) weights_->create_all(*model_);
   // After attach: the optimizer steps (and keeps state for) the parameters this rank
   // holds — unless a strategy keeps the model state in its own layout and steps it.
   if (!owner_) optimizer_ = std::make_unique<Optimizer>(spec_.optimizer, params_);
@@ -249,15 +256,23 @@ TensorMap Trainer::weights() {
   return weights;
 }
 
+const LayerProbe& Trainer::probe() const {
+  if (!probe_) {
+    compat::CpuAutocast autocast(spec_.train.precision == Precision::kBf16);
+    probe_ = probe_layers(const_cast<torch::nn::Sequential&>(model_), data_->range(Split::kTrain, 0, 1).inputs);
+  }
+  return *probe_;
+}
+
 std::string Trainer::plan() const {
   std::string out;
-  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_};
+  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
   for (const auto& cfg : plan_.strategies()) out += cfg->plan(in);
   return out;
 }
 
 std::vector<RankEstimate> Trainer::estimate() const {
-  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_};
+  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
   return estimate_ranks(in);
 }
 

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "core/data.h"
+#include "core/init.h"
 #include "core/job_spec.h"
+#include "core/models.h"
 #include "core/optim.h"
 #include "core/plan.h"
 #include "core/report.h"
@@ -72,9 +74,12 @@ struct TrainerOptions {
   // (its methods are const and keep no state). nullptr: the trainer reads data.* itself.
   std::shared_ptr<const Dataset> data;
   // The model, when the program brings its own (the C++ API): called once per rank with
-  // the data's shape, after the torch generator is seeded with train.seed, so every rank
-  // builds the same initial weights. Its layers are what a pipeline cuts into stages and
-  // what ZeRO-3 gathers one at a time. nullptr: the trainer builds model.* itself.
+  // the data's shape, after the torch generator is seeded with train.seed. Its layers are
+  // what a pipeline cuts into stages and what ZeRO-3 gathers one at a time. Built of
+  // torch::nn layers it comes with its values (every rank builds the whole model; the
+  // replicating strategies start from the first rank's); built of tetra's layers
+  // (core/layers.h) it is shapes, and each rank creates only what it holds, as the zoo's
+  // (Note [Layout-invariant initialisation]). nullptr: the trainer builds model.* itself.
   std::function<torch::nn::Sequential(const DataInfo&)> model;
   // Called once at the start of run(), on every rank (check writer() to print once).
   std::function<void(const Trainer&)> on_start;
@@ -112,6 +117,9 @@ class Trainer {
   // Rank 0 of the world (its replica 0) prints, logs and writes checkpoints.
   bool writer() const { return !ranks_ || ranks_->rank() == 0; }
   const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
+  // One training sample through the model at the job's precision (probe_layers), taken on
+  // first use and kept: what the plan, the estimate and the cost model work from.
+  const LayerProbe& probe() const;
   // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
   std::string plan() const;
   // Every process rank's model state, activations and bytes per axis per step, worked
@@ -169,6 +177,8 @@ class Trainer {
   collectives::CommunicatorPtr data_group_;  // the data axis (nullptr: one process)
   int data_rank_ = 0, data_size_ = 1;
   std::vector<std::unique_ptr<Strategy>> strategies_;
+  std::unique_ptr<Materializer> weights_;
+  mutable std::optional<LayerProbe> probe_;  // probe(): taken once  // creates the tensors of the model built as shapes
   std::unique_ptr<TrainState> state_;
   Strategy* stepper_ = nullptr;
   ModelStateOwner* owner_ = nullptr;  // a strategy that keeps the model state (ZeRO)

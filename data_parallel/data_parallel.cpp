@@ -60,6 +60,7 @@ class DataParallel final : public core::Strategy {
     comm_ = state.mesh->axis("data");
     trace_ = &state.trace;
     core::check_same_job(*comm_, state, "data_parallel");
+    state.weights->create_all(*state.model);  // every rank holds the whole model
     core::broadcast_from_first(*comm_, state);
     setup_hierarchy();
     // reduce_scatter (hierarchical) needs equal chunks: pad each bucket to the host size.

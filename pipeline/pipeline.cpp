@@ -8,12 +8,15 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <numeric>
 #include <sstream>
 
 #include "collectives/error.h"
 #include "core/data.h"
+#include "core/init.h"
 #include "core/models.h"
 #include "core/random.h"
 #include "core/report.h"
@@ -47,12 +50,9 @@ torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(mode
 std::string layer_name(const torch::nn::Module& m) {
   const std::string s = core::layer_text(m);
   const std::string base = s.substr(0, s.find('('));
-  if (base == "Linear") {
-    auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(&m);
-    if (lin)
-      return "Linear(" + std::to_string(lin->options.in_features()) + " -> " +
-             std::to_string(lin->options.out_features()) + ")";
-  }
+  if (base == "Linear")
+    if (const at::Tensor w = core::linear_weight(m); w.defined())
+      return "Linear(" + std::to_string(w.size(1)) + " -> " + std::to_string(w.size(0)) + ")";
   return base;
 }
 
@@ -126,6 +126,7 @@ std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& d
   torch::Tensor x = b.inputs;
   core::compat::CpuAutocast autocast(bf16);
   for (int i = 0; i < static_cast<int>(model->size()); ++i) {
+    core::MaterializedScope created(*layer(model, i).ptr());  // a shape runs as zeros, one layer at a time
     x = layer(model, i).forward(x);
     Boundary bd;
     bd.tail.assign(x.sizes().begin() + 1, x.sizes().end());
@@ -293,14 +294,17 @@ class Pipeline final : public PipelineStrategy {
 }  // namespace
 
 std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time, double max_timed_flops) {
+                                      int64_t micro_batch, bool bf16, bool time, double max_timed_flops,
+                                      const core::LayerProbe* given) {
   UntouchedModel untouched(model);
   std::vector<LayerCost> out;
   const int L = static_cast<int>(model->size());
   const torch::Tensor sample = data.range(core::Split::kTrain, 0, 1).inputs;
   // Output sizes: one sample's probe, at most 64 tokens, scaled (Note [Layer costs]).
   core::LayerProbe probe;
-  {
+  if (given) {
+    probe = *given;
+  } else {
     core::compat::CpuAutocast autocast(bf16);
     probe = core::probe_layers(model, sample);
   }
@@ -336,8 +340,21 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
   } else {
     x = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain))).inputs;
   }
+  // A layer like one already timed (the same signature: a transformer's repeated blocks)
+  // takes that one's times and output.
+  std::map<std::string, std::tuple<double, double, torch::Tensor>> timed;
   for (int i = 0; i < L; ++i) {
     auto& m = layer(model, i);
+    LayerCost& c = out[static_cast<size_t>(i)];
+    c.scaled = scaled;
+    const std::string key = core::layer_signature(*m.ptr(), x);
+    if (auto it = timed.find(key); it != timed.end()) {
+      c.forward_s = std::get<0>(it->second) * ratio[static_cast<size_t>(i)];
+      c.backward_s = std::get<1>(it->second) * ratio[static_cast<size_t>(i)];
+      x = std::get<2>(it->second);
+      continue;
+    }
+    core::MaterializedScope created(*m.ptr());  // before y: the graph goes first
     torch::Tensor in = x.detach();
     if (in.is_floating_point()) in.requires_grad_(true);
     torch::Tensor y;
@@ -358,11 +375,10 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
       f = std::min(f, seconds(t0, t1));
       bw = std::min(bw, seconds(t1, t2));
     }
-    LayerCost& c = out[static_cast<size_t>(i)];
     c.forward_s = f * ratio[static_cast<size_t>(i)];
     c.backward_s = bw * ratio[static_cast<size_t>(i)];
-    c.scaled = scaled;
     x = y.detach();
+    timed.emplace(key, std::make_tuple(f, bw, x));
   }
   return out;
 }
@@ -729,7 +745,7 @@ std::string Options::plan(const core::PlanInput& input) const {
     throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
                       " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
                       ") that must each hold one");
-  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true, kDryRunTimedFlops);
+  std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true, kDryRunTimedFlops, &input.probe);
   Partition part = partition_for(*this, input.model, costs);
   std::vector<StageCost> sc = stage_costs(part, costs);
   Schedule s = make_schedule(to_string(schedule), P, micro_batches, v);
@@ -799,7 +815,7 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const auto it = rank.coord.find("pipeline");
   const int r = it == rank.coord.end() ? 0 : it->second;
   std::vector<LayerCost> costs =
-      measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime, kDryRunTimedFlops);
+      measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime, kDryRunTimedFlops, &input.probe);
   const Partition part = partition_for(*this, input.model, costs);
   const std::vector<StageCost> sc = stage_costs(part, costs);
   const Schedule sched = make_schedule(to_string(schedule), P, micro_batches, v);

@@ -108,9 +108,13 @@ class PipelineStrategy : public core::Strategy {
 // FLOPs on the micro-batch over its FLOPs on the sample (core::forward_flops; by the
 // elements for a layer with no matmul), and LayerCost::scaled says so. Small inputs run
 // below a core's peak, so scaled times lean high; the balance they give is what matters.
+// Layers of one signature (core::layer_signature: a transformer's repeated blocks) are timed
+// once. A layer built as shapes is created for its timing and freed after. `probe`: the
+// plan's probe of the model at this precision, when one was taken (else it is taken here).
 std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
                                       int64_t micro_batch, bool bf16, bool time,
-                                      double max_timed_flops = std::numeric_limits<double>::infinity());
+                                      double max_timed_flops = std::numeric_limits<double>::infinity(),
+                                      const core::LayerProbe* probe = nullptr);
 // The budget a dry run gives measure_layers: a micro-batch whose forward is more FLOPs than
 // this is timed on one sample and scaled (about a second of this machine's time for the
 // 4 timed passes of forward and backward at the full size).

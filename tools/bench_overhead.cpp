@@ -36,7 +36,7 @@ log: {progress: off}
 
 double bare_loop(const JobSpec& spec, const Dataset& data, int64_t steps) {
   torch::manual_seed(static_cast<uint64_t>(spec.train.seed));
-  torch::nn::Sequential model = build_model(spec.model, data.info());
+  torch::nn::Sequential model = build_model(spec.model, data.info(), static_cast<uint64_t>(spec.train.seed));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(spec.optimizer.lr)
                                                    .betas({spec.optimizer.beta1, spec.optimizer.beta2})
                                                    .eps(spec.optimizer.eps)

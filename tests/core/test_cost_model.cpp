@@ -139,7 +139,7 @@ TEST(CostModel, ForwardFlopsCountTheMatmulsAndAttention) {
   images.input_shape = {784};
   images.num_classes = 10;
   torch::manual_seed(0);
-  auto m = build_model(mlp, images);
+  auto m = build_model(mlp, images, 1);
   std::vector<double> f = forward_flops(m, torch::zeros({1, 784}));
   double sum = 0;
   for (double x : f) sum += x;
@@ -155,7 +155,7 @@ TEST(CostModel, ForwardFlopsCountTheMatmulsAndAttention) {
   text.num_classes = 256;
   text.language_model = true;
   text.seq_len = 8;
-  auto g = build_model(gpt, text);
+  auto g = build_model(gpt, text, 1);
   f = forward_flops(g, torch::zeros({1, 8}, torch::kLong));
   sum = 0;
   for (double x : f) sum += x;
@@ -169,7 +169,7 @@ TEST(CostModel, ForwardFlopsCountTheMatmulsAndAttention) {
   longer.input_shape = {256};
   longer.seq_len = 256;
   torch::manual_seed(0);
-  auto g256 = build_model(gpt, longer);
+  auto g256 = build_model(gpt, longer, 1);
   const LayerProbe probe = probe_layers(g256, torch::zeros({1, 256}, torch::kLong));
   EXPECT_EQ(probe.scale, 4);
   EXPECT_EQ(probe.layers.back().output.size(1), 64);

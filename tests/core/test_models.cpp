@@ -53,7 +53,7 @@ ModelSpec small_gpt() {
 
 std::string config_error_of(const ModelSpec& spec, const DataInfo& data) {
   try {
-    build_model(spec, data);
+    build_model(spec, data, 1);
   } catch (const tetra::ConfigError& e) {
     return e.what();
   }
@@ -79,12 +79,12 @@ std::pair<double, double> sgd_step(torch::nn::Sequential& model, const torch::Te
 TEST(Models, MlpShapesAndParameterCount) {
   torch::manual_seed(0);
   ModelSpec spec = spec_of("mlp");  // default hidden: 1024, 1024
-  auto mlp = build_model(spec, image_info());
+  auto mlp = build_model(spec, image_info(), 1);
   EXPECT_EQ(parameter_count(*mlp), 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10);
   EXPECT_EQ(mlp->forward(torch::randn({5, 1, 28, 28})).sizes(), (std::vector<int64_t>{5, 10}));
 
   spec.hidden = {};
-  auto linear = build_model(spec, image_info());
+  auto linear = build_model(spec, image_info(), 1);
   EXPECT_EQ(linear->size(), 2u);  // Flatten, Linear
   EXPECT_EQ(parameter_count(*linear), 784 * 10 + 10);
   EXPECT_EQ(linear->forward(torch::randn({3, 1, 28, 28})).sizes(), (std::vector<int64_t>{3, 10}));
@@ -92,7 +92,7 @@ TEST(Models, MlpShapesAndParameterCount) {
   spec.hidden = {64, 32};
   spec.activation = "gelu";
   spec.dropout = 0.1;
-  auto small = build_model(spec, image_info());
+  auto small = build_model(spec, image_info(), 1);
   // Flatten, (Linear, GELU, Dropout) x 2, Linear
   EXPECT_EQ(small->size(), 8u);
   {
@@ -112,7 +112,7 @@ TEST(Models, MlpShapesAndParameterCount) {
   flat.num_classes = 3;
   spec.activation = "tanh";
   RandomContext::Scope random(0, 0, 0);
-  EXPECT_EQ(build_model(spec, flat)->forward(torch::randn({2, 20})).sizes(),
+  EXPECT_EQ(build_model(spec, flat, 1)->forward(torch::randn({2, 20})).sizes(),
             (std::vector<int64_t>{2, 3}));
 }
 
@@ -121,7 +121,7 @@ TEST(Models, CnnShapes) {
   ModelSpec spec = spec_of("cnn");
   spec.channels = {8, 16};
   spec.hidden = {32};
-  auto cnn = build_model(spec, image_info());
+  auto cnn = build_model(spec, image_info(), 1);
   EXPECT_EQ(cnn->forward(torch::randn({3, 1, 28, 28})).sizes(), (std::vector<int64_t>{3, 10}));
   // conv 1->8, conv 8->16, 16*7*7 -> 32 -> 10
   EXPECT_EQ(parameter_count(*cnn),
@@ -139,7 +139,7 @@ TEST(Models, CnnShapes) {
 
 TEST(Models, GptShapesAndCausality) {
   torch::manual_seed(0);
-  auto gpt = build_model(small_gpt(), text_info(16));
+  auto gpt = build_model(small_gpt(), text_info(16), 1);
   EXPECT_EQ(gpt->size(), 4u);  // embedding, 2 blocks, head
   gpt->eval();
   torch::NoGradGuard ng;
@@ -176,7 +176,7 @@ TEST(Models, GptShapesAndCausality) {
 
 TEST(Models, GptCloneKeepsWeights) {
   torch::manual_seed(0);
-  auto gpt = build_model(small_gpt(), text_info(8));
+  auto gpt = build_model(small_gpt(), text_info(8), 1);
   auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(gpt->clone());
   ASSERT_TRUE(copy);
   gpt->eval();
@@ -191,7 +191,7 @@ TEST(Models, GptParameterCount) {
   ModelSpec s = small_gpt();
   s.layers = 1;
   s.d_ff = 48;
-  auto gpt = build_model(s, text_info(16));
+  auto gpt = build_model(s, text_info(16), 1);
   const int64_t d = 32, V = 256, T = 16, ff = 48;
   const int64_t block = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d);
   EXPECT_EQ(parameter_count(*gpt), V * d + T * d + block + 2 * d + (d * V + V));
@@ -248,7 +248,7 @@ TEST(Models, OneSgdStepReducesTheLoss) {
   {
     ModelSpec s = spec_of("mlp");
     s.hidden = {64};
-    auto m = build_model(s, image_info());
+    auto m = build_model(s, image_info(), 1);
     auto [before, after] = sgd_step(m, images, labels, 0.05);
     EXPECT_LT(after, before) << "mlp";
   }
@@ -256,12 +256,12 @@ TEST(Models, OneSgdStepReducesTheLoss) {
     ModelSpec s = spec_of("cnn");
     s.channels = {4, 8};
     s.hidden = {32};
-    auto m = build_model(s, image_info());
+    auto m = build_model(s, image_info(), 1);
     auto [before, after] = sgd_step(m, images, labels, 0.05);
     EXPECT_LT(after, before) << "cnn";
   }
   {
-    auto m = build_model(small_gpt(), text_info(16));
+    auto m = build_model(small_gpt(), text_info(16), 1);
     const torch::Tensor tokens = torch::randint(0, 256, {4, 17}, torch::kLong);
     auto [before, after] = sgd_step(m, tokens.slice(1, 0, 16), tokens.slice(1, 1, 17), 0.5);
     EXPECT_NEAR(before, std::log(256.0), 0.1);  // GPT-2 init: near-uniform predictions

@@ -96,7 +96,7 @@ TEST(Dropout, GptSplitIntoTwoForwardsFollowsTheWholeBatch) {
   // Every dropout of the GPT (embedding, attention, both residuals of each block) keys by
   // the global row, so two half-batch forwards compute the rows of the whole one.
   torch::manual_seed(3);
-  torch::nn::Sequential gpt = build_model(gpt_spec(0.3), text_info(8));
+  torch::nn::Sequential gpt = build_model(gpt_spec(0.3), text_info(8), 1);
   gpt->train();
   const torch::Tensor tokens = torch::randint(0, 256, {8, 8}, torch::kLong);
   auto forward = [&](int64_t begin, int64_t end) {
@@ -202,7 +202,7 @@ TEST(Dropout, ScopesNestAndEachThreadHasItsOwn) {
 }
 
 TEST(Dropout, BuiltModelsNumberTheirDropoutsAndClonesKeepTheIds) {
-  torch::nn::Sequential gpt = build_model(gpt_spec(0.1), text_info(8));
+  torch::nn::Sequential gpt = build_model(gpt_spec(0.1), text_info(8), 1);
   std::vector<int64_t> ids;
   for (const auto& m : gpt->modules())
     if (auto* d = m->as<DropoutImpl>()) ids.push_back(d->layer());
@@ -222,7 +222,7 @@ TEST(Dropout, BuiltModelsNumberTheirDropoutsAndClonesKeepTheIds) {
   flat.input_shape = {5};
   flat.num_classes = 2;
   ids.clear();
-  for (const auto& m : build_model(mlp, flat)->modules())
+  for (const auto& m : build_model(mlp, flat, 1)->modules())
     if (auto* d = m->as<DropoutImpl>()) ids.push_back(d->layer());
   EXPECT_EQ(ids, (std::vector<int64_t>{0, 1, 2}));
   // A Sequential of one's own.

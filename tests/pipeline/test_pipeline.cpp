@@ -158,7 +158,7 @@ TEST(Pipeline, RunningLayersWaitsWhileAThreadRankDrawsItsParameters) {
   // waits for the lock, and a draw made under the lock is never rewound.
   const JobSpec spec = job({"model.dropout=0.2"});
   auto data = make_dataset(spec.data, spec.train.seed);
-  torch::nn::Sequential model = build_model(spec.model, data->info());
+  torch::nn::Sequential model = build_model(spec.model, data->info(), 1);
   std::unique_lock<std::mutex> lock(global_rng_mutex());
   auto measured = std::async(std::launch::async, [&] { return pipeline::measure_layers(model, *data, 8, false, false); });
   EXPECT_EQ(measured.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
@@ -289,7 +289,7 @@ optimizer: {type: sgd, lr: 0.1}
 train: {max_steps: 1, seed: 5, threads: 1}
 )", {}, "gpt");
   auto data = make_dataset(spec.data, spec.train.seed);
-  torch::nn::Sequential model = build_model(spec.model, data->info());
+  torch::nn::Sequential model = build_model(spec.model, data->info(), 1);
   const auto whole = pipeline::measure_layers(model, *data, 8, false, true);
   const auto scaled = pipeline::measure_layers(model, *data, 8, false, true, /*max_timed_flops=*/0);
   ASSERT_EQ(whole.size(), scaled.size());

@@ -120,7 +120,7 @@ StepPrediction predict(const Trainer& trainer, const std::vector<RankEstimate>& 
   Trainer& t = const_cast<Trainer&>(trainer);
   const Plan& plan = trainer.job_plan();
   const int R = plan.replicas();
-  const std::vector<double> fwd = forward_flops(t.model(), trainer.dataset().range(Split::kTrain, 0, 1).inputs);
+  const std::vector<double> fwd = forward_flops(t.model(), trainer.probe());
   const int64_t batch = plan.spec().data.batch_size;
   const double per_rank = double(batch) / std::max(1, plan.data_ranks());
   std::map<int, StageWork> stages;  // by pipeline coordinate: its first rank's work

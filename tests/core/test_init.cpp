@@ -1,0 +1,249 @@
+// Models as shapes and layout-invariant initial weights (Note [Layout-invariant
+// initialisation], core/init.h): any slice of a tensor draws the bytes the whole tensor
+// holds there; the draws have the distributions they name; a model built as shapes holds
+// no storage until the Materializer creates it, and a layer run as a probe goes back to
+// being a shape.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "collectives/error.h"
+#include "core/init.h"
+#include "core/layers.h"
+#include "core/models.h"
+
+using namespace tetra;
+using namespace tetra::core;
+
+namespace {
+
+at::Tensor drawn(const Init& init, const std::string& name, int64_t n, int64_t first = 0,
+                 uint64_t seed = 7, at::ScalarType dtype = at::kFloat) {
+  at::Tensor t = at::empty({n}, at::TensorOptions().dtype(dtype));
+  draw(init, seed, name, first, t);
+  return t;
+}
+
+DataInfo images() {
+  DataInfo d;
+  d.input_shape = {1, 28, 28};
+  d.num_classes = 10;
+  return d;
+}
+
+DataInfo text(int64_t seq) {
+  DataInfo d;
+  d.input_shape = {seq};
+  d.num_classes = 256;
+  d.language_model = true;
+  d.seq_len = seq;
+  return d;
+}
+
+ModelSpec gpt() {
+  ModelSpec s;
+  s.type = "gpt";
+  s.layers = 2;
+  s.d_model = 32;
+  s.heads = 2;
+  return s;
+}
+
+}  // namespace
+
+// Every cut of the element range — odd starts, a lone second element of a normal pair,
+// one element, slices handed to several threads — holds the whole tensor's bytes there.
+TEST(Init, AnySliceDrawsTheWholeTensorsBytes) {
+  for (const Init& init : {Init::uniform(-0.5, 0.25), Init::normal(0.1, 0.02)}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+      const int64_t n = 100003;  // several threads' grains, and odd
+      const at::Tensor whole = drawn(init, "3.weight", n, 0, 7, dtype);
+      for (auto [first, count] : std::vector<std::pair<int64_t, int64_t>>{
+               {0, 1}, {1, 1}, {1, 2}, {17, 4000}, {50000, 50003}, {99999, 4}, {33333, 33334}}) {
+        const at::Tensor part = drawn(init, "3.weight", count, first, 7, dtype);
+        EXPECT_TRUE(at::equal(part, whole.narrow(0, first, count)))
+            << init.str() << " " << c10::toString(dtype) << " [" << first << ", " << first + count
+            << ")";
+      }
+    }
+  }
+}
+
+TEST(Init, DrawsHaveTheirDistributions) {
+  const int64_t n = 400000;
+  const at::Tensor u = drawn(Init::uniform(-0.25, 0.75), "u", n).to(at::kDouble);
+  EXPECT_GE(u.min().item<double>(), -0.25);
+  EXPECT_LE(u.max().item<double>(), 0.75);
+  EXPECT_NEAR(u.mean().item<double>(), 0.25, 0.002);
+  EXPECT_NEAR(u.std().item<double>(), 1.0 / std::sqrt(12.0), 0.002);
+  const at::Tensor z = drawn(Init::normal(1.5, 0.02), "z", n).to(at::kDouble);
+  EXPECT_NEAR(z.mean().item<double>(), 1.5, 1e-4);
+  EXPECT_NEAR(z.std().item<double>(), 0.02, 2e-4);
+  // Within 1 and 2 standard deviations: 68.3% and 95.4%.
+  const at::Tensor dev = (z - 1.5).abs() / 0.02;
+  EXPECT_NEAR(dev.lt(1).to(at::kDouble).mean().item<double>(), 0.6827, 0.003);
+  EXPECT_NEAR(dev.lt(2).to(at::kDouble).mean().item<double>(), 0.9545, 0.002);
+  // Neighbours are independent (a pair shares Box-Muller's radius, not its sign or angle).
+  const at::Tensor even = z.slice(0, 0, n, 2) - 1.5, odd = z.slice(0, 1, n, 2) - 1.5;
+  EXPECT_NEAR((even * odd).mean().item<double>() / (0.02 * 0.02), 0.0, 0.01);
+  EXPECT_TRUE(at::equal(drawn(Init::constant(0.5), "c", 5), at::full({5}, 0.5)));
+}
+
+TEST(Init, TheKeyIsTheSeedAndTheName) {
+  const at::Tensor a = drawn(Init::normal(0, 1), "1.weight", 64, 0, 1);
+  EXPECT_TRUE(at::equal(a, drawn(Init::normal(0, 1), "1.weight", 64, 0, 1)));
+  EXPECT_FALSE(at::equal(a, drawn(Init::normal(0, 1), "1.weight", 64, 0, 2)));
+  EXPECT_FALSE(at::equal(a, drawn(Init::normal(0, 1), "1.bias", 64, 0, 1)));
+}
+
+// A zoo model built as shapes holds no bytes; created, it holds exactly its parameters;
+// built twice at one seed it is the same bytes, at another seed other bytes.
+TEST(Init, ShapesHoldNothingAndCreatingThemIsDeterministic) {
+  ModelSpec mlp;
+  mlp.type = "mlp";
+  mlp.hidden = {64, 32};
+  torch::nn::Sequential shapes = model_shapes(mlp, images());
+  for (const auto& p : shapes->parameters()) EXPECT_TRUE(p.is_meta());
+  EXPECT_EQ(created_bytes(*shapes), 0);
+  Materializer weights(*shapes, 3);
+  EXPECT_FALSE(weights.given());
+  EXPECT_EQ(weights.rule("1.weight").str(), Init::fan_in_uniform(784).str());
+  weights.create_all(*shapes);
+  EXPECT_EQ(created_bytes(*shapes), parameter_count(*shapes) * 4);
+  for (const auto& p : shapes->parameters()) EXPECT_TRUE(p.device().is_cpu() && p.requires_grad());
+
+  for (const ModelSpec& spec : {mlp, gpt()}) {
+    const DataInfo info = spec.type == "gpt" ? text(16) : images();
+    auto a = build_model(spec, info, 3), b = build_model(spec, info, 3),
+         c = build_model(spec, info, 4);
+    auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
+    for (const auto& p : pa) {
+      EXPECT_TRUE(at::equal(p.value(), pb[p.key()])) << p.key();
+      if (p.value().numel() > 1 && p.value().std().item<double>() > 0) {
+        EXPECT_FALSE(at::equal(p.value(), pc[p.key()])) << p.key();
+      }
+    }
+  }
+}
+
+// The distributions the zoo's layers draw, by layer type.
+TEST(Init, TheZoosLayersDrawTheirUsualDistributions) {
+  torch::nn::Sequential g = build_model(gpt(), text(16), 1);
+  auto params = g->named_parameters();
+  EXPECT_NEAR(params["0.tok.weight"].std().item<double>(), 0.02, 0.002);
+  EXPECT_NEAR(params["0.pos"].std().item<double>(), 0.02, 0.002);
+  EXPECT_NEAR(params["1.qkv.weight"].std().item<double>(), 0.02, 0.002);
+  EXPECT_TRUE(at::equal(params["1.qkv.bias"], at::zeros_like(params["1.qkv.bias"])));
+  EXPECT_TRUE(at::equal(params["1.ln1.weight"], at::ones_like(params["1.ln1.weight"])));
+  EXPECT_TRUE(at::equal(params["1.ln1.bias"], at::zeros_like(params["1.ln1.bias"])));
+
+  ModelSpec cnn;
+  cnn.type = "cnn";
+  cnn.channels = {4};
+  cnn.hidden = {16};
+  torch::nn::Sequential c = build_model(cnn, images(), 1);
+  auto cp = c->named_parameters();
+  const double conv_bound = 1 / std::sqrt(9.0);  // fan in 1 x 3 x 3
+  EXPECT_LE(cp["0.weight"].abs().max().item<double>(), conv_bound);
+  EXPECT_GT(cp["0.weight"].abs().max().item<double>(), 0.8 * conv_bound);
+  const double fc_bound = 1 / std::sqrt(4.0 * 14 * 14);
+  EXPECT_LE(cp["4.weight"].abs().max().item<double>(), fc_bound);
+  EXPECT_LE(cp["4.bias"].abs().max().item<double>(), fc_bound);
+}
+
+// tetra's layers compute what torch::nn's compute from the same weights.
+TEST(Init, LayersComputeWhatTorchsLayersCompute) {
+  torch::NoGradGuard no_grad;
+  Linear lin(12, 5);
+  Materializer(*lin, 1).create_all(*lin);
+  torch::nn::Linear ref(12, 5);
+  ref->weight.copy_(lin->weight);
+  ref->bias.copy_(lin->bias);
+  const at::Tensor x = at::randn({3, 12});
+  EXPECT_TRUE(at::equal(lin(x), ref(x)));
+
+  Conv2d conv(2, 3, 3, 1);
+  Materializer(*conv, 1).create_all(*conv);
+  torch::nn::Conv2d cref(torch::nn::Conv2dOptions(2, 3, 3).padding(1));
+  cref->weight.copy_(conv->weight);
+  cref->bias.copy_(conv->bias);
+  const at::Tensor img = at::randn({2, 2, 6, 6});
+  EXPECT_TRUE(at::equal(conv(img), cref(img)));
+
+  LayerNorm ln(std::vector<int64_t>{12});
+  Materializer(*ln, 1).create_all(*ln);
+  torch::nn::LayerNorm lref(torch::nn::LayerNormOptions({12}));
+  EXPECT_TRUE(at::equal(ln(x), lref(x)));
+
+  Embedding emb(10, 4);
+  Materializer(*emb, 1).create_all(*emb);
+  torch::nn::Embedding eref(10, 4);
+  eref->weight.copy_(emb->weight);
+  const at::Tensor ids = at::tensor({3, 0, 9}, at::kLong);
+  EXPECT_TRUE(at::equal(emb(ids), eref(ids)));
+  EXPECT_EQ(layer_text(*lin), "Linear(in_features=12, out_features=5, bias=true)");
+}
+
+// A layer run to be measured is created for the run and is a shape again after it, its
+// bytes freed; a created layer is left as it is.
+TEST(Init, AMaterializedScopeGivesTheBytesBack) {
+  torch::nn::Sequential shapes = model_shapes(gpt(), text(16));
+  auto block = shapes->ptr(1);
+  {
+    MaterializedScope scope(*block);
+    EXPECT_GT(created_bytes(*block), 0);
+    torch::nn::AnyModule& any = *(shapes->begin() + 1);
+    at::Tensor out = any.forward(at::randn({2, 16, 32}));
+    out.sum().backward();
+    EXPECT_TRUE(block->parameters().front().grad().defined());
+  }
+  EXPECT_EQ(created_bytes(*shapes), 0);
+  for (const auto& p : block->parameters()) {
+    EXPECT_TRUE(p.is_meta());
+    EXPECT_TRUE(p.requires_grad());
+    EXPECT_FALSE(p.grad().defined());
+  }
+  // The probe runs every layer that way: shapes stay shapes.
+  const LayerProbe probe = probe_layers(shapes, at::zeros({1, 16}, at::kLong));
+  EXPECT_EQ(probe.layers.back().output.sizes(), (std::vector<int64_t>{1, 16, 256}));
+  EXPECT_EQ(created_bytes(*shapes), 0);
+  // Created afterwards, the model trains: autograd's leaves are the new tensors.
+  Materializer(*shapes, 1).create_all(*shapes);
+  shapes->forward(at::zeros({2, 16}, at::kLong)).sum().backward();
+  for (const auto& p : shapes->parameters()) EXPECT_TRUE(p.grad().defined());
+}
+
+TEST(Init, AClonedShapeIsAShapeAndAClonedLayerHasItsValues) {
+  torch::nn::Sequential shapes = model_shapes(gpt(), text(8));
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(shapes->clone());
+  ASSERT_TRUE(copy);
+  for (const auto& p : copy->parameters()) EXPECT_TRUE(p.is_meta());
+  torch::nn::Sequential made = build_model(gpt(), text(8), 2);
+  auto twin = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(made->clone());
+  auto a = made->named_parameters(), b = twin->named_parameters();
+  for (const auto& p : a) EXPECT_TRUE(at::equal(p.value(), b[p.key()])) << p.key();
+}
+
+// A program's model built of torch::nn layers comes with its values: nothing to draw.
+// A meta tensor in a module that cannot say how to draw it is named.
+TEST(Init, AProgramsOwnModel) {
+  torch::nn::Sequential given(torch::nn::Linear(3, 2), torch::nn::ReLU());
+  Materializer m(*given, 1);
+  EXPECT_TRUE(m.given());
+  at::Tensor out = at::empty({2});
+  m.fill({"0.bias", given->named_parameters()["0.bias"]}, 1, out.narrow(0, 0, 1));
+  EXPECT_EQ(out[0].item<float>(), given->named_parameters()["0.bias"][1].item<float>());
+
+  struct OddImpl : torch::nn::Module {
+    OddImpl() { register_parameter("w", at::empty({2}, at::kMeta)); }
+    at::Tensor forward(const at::Tensor& x) { return x; }
+  };
+  torch::nn::Sequential odd;
+  odd->push_back(std::make_shared<OddImpl>());
+  try {
+    Materializer bad(*odd, 1);
+    FAIL() << "a meta tensor without a rule was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("0.w"), std::string::npos) << e.what();
+  }
+}
