@@ -28,8 +28,13 @@ using core::GradientBuckets;
 // Every unit is padded to a multiple of N x kAlign elements: each rank's chunk then starts
 // on a 64-byte boundary (fp32) and every rank owns exactly the same number of elements.
 constexpr int64_t kAlign = 16;
-// Buffers in the reduce-scatter and all-gather pools: one filling while one is on the wire.
+// Stage 1's staging chunks: one filling while one is on the wire.
 constexpr int kPoolSize = 2;
+// Stages 2 and 3: whole units of gradients on their way to the reduce-scatter. One: a
+// unit's gradients wait for the one before to leave (its reduce-scatter runs while the
+// next layer's backward computes, and is done by the time that layer's gradients are);
+// each more would be a whole unit of memory, the largest layer's, on every rank.
+constexpr int kGradPool = 1;
 
 int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
@@ -46,6 +51,16 @@ void point_storage(const at::Tensor& t, void* bytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   s->set_data_ptr(at::DataPtr(bytes, at::Device(at::kCPU)));  // not owning: the pool frees it
   s->set_nbytes(bytes ? static_cast<size_t>(t.numel()) * t.element_size() : 0);
+}
+
+// A flat tensor of n elements with no bytes behind it (point_storage lends it some):
+// ZeRO-3's whole unit, of which a rank holds only its chunk. Its storage claims the size
+// (null data) until point_storage says otherwise, so that views of it can be cut first.
+at::Tensor unallocated(int64_t n, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({0}, options);
+  t.storage().unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(n) * t.element_size());
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({n});
+  return t;
 }
 
 class Zero;
@@ -205,7 +220,7 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   at::Tensor param_shard_, grad_shard_;   // stage 3 / stages 2 and 3
   at::Tensor exp_avg_, exp_avg_sq_, momentum_;
   Pool grad_pool_;     // stages 2, 3: whole unit gradients on their way to the reduce-scatter
-  Pool staging_pool_;  // stages 1, 2: a chunk on its way into or out of a collective
+  Pool staging_pool_;  // stage 1: a reduce-scatter's chunk on its way into the gradient
   // Stage 3: buffers (of the largest unit) that gathered units borrow; grows to the most
   // ever gathered at once (the running layer, its prefetches, one on its way back).
   std::vector<at::Tensor> gather_free_;
@@ -272,32 +287,39 @@ void Zero::attach(core::TrainState& state) {
                         std::string(c10::toString(dtype)) + " and " + c10::toString(b.dtype) + ")");
   const auto options = at::TensorOptions().dtype(dtype);
 
-  // The flat layout: every unit whole (parameters as views of it), this rank's chunks
-  // back to back in the shard buffers. Stage 3 moves one unit at a time into its shard
-  // and drops the whole unit before the next, so attaching never holds the model twice.
+  // The flat layout: every unit a flat buffer the unit's parameters are views of, this
+  // rank's chunks back to back in the shard buffers. The parameters arrive as shapes (Note
+  // [Layout-invariant initialisation]) and are created here, in their final place: stages
+  // 1 and 2 draw each unit whole; stage 3 draws only this rank's chunk of each unit, into
+  // its shard, and the unit's buffer gets bytes only while the unit is gathered. A
+  // program's model that came with its values is copied in the same way.
   units_.resize(bks.size());
   for (size_t u = 0; u < bks.size(); ++u) {
     units_[u].chunk = bks[u].padded / size_;
     units_[u].shard_offset = shard_numel_;
     shard_numel_ += units_[u].chunk;
   }
-  if (opt_.stage == 3) param_shard_ = at::empty({shard_numel_}, options);
+  if (opt_.stage == 3) param_shard_ = at::zeros({shard_numel_}, options);  // the padding stays zero
   for (size_t u = 0; u < bks.size(); ++u) {
     Unit& un = units_[u];
-    un.full = at::zeros({bks[u].padded}, options);
+    if (opt_.stage == 3) {
+      un.full = unallocated(bks[u].padded, options);
+      at::Tensor chunk = param_chunk(static_cast<int>(u));
+      for (const Piece& pc : pieces(static_cast<int>(u)))
+        state.weights->fill(buckets_.slots()[pc.slot].param, pc.begin, chunk.narrow(0, pc.chunk_pos, pc.count));
+      un.held = Held::kFree;
+    } else {
+      un.full = at::zeros({bks[u].padded}, options);
+      for (int s : bks[u].slots) {
+        const auto& sl = buckets_.slots()[s];
+        state.weights->fill(sl.param, 0, un.full.narrow(0, sl.offset, sl.numel));
+      }
+    }
     for (int s : bks[u].slots) {
       auto& sl = buckets_.slots()[s];
-      at::Tensor view = un.full.narrow(0, sl.offset, sl.numel).view(sl.param.tensor.sizes());
-      view.copy_(sl.param.tensor.detach());
-      sl.param.tensor.set_data(view);  // the parameter's own storage goes
+      core::place(sl.param.tensor, un.full.narrow(0, sl.offset, sl.numel).view(sl.param.tensor.sizes()));
     }
-    if (opt_.stage == 3) {
-      param_chunk(static_cast<int>(u)).copy_(un.full.narrow(0, rank_ * un.chunk, un.chunk));
-      // Its own bytes go (the gather pool serves it from now on); its shape and views stay.
-      un.full.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, at::Device(at::kCPU)));
-      un.full.storage().unsafeGetStorageImpl()->set_nbytes(0);
-      un.held = Held::kFree;
-    }
+    if (un.held == Held::kFree) point_storage(un.full, nullptr);  // the views are cut: no bytes until gathered
   }
   if (opt_.stage == 1) {
     std::vector<at::Tensor> buffers;
@@ -309,9 +331,9 @@ void Zero::attach(core::TrainState& state) {
   } else {
     grad_shard_ = at::zeros({shard_numel_}, options);
     for (auto& sl : buckets_.slots()) sl.param.tensor.mutable_grad() = at::Tensor();
-    for (int i = 0; i < kPoolSize; ++i) grad_pool_.buffers.push_back(at::empty({buckets_.max_padded()}, options));
+    for (int i = 0; i < kGradPool; ++i) grad_pool_.buffers.push_back(at::empty({buckets_.max_padded()}, options));
   }
-  if (opt_.stage <= 2 && size_ > 1) {
+  if (opt_.stage == 1 && size_ > 1) {
     int64_t max_chunk = 0;
     for (auto& un : units_) max_chunk = std::max(max_chunk, un.chunk);
     for (int i = 0; i < kPoolSize; ++i) staging_pool_.buffers.push_back(at::empty({max_chunk}, options));
@@ -402,9 +424,12 @@ at::Tensor Zero::run_layer(int u, torch::nn::AnyModule& inner, const at::Tensor&
   for (int k = 1; k <= opt_.prefetch && u + k < static_cast<int>(units_.size()); ++k)
     if (units_[u + k].held == Held::kFree) issue_gather(u + k);
   at::Tensor y = inner.forward(x);
-  if (at::GradMode::is_enabled() && y.requires_grad())
+  const bool backward_follows = at::GradMode::is_enabled() && y.requires_grad();
+  if (backward_follows)
     y = BeforeLayerBackward::apply(y, reinterpret_cast<int64_t>(this), static_cast<int64_t>(u));
-  release(u);
+  // The last layer's backward is the next thing to run: freeing it would gather it again
+  // at once. It stays until its gradients are taken.
+  if (!(backward_follows && u == static_cast<int>(units_.size()) - 1)) release(u);
   return y;
 }
 
@@ -557,6 +582,7 @@ std::vector<std::string> Zero::nonfinite_gradients() {
 void Zero::step(double lr) {
   at::NoGradGuard no_grad;
   ++steps_;
+  std::vector<WorkPtr> gathers;
   for (size_t k = 0; k < units_.size(); ++k) {
     const int u = static_cast<int>(k);
     Unit& un = units_[u];
@@ -572,15 +598,15 @@ void Zero::step(double lr) {
     at::Tensor p = param_chunk(u);
     core::fused_update(spec_->optimizer, lr, steps_, p, grad_chunk(u), slots);
     if (opt_.stage == 3 || !comm_) continue;
-    // Every rank's updated chunk into every rank's whole parameters.
-    const int i = borrow(staging_pool_);
-    at::Tensor in = staging_pool_.buffers[i].narrow(0, 0, un.chunk);
-    in.copy_(p);
+    // Every rank's updated chunk into every rank's whole parameters, in place (the chunk
+    // is this rank's part of the unit), while the next unit steps.
     AllgatherOptions o;
     o.timeout = timeout_;
-    staging_pool_.works[i] = comm_->allgather(in, un.full, o);
+    gathers.push_back(comm_->allgather(p, un.full, o));
   }
-  drain();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& w : gathers) w->wait();
+  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // ---- checkpoints -----------------------------------------------------------------------
@@ -728,7 +754,7 @@ int64_t simulate_gather_buffers(int units, int prefetch, int64_t micro) {
     for (int u = 0; u < units; ++u) {
       issue(u);
       for (int k = 1; k <= prefetch && u + k < units; ++k) issue(u + k);
-      release(u);
+      if (u != units - 1) release(u);  // the last layer stays for its backward
     }
     for (int u = units - 1; u >= 0; --u) {
       issue(u);
@@ -769,20 +795,23 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   m.parameters = (stage == 3 ? shard : whole) * e;
   m.gradients = (stage == 1 ? whole : shard) * e;
   m.optimizer = slots * shard * e;
-  if (stage >= 2) m.buffers += kPoolSize * max_padded * e;          // gradients on their way
-  if (stage <= 2 && n > 1) m.buffers += kPoolSize * max_chunk * e;  // chunks in and out
+  if (stage >= 2) m.buffers += kGradPool * max_padded * e;          // gradients on their way
+  if (stage == 1 && n > 1) m.buffers += kPoolSize * max_chunk * e;  // reduce-scatters' chunks
   const int64_t micro = input.plan.micro_batches();
   if (stage == 3) {
     m.buffers += simulate_gather_buffers(static_cast<int>(units.size()), prefetch, micro) * max_padded * e;
     if (input.plan.pipeline_stages() > 1)
-      rank.notes.push_back("zero stage 3 under a pipeline: gather buffers counted as if the micro-batches ran one after another");
+      rank.notes.push_back("zero stage 3 under a pipeline: gathers and their buffers counted as if the micro-batches ran one after another");
   }
   if (n == 1) return;  // nothing travels
   collectives::Traffic& t = rank.traffic["data"];
   for (const auto& u : units) t.record(collectives::Traffic::kReduceScatter, u.padded * e, n);
-  for (const auto& u : units)
-    for (int64_t k = 0; k < (stage == 3 ? 2 * micro : 1); ++k)  // stage 3: each forward and backward
-      t.record(collectives::Traffic::kAllgather, u.padded * e, n);
+  // Stage 3 gathers each layer for its forward and again for its backward, but the last,
+  // which stays from its forward to its backward; stages 1 and 2 once, after the step.
+  for (size_t k = 0; k < units.size(); ++k) {
+    const int64_t gathers = stage < 3 ? 1 : k + 1 == units.size() ? micro : 2 * micro;
+    for (int64_t g = 0; g < gathers; ++g) t.record(collectives::Traffic::kAllgather, units[k].padded * e, n);
+  }
   if (o.clip_grad_norm > 0) t.record(collectives::Traffic::kAllreduce, 8, n);  // the gradient norm's part
 }
 
@@ -802,7 +831,7 @@ std::string Options::plan(const core::PlanInput& input) const {
   os << "  model state per rank: in the estimate below; without ZeRO each rank would hold parameters "
      << core::human_bytes(whole.parameters) << " + gradients " << core::human_bytes(whole.gradients)
      << " + optimizer state " << core::human_bytes(whole.optimizer) << (pp > 1 ? " (a stage's share)" : "") << "\n";
-  os << "  communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "2 units (gradients on their way) + 2 chunks")
+  os << "  communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "a unit (gradients on their way)")
      << (stage == 3 ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
   return os.str();
 }
