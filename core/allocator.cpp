@@ -4,7 +4,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +12,8 @@
 #include <mutex>
 #include <unordered_map>
 #include <vector>
+
+#include "core/torch_compat.h"
 
 namespace tetra::core {
 
@@ -127,16 +128,9 @@ c10::DataPtr allocate_block(size_t n) {
   return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
 }
 
-class BigBlockAllocator final : public c10::Allocator {
+class BigBlockAllocator final : public compat::CpuAllocator {
  public:
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-  c10::DataPtr allocate(size_t n) override { return allocate_block(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-#else
-  c10::DataPtr allocate(size_t n) const override { return allocate_block(n); }
-#endif
+  c10::DataPtr make(size_t n) const override { return allocate_block(n); }
   c10::DeleterFnPtr raw_deleter() const override { return &raw_free; }
 };
 

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
 #include <torch/version.h>
+
+#include <cstring>
 
 namespace tetra::core::compat {
 
@@ -36,6 +39,18 @@ class CpuAutocast {
 
  private:
   bool on_;
+};
+
+// A c10::Allocator written once for LibTorch 1.13 and 2.x: allocate() is const in 1.13 and
+// not from 2.3 on, copy_data() is pure in 2.x and absent before. Both spellings are
+// declared (without `override`, which only one could take): the base's virtual is
+// overridden by the one it has, and the other is an overload nobody calls through the base.
+class CpuAllocator : public c10::Allocator {
+ public:
+  virtual c10::DataPtr make(size_t n) const = 0;
+  c10::DataPtr allocate(size_t n) const { return make(n); }
+  c10::DataPtr allocate(size_t n) { return make(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
 };
 
 }  // namespace tetra::core::compat

@@ -12,7 +12,6 @@
 //   rank), and not while it trains, beyond the activations the step keeps.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
-#include <torch/version.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -22,6 +21,7 @@
 #include "collectives/local.h"
 #include "core/init.h"
 #include "core/runtime.h"
+#include "core/torch_compat.h"
 #include "core/trainer.h"
 #include "tests/common/numerics.h"
 
@@ -55,20 +55,9 @@ void counted_free(void* p) {
   std::free(base);
 }
 
-class CountingAllocator final : public c10::Allocator {
+class CountingAllocator final : public core::compat::CpuAllocator {
  public:
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-  c10::DataPtr allocate(size_t n) override { return make(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-#else
-  c10::DataPtr allocate(size_t n) const override { return make(n); }
-#endif
-  c10::DeleterFnPtr raw_deleter() const override { return &counted_free; }
-
- private:
-  static c10::DataPtr make(size_t n) {
+  c10::DataPtr make(size_t n) const override {
     void* base = nullptr;
     if (posix_memalign(&base, 64, n + kHeader) != 0) throw std::bad_alloc();
     Account* a = t_account;
@@ -82,6 +71,7 @@ class CountingAllocator final : public c10::Allocator {
     void* p = static_cast<char*>(base) + kHeader;
     return {p, p, &counted_free, at::Device(at::kCPU)};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &counted_free; }
 };
 
 // Installs the counting allocator for the test's lifetime (and puts the previous back).
