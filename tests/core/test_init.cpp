@@ -11,33 +11,21 @@
 #include "core/init.h"
 #include "core/layers.h"
 #include "core/models.h"
+#include "tests/common/data_infos.h"
 
 using namespace tetra;
 using namespace tetra::core;
 
 namespace {
 
+using tetra::testing_data::image_info;
+using tetra::testing_data::text_info;
+
 at::Tensor drawn(const Init& init, const std::string& name, int64_t n, int64_t first = 0,
                  uint64_t seed = 7, at::ScalarType dtype = at::kFloat) {
   at::Tensor t = at::empty({n}, at::TensorOptions().dtype(dtype));
   draw(init, seed, name, first, t);
   return t;
-}
-
-DataInfo images() {
-  DataInfo d;
-  d.input_shape = {1, 28, 28};
-  d.num_classes = 10;
-  return d;
-}
-
-DataInfo text(int64_t seq) {
-  DataInfo d;
-  d.input_shape = {seq};
-  d.num_classes = 256;
-  d.language_model = true;
-  d.seq_len = seq;
-  return d;
 }
 
 ModelSpec gpt() {
@@ -102,7 +90,7 @@ TEST(Init, ShapesHoldNothingAndCreatingThemIsDeterministic) {
   ModelSpec mlp;
   mlp.type = "mlp";
   mlp.hidden = {64, 32};
-  torch::nn::Sequential shapes = model_shapes(mlp, images());
+  torch::nn::Sequential shapes = model_shapes(mlp, image_info());
   for (const auto& p : shapes->parameters()) EXPECT_TRUE(p.is_meta());
   EXPECT_EQ(created_bytes(*shapes), 0);
   Materializer weights(*shapes, 3);
@@ -113,7 +101,7 @@ TEST(Init, ShapesHoldNothingAndCreatingThemIsDeterministic) {
   for (const auto& p : shapes->parameters()) EXPECT_TRUE(p.device().is_cpu() && p.requires_grad());
 
   for (const ModelSpec& spec : {mlp, gpt()}) {
-    const DataInfo info = spec.type == "gpt" ? text(16) : images();
+    const DataInfo info = spec.type == "gpt" ? text_info(16) : image_info();
     auto a = build_model(spec, info, 3), b = build_model(spec, info, 3),
          c = build_model(spec, info, 4);
     auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
@@ -128,7 +116,7 @@ TEST(Init, ShapesHoldNothingAndCreatingThemIsDeterministic) {
 
 // The distributions the zoo's layers draw, by layer type.
 TEST(Init, TheZoosLayersDrawTheirUsualDistributions) {
-  torch::nn::Sequential g = build_model(gpt(), text(16), 1);
+  torch::nn::Sequential g = build_model(gpt(), text_info(16), 1);
   auto params = g->named_parameters();
   EXPECT_NEAR(params["0.tok.weight"].std().item<double>(), 0.02, 0.002);
   EXPECT_NEAR(params["0.pos"].std().item<double>(), 0.02, 0.002);
@@ -141,7 +129,7 @@ TEST(Init, TheZoosLayersDrawTheirUsualDistributions) {
   cnn.type = "cnn";
   cnn.channels = {4};
   cnn.hidden = {16};
-  torch::nn::Sequential c = build_model(cnn, images(), 1);
+  torch::nn::Sequential c = build_model(cnn, image_info(), 1);
   auto cp = c->named_parameters();
   const double conv_bound = 1 / std::sqrt(9.0);  // fan in 1 x 3 x 3
   EXPECT_LE(cp["0.weight"].abs().max().item<double>(), conv_bound);
@@ -187,7 +175,7 @@ TEST(Init, LayersComputeWhatTorchsLayersCompute) {
 // A layer run to be measured is created for the run and is a shape again after it, its
 // bytes freed; a created layer is left as it is.
 TEST(Init, AMaterializedScopeGivesTheBytesBack) {
-  torch::nn::Sequential shapes = model_shapes(gpt(), text(16));
+  torch::nn::Sequential shapes = model_shapes(gpt(), text_info(16));
   auto block = shapes->ptr(1);
   {
     MaterializedScope scope(*block);
@@ -214,11 +202,11 @@ TEST(Init, AMaterializedScopeGivesTheBytesBack) {
 }
 
 TEST(Init, AClonedShapeIsAShapeAndAClonedLayerHasItsValues) {
-  torch::nn::Sequential shapes = model_shapes(gpt(), text(8));
+  torch::nn::Sequential shapes = model_shapes(gpt(), text_info(8));
   auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(shapes->clone());
   ASSERT_TRUE(copy);
   for (const auto& p : copy->parameters()) EXPECT_TRUE(p.is_meta());
-  torch::nn::Sequential made = build_model(gpt(), text(8), 2);
+  torch::nn::Sequential made = build_model(gpt(), text_info(8), 2);
   auto twin = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(made->clone());
   auto a = made->named_parameters(), b = twin->named_parameters();
   for (const auto& p : a) EXPECT_TRUE(at::equal(p.value(), b[p.key()])) << p.key();

@@ -7,6 +7,7 @@
 
 #include "collectives/error.h"
 #include "core/random.h"
+#include "tests/common/data_infos.h"
 
 using tetra::core::build_model;
 using tetra::core::count_correct;
@@ -19,23 +20,8 @@ using tetra::core::RandomContext;
 
 namespace {
 
-DataInfo image_info() {
-  DataInfo d;
-  d.input_shape = {1, 28, 28};
-  d.num_classes = 10;
-  d.description = "Fashion-MNIST (60000 train, 10000 test)";
-  return d;
-}
-
-DataInfo text_info(int64_t seq_len) {
-  DataInfo d;
-  d.input_shape = {seq_len};
-  d.num_classes = 256;
-  d.language_model = true;
-  d.seq_len = seq_len;
-  d.description = "text corpus.txt";
-  return d;
-}
+using tetra::testing_data::image_info;
+using tetra::testing_data::text_info;
 
 ModelSpec spec_of(const std::string& type) {
   ModelSpec s;

@@ -12,20 +12,13 @@
 
 #include "collectives/error.h"
 #include "core/models.h"
+#include "tests/common/data_infos.h"
 
 using namespace tetra::core;
 
 namespace {
 
-DataInfo text_info(int64_t seq_len) {
-  DataInfo d;
-  d.input_shape = {seq_len};
-  d.num_classes = 256;
-  d.language_model = true;
-  d.seq_len = seq_len;
-  d.description = "text";
-  return d;
-}
+using tetra::testing_data::text_info;
 
 ModelSpec gpt_spec(double dropout) {
   ModelSpec s;
