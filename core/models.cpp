@@ -313,15 +313,14 @@ std::string layer_signature(const torch::nn::Module& layer, const torch::Tensor&
   return os.str();
 }
 
-LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample) {
+LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample, int64_t max_tokens) {
   LayerProbe probe;
   torch::Tensor x = sample;
-  // A long token sequence runs as its first kProbeTokens positions (every layer of the zoo
+  // A long token sequence runs as its first max_tokens positions (every layer of the zoo
   // is position-wise but attention, whose seq x seq term forward_flops scales itself).
-  constexpr int64_t kProbeTokens = 64;
-  if (!sample.is_floating_point() && sample.dim() == 2 && sample.size(1) > kProbeTokens) {
-    probe.scale = double(sample.size(1)) / kProbeTokens;
-    x = sample.narrow(1, 0, kProbeTokens);
+  if (max_tokens > 0 && !sample.is_floating_point() && sample.dim() == 2 && sample.size(1) > max_tokens) {
+    probe.scale = double(sample.size(1)) / double(max_tokens);
+    x = sample.narrow(1, 0, max_tokens);
   }
   const bool was_training = model->is_training();
   model->eval();

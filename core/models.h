@@ -38,11 +38,13 @@ at::Tensor linear_weight(const torch::nn::Module& m);
 at::Tensor conv_weight(const torch::nn::Module& m);
 
 // One sample's input and output of each layer (no gradients, eval mode; a layer built as
-// shapes is created for its forward and freed after, MaterializedScope). A sample of
-// more than 64 tokens runs as its first 64, and `scale` is how many times longer the
-// whole one is: every layer of the zoo but attention works position by position, so the
-// whole sample's outputs are `scale` times the probe's (forward_flops scales attention's
-// seq x seq term itself). A billion-parameter model's plan then costs a 64-token forward.
+// shapes is created for its forward and freed after, MaterializedScope; a layer of the
+// signature of one already run takes that one's output, layer_signature). A sample of
+// more than `max_tokens` tokens (64) runs as its first 64, and `scale` is how many times
+// longer the whole one is: every layer of the zoo but attention works position by
+// position, so the whole sample's outputs are `scale` times the probe's (forward_flops
+// scales attention's seq x seq term itself). A billion-parameter model's plan then costs
+// a 64-token forward of each kind of layer.
 struct LayerShapes {
   torch::Tensor input, output;
 };
@@ -50,7 +52,8 @@ struct LayerProbe {
   std::vector<LayerShapes> layers;
   double scale = 1;
 };
-LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample);
+// max_tokens 0 runs the whole sample, whatever its length (the pipeline's boundaries).
+LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample, int64_t max_tokens = 64);
 
 // What makes two layers cost the same and give outputs of the same shape: the layer's
 // printed type and options, its parameters' and buffers' names, shapes and dtypes, and the

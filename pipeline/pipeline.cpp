@@ -120,17 +120,16 @@ class UntouchedModel {
 // layer's output: every rank computes the same table, so the boundaries need no header.
 std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& data, bool bf16) {
   UntouchedModel untouched(model);
-  torch::NoGradGuard no_grad;
-  core::Batch b = data.range(core::Split::kTrain, 0, 1);
+  core::LayerProbe whole;
+  {
+    core::compat::CpuAutocast autocast(bf16);
+    whole = core::probe_layers(model, data.range(core::Split::kTrain, 0, 1).inputs, /*max_tokens=*/0);
+  }
   std::vector<Boundary> out;
-  torch::Tensor x = b.inputs;
-  core::compat::CpuAutocast autocast(bf16);
-  for (int i = 0; i < static_cast<int>(model->size()); ++i) {
-    core::MaterializedScope created(*layer(model, i).ptr());  // a shape runs as zeros, one layer at a time
-    x = layer(model, i).forward(x);
+  for (const core::LayerShapes& s : whole.layers) {
     Boundary bd;
-    bd.tail.assign(x.sizes().begin() + 1, x.sizes().end());
-    bd.dtype = x.scalar_type();
+    bd.tail.assign(s.output.sizes().begin() + 1, s.output.sizes().end());
+    bd.dtype = s.output.scalar_type();
     out.push_back(bd);
   }
   return out;
