@@ -20,6 +20,7 @@
 
 #include "collectives/local.h"
 #include "core/init.h"
+#include "core/layers.h"
 #include "core/runtime.h"
 #include "core/torch_compat.h"
 #include "core/trainer.h"
@@ -117,14 +118,16 @@ std::string text_file() {
   return path;
 }
 
-// The whole model's initial weights, gathered on the writer, as one layout creates them.
-TensorMap initial_weights(const std::string& yaml, std::vector<std::string> sets, int processes) {
+// The whole model's initial weights, gathered on the writer, as one layout creates them
+// (`base`: a program's own model, TrainerOptions::model).
+TensorMap initial_weights(const std::string& yaml, std::vector<std::string> sets, int processes,
+                          const TrainerOptions& base = {}) {
   const JobSpec spec = numerics::job(yaml, sets, "memory");
   set_threads(1);
-  if (processes == 1) return Trainer(spec).weights();
+  if (processes == 1) return Trainer(spec, base).weights();
   TensorMap out;
   collectives::run_local_ranks(processes, [&](int p, collectives::Communicator& world) {
-    TrainerOptions o;
+    TrainerOptions o = base;
     o.world = world.shared_from_this();
     Trainer t(spec, o);
     TensorMap w = t.weights();
@@ -164,6 +167,38 @@ TEST(ZeroMemory, InitialWeightsDoNotDependOnTheLayout) {
       }
     }
   }
+}
+
+// A program's own model built of tetra's layers, and of a module of its own that says how
+// its parameter is drawn, is shapes like the zoo's: ZeRO-3's ranks draw their chunks, and
+// they are the bytes one process draws.
+namespace {
+struct ScaleImpl : torch::nn::Cloneable<ScaleImpl>, Initialized {
+  explicit ScaleImpl(int64_t n) : n_(n) { reset(); }
+  void reset() override { gain = register_parameter("gain", shape_parameter({n_}, gain)); }
+  at::Tensor forward(const at::Tensor& x) { return x * gain; }
+  Init init_of(const std::string&) const override { return Init::normal(1.0, 0.1); }
+  at::Tensor gain;
+  int64_t n_;
+};
+TORCH_MODULE(Scale);
+}  // namespace
+
+TEST(ZeroMemory, AProgramsModelOfTetrasLayersDrawsTheSameWeightsOnEveryLayout) {
+  TrainerOptions own;
+  own.model = [](const DataInfo& d) {
+    torch::nn::Sequential m;
+    m->push_back(Linear(d.input_shape[0], 96));
+    m->push_back(Scale(96));
+    m->push_back(torch::nn::ReLU());
+    m->push_back(Linear(96, d.num_classes));
+    return m;
+  };
+  const TensorMap one = initial_weights(kMlp, {}, 1, own);
+  ASSERT_EQ(one.size(), 5u);
+  const TensorMap got = initial_weights(kMlp, {"mesh.data=2", "zero.stage=3"}, 2, own);
+  for (const auto& [name, w] : one) EXPECT_TRUE(at::equal(got.at(name), w)) << name << " differs";
+  EXPECT_NEAR(one.at("1.gain").mean().item<double>(), 1.0, 0.05);
 }
 
 // ZeRO-3 on 2 and 4 thread-ranks over a deep MLP: what each rank's thread allocates while
