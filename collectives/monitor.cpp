@@ -21,6 +21,7 @@
 #include <set>
 #include <thread>
 
+#include "collectives/auth.h"
 #include "collectives/watchdog.h"
 #include "hardware/host.h"
 
@@ -33,13 +34,51 @@ int64_t mono_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
 }
 
+// Note [Monitor handshake]
+// Rank 0's port is reachable by anyone on its network, so nothing that arrives there is
+// believed before it proves that it holds the job's secret (Note [Job secret]):
+//
+//   rank 0 -> {"t":"challenge","nonce":Ns}                   on accept, 16 fresh random bytes
+//   rank r -> {"t":"hello","rank":r,"where":W,"nonce":Nc,"mac":HMAC(key, "hello" Ns Nc r W)}
+//   rank 0 -> {"t":"welcome","mac":HMAC(key, "welcome" Nc Ns r)}   rank 0 proves it too
+//
+// The connection is then bound to rank r for its life: its later lines are rank r's (a
+// forger would have to inject into an established TCP stream), and a second connection
+// that proves rank r while the first is open is refused. A connection that does not
+// prove the key within kProveWithin, whose first line is anything else, is longer than
+// kHandshakeLine before it has, or is one more than the cap of connections waiting to
+// prove it, is closed at once: never counted as a rank, never a death, and named in one
+// line on rank 0's stderr (at most one line per address per kRefusalQuiet, with the
+// count since). A rank refused by mistake (the cap, while a crowd of strangers waits)
+// connects again until its deadline. Lines are bounded after the handshake too
+// (kLineLimit: a longer one is dropped, named once), and reading is linear in the bytes
+// received: each read scans only the bytes it added.
+constexpr size_t kHandshakeLine = 4096;
+constexpr size_t kLineLimit = size_t{16} << 20;
+constexpr int64_t kProveWithin_us = 5'000'000;
+constexpr int64_t kRefusalQuiet_us = 10'000'000;
+constexpr size_t kWaitingSlack = 16;  // connections waiting to prove the key, beyond the ranks still missing
+
 struct Peer {
   int fd = -1;
   std::string in;
-  int rank = -1;
+  size_t scanned = 0;     // bytes of `in` already searched for a newline
+  bool skipping = false;  // dropping the rest of a line over the limit
+  int rank = -1;          // set once it proved the key
   std::string where;
+  std::string address;    // where it connected from ("10.0.0.2:41234")
+  std::string nonce;      // the challenge it was sent (hex)
+  bool proven = false;
+  std::string refused;    // why it is being closed before it proved the key
   bool goodbye = false;  // said bye or fail: its closing is not a death
   int64_t heard_us = 0;  // mono_us()
+};
+
+// Refusals named per address (Note [Monitor handshake]).
+struct Refusals {
+  int64_t printed_us = 0;
+  std::map<std::string, int64_t> since;  // refused and not named since printed_us, by reason
+  std::string last;                      // the latest one's address
 };
 
 struct State {
@@ -52,14 +91,18 @@ struct State {
   std::atomic<bool> stop{false};
   std::atomic<bool> ending{false};
   std::mutex send_mu;
+  std::string key;  // the job's secret (Note [Job secret])
   // server: the clients and their latest reports; lines other threads want broadcast
   int listen_fd = -1;
+  std::map<std::string, Refusals> refusals;  // by the address's host part
+  int64_t refused_total = 0;
   std::vector<std::string> outbox;  // guarded by mu
   std::map<int, Peer> peers;  // by fd
   std::map<int, std::vector<MemberProgress>> reports;  // by rank
   std::map<int, std::string> where;                    // by rank
   // client: the connection to rank 0
   Peer up;
+  std::vector<std::string> early;  // lines that came with rank 0's welcome
   int64_t next_query = 1;
   std::map<int64_t, std::vector<MemberProgress>> answers;
   std::condition_variable answered;
@@ -99,20 +142,49 @@ bool send_line(int fd, const std::string& line) {
   return true;
 }
 
-// Reads what is there; false on EOF or error. Complete lines go to `lines`.
-bool read_lines(Peer& p, std::vector<std::string>& lines) {
+enum class Read { kOpen, kClosed, kTooLong };
+
+// Reads what is there (at most 64 KiB): kClosed on EOF or error. Complete lines go to
+// `lines`; a line longer than `limit` is dropped up to its end and says kTooLong once.
+// Only the bytes this read added are searched (Note [Monitor handshake]).
+Read read_lines(Peer& p, std::vector<std::string>& lines, size_t limit) {
   char buf[65536];
   const ssize_t n = ::recv(p.fd, buf, sizeof(buf), MSG_DONTWAIT);
-  if (n == 0) return false;
-  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  if (n == 0) return Read::kClosed;
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? Read::kOpen : Read::kClosed;
   p.in.append(buf, static_cast<size_t>(n));
+  bool too_long = false;
   size_t start = 0, nl;
-  while ((nl = p.in.find('\n', start)) != std::string::npos) {
-    lines.push_back(p.in.substr(start, nl - start));
-    start = nl + 1;
+  while ((nl = p.in.find('\n', p.scanned)) != std::string::npos) {
+    if (p.skipping || nl - start > limit) too_long = too_long || !p.skipping;
+    else lines.push_back(p.in.substr(start, nl - start));
+    p.skipping = false;
+    start = p.scanned = nl + 1;
   }
   p.in.erase(0, start);
-  return true;
+  p.scanned = p.in.size();
+  if (p.in.size() > limit) {
+    too_long = too_long || !p.skipping;
+    p.skipping = true;
+    p.in.clear();
+    p.scanned = 0;
+  }
+  return too_long ? Read::kTooLong : Read::kOpen;
+}
+
+std::string line_limit_text(size_t limit) {
+  return limit >= (size_t{1} << 20) ? std::to_string(limit >> 20) + " MiB" : std::to_string(limit) + " bytes";
+}
+
+// The proofs of Note [Monitor handshake] (hex HMACs).
+std::string hello_mac(const std::string& server_nonce, const std::string& client_nonce, int rank,
+                      const std::string& where) {
+  return to_hex(hmac_sha256(st().key, "tetra monitor 1\nhello\n" + server_nonce + "\n" + client_nonce + "\n" +
+                                          std::to_string(rank) + "\n" + where));
+}
+std::string welcome_mac(const std::string& server_nonce, const std::string& client_nonce, int rank) {
+  return to_hex(hmac_sha256(st().key, "tetra monitor 1\nwelcome\n" + client_nonce + "\n" + server_nonce + "\n" +
+                                          std::to_string(rank)));
 }
 
 // The op a rank was last in, from its latest report.
@@ -175,7 +247,86 @@ bool stalled(int64_t& last_turn_us, int64_t now) {
 
 void server_broadcast(const std::string& line, int except_fd = -1) {
   for (auto& [fd, p] : st().peers)
-    if (fd != except_fd) send_line(fd, line);
+    if (fd != except_fd && p.proven) send_line(fd, line);
+}
+
+// Names a refused connection on stderr: at once for the first from an address, then at
+// most once per kRefusalQuiet with the count since (flush: the counts due now).
+void print_refusals(const std::string& host, Refusals& r, int64_t now) {
+  int64_t n = 0;
+  std::string why;
+  for (const auto& [reason, count] : r.since) {
+    n += count;
+    why += (why.empty() ? "" : "; ") + (count > 1 ? std::to_string(count) + " x " : "") + reason;
+  }
+  if (n == 0) return;
+  std::fprintf(stderr, "tetra: rank 0 (%s): the monitor refused %s from %s: %s\n", process_description().c_str(),
+               n == 1 ? ("a connection" + std::string(r.printed_us ? "" : " (the first)")).c_str()
+                      : (std::to_string(n) + " connections in " + seconds_text(now - r.printed_us)).c_str(),
+               n == 1 ? r.last.c_str() : host.c_str(), why.c_str());
+  r.printed_us = now;
+  r.since.clear();
+}
+
+// `why` is one of a few fixed texts, so that a flood is summed by reason in one line.
+void name_refusal(const std::string& address, const std::string& why) {
+  State& s = st();
+  ++s.refused_total;
+  const int64_t now = mono_us();
+  const std::string host = address.substr(0, address.rfind(':'));
+  if (s.refusals.size() > 4096 && !s.refusals.count(host)) s.refusals.clear();  // a crowd of addresses: bounded
+  Refusals& r = s.refusals[host];
+  ++r.since[why];
+  r.last = address;
+  if (r.printed_us == 0 || now - r.printed_us >= kRefusalQuiet_us) print_refusals(host, r, now);
+}
+
+// `all`: every count not named yet (the monitor is stopping), else those due.
+void flush_refusals(int64_t now, bool all = false) {
+  for (auto& [host, r] : st().refusals)
+    if (!r.since.empty() && (all || now - r.printed_us >= kRefusalQuiet_us)) print_refusals(host, r, now);
+}
+
+// The first line of a connection that has not proved the key: it must be a hello with the
+// right proof for a rank of the world that is not connected already.
+void server_hello(Peer& p, const std::string& line) {
+  State& s = st();
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || j.value("t", "") != "hello") {
+    p.refused = "its first line is not a hello";
+    return;
+  }
+  const auto text = [&](const char* k) {
+    const auto it = j.find(k);
+    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  const auto it = j.find("rank");
+  const int64_t rank = it != j.end() && it->is_number_integer() ? it->get<int64_t>() : -1;
+  const std::string where = text("where"), nonce = text("nonce"), mac = text("mac");
+  if (rank < 1 || rank >= s.size) {
+    p.refused = "its hello claims no rank of this world of " + std::to_string(s.size);
+    return;
+  }
+  if (nonce.size() != 32 || !equal_in_constant_time(mac, hello_mac(p.nonce, nonce, static_cast<int>(rank), where))) {
+    p.refused = "its hello did not prove that it holds the job's secret (a wrong HMAC: not this job, or "
+                "TETRA_JOB_SECRET differs)";
+    return;
+  }
+  for (const auto& [fd, q] : s.peers)
+    if (fd != p.fd && q.proven && q.rank == rank) {
+      p.refused = "rank " + std::to_string(rank) + " is connected already";
+      return;
+    }
+  p.proven = true;
+  p.rank = static_cast<int>(rank);
+  p.heard_us = mono_us();
+  send_line(p.fd, text_of(nlohmann::json(
+                      {{"t", "welcome"}, {"mac", welcome_mac(p.nonce, nonce, static_cast<int>(rank))}})));
+  // Rank 0's own report at once: a rank that joins knows where rank 0 runs (its host and
+  // pid) before the next periodic report, should rank 0 die first.
+  send_line(p.fd, report_json());
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.where[p.rank] = where;
 }
 
 void server_line(Peer& p, const std::string& line);
@@ -202,7 +353,7 @@ std::vector<int> also_lost(int first_fd, std::chrono::milliseconds window) {
       if (!f.revents) continue;
       Peer& q = s.peers[f.fd];
       std::vector<std::string> lines;
-      const bool open = read_lines(q, lines);
+      const bool open = read_lines(q, lines, kLineLimit) != Read::kClosed;
       for (const auto& l : lines) server_line(q, l);
       if (!open && !q.goodbye) {
         done.insert(f.fd);
@@ -230,20 +381,18 @@ void server_peer_gone(Peer& p, const std::string& how) {
   lost(text);
 }
 
-void server_line(Peer& p, const std::string& line) {
+void server_line_unguarded(Peer& p, const std::string& line) {
   State& s = st();
+  if (!p.refused.empty()) return;
+  if (!p.proven) {
+    server_hello(p, line);
+    return;
+  }
   nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return;
   const std::string t = j.value("t", "");
   p.heard_us = mono_us();
-  if (t == "hello") {
-    p.rank = j.value("rank", -1);
-    // Rank 0's own report at once: a rank that joins knows where rank 0 runs (its host and
-    // pid) before the next periodic report, should rank 0 die first.
-    send_line(p.fd, report_json());
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.where[p.rank] = j.value("where", "");
-  } else if (t == "report") {
+  if (t == "report") {
     std::lock_guard<std::mutex> lock(s.mu);
     s.reports[p.rank] = parse_report(j.value("comms", nlohmann::json::array()));
   } else if (t == "bye") {
@@ -276,6 +425,50 @@ void server_line(Peer& p, const std::string& line) {
   }
 }
 
+// A line the monitor cannot use (a value of the wrong type) is dropped; before the proof,
+// it refuses the connection. It never stops the monitor.
+void server_line(Peer& p, const std::string& line) {
+  try {
+    server_line_unguarded(p, line);
+  } catch (const std::exception&) {
+    if (!p.proven) p.refused = "its hello is malformed";
+  }
+}
+
+// A new connection: refused at once beyond the cap of those waiting to prove the key,
+// else sent its challenge.
+void server_accept() {
+  State& s = st();
+  sockaddr_in from{};
+  socklen_t len = sizeof(from);
+  const int fd = ::accept(s.listen_fd, reinterpret_cast<sockaddr*>(&from), &len);
+  if (fd < 0) return;
+  char ip[INET_ADDRSTRLEN] = "?";
+  ::inet_ntop(AF_INET, &from.sin_addr, ip, sizeof(ip));
+  const std::string address = std::string(ip) + ":" + std::to_string(ntohs(from.sin_port));
+  size_t waiting = 0, proven = 0;
+  for (const auto& [other, q] : s.peers) (q.proven ? proven : waiting) += 1;
+  const size_t missing = static_cast<size_t>(s.size - 1) > proven ? static_cast<size_t>(s.size - 1) - proven : 0;
+  if (waiting >= missing + kWaitingSlack) {
+    ::close(fd);
+    name_refusal(address, "too many connections at once that have not proved the job's secret");
+    return;
+  }
+  Peer p;
+  p.fd = fd;
+  p.address = address;
+  p.heard_us = mono_us();
+  p.nonce = to_hex(reinterpret_cast<const uint8_t*>(random_bytes(16).data()), 16);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (!send_line(fd, text_of(nlohmann::json({{"t", "challenge"}, {"nonce", p.nonce}})))) {
+    ::close(fd);
+    name_refusal(address, "it closed before its challenge was sent");
+    return;
+  }
+  s.peers[fd] = std::move(p);
+}
+
 void server_loop_body() {
   State& s = st();
   std::string last_report;
@@ -287,7 +480,10 @@ void server_loop_body() {
       out.swap(s.outbox);
     }
     for (const auto& line : out) server_broadcast(line);
-    if (s.stop.load()) return;
+    if (s.stop.load()) {
+      flush_refusals(mono_us(), true);
+      return;
+    }
     std::vector<pollfd> fds;
     fds.push_back({s.wake[0], POLLIN, 0});
     fds.push_back({s.listen_fd, POLLIN, 0});
@@ -300,21 +496,30 @@ void server_loop_body() {
       while (::read(s.wake[0], b, sizeof(b)) > 0) {
       }
     }
-    if (fds[1].revents & POLLIN) {
-      const int fd = ::accept(s.listen_fd, nullptr, nullptr);
-      if (fd >= 0) {
-        Peer p;
-        p.fd = fd;
-        p.heard_us = mono_us();
-        s.peers[fd] = p;
-      }
-    }
+    if (fds[1].revents & POLLIN) server_accept();
     for (size_t i = 2; i < fds.size(); ++i) {
       if (!fds[i].revents) continue;
       Peer& p = s.peers[fds[i].fd];
       std::vector<std::string> lines;
-      const bool open = read_lines(p, lines);
+      const Read read = read_lines(p, lines, p.proven ? kLineLimit : kHandshakeLine);
       for (const auto& l : lines) server_line(p, l);
+      const bool open = read != Read::kClosed;
+      if (read == Read::kTooLong) {
+        if (!p.proven)
+          p.refused = "a line of more than " + line_limit_text(kHandshakeLine) + " before it proved the job's secret";
+        else
+          std::fprintf(stderr, "tetra: rank 0: the monitor dropped a line of more than %s from rank %d\n",
+                       line_limit_text(kLineLimit).c_str(), p.rank);
+      }
+      if (!p.proven && (!p.refused.empty() || !open)) {
+        // Never a rank: closed at once, named, and no death.
+        ::close(p.fd);
+        const std::string address = p.address;
+        const std::string why = p.refused.empty() ? "it closed before it proved the job's secret" : p.refused;
+        s.peers.erase(fds[i].fd);
+        name_refusal(address, why);
+        continue;
+      }
       if (!open) {
         ::close(p.fd);
         const Peer gone = p;
@@ -327,6 +532,17 @@ void server_loop_body() {
       }
     }
     const int64_t now = mono_us();
+    for (auto it = s.peers.begin(); it != s.peers.end();) {
+      if (!it->second.proven && now - it->second.heard_us > kProveWithin_us) {
+        ::close(it->first);
+        const std::string address = it->second.address;
+        it = s.peers.erase(it);
+        name_refusal(address, "it did not prove the job's secret within " + seconds_text(kProveWithin_us));
+      } else {
+        ++it;
+      }
+    }
+    flush_refusals(now);
     // Rank 0's own progress and heartbeat, so the others can name it if it dies.
     if (now - last_sent >= report_every_us()) {
       std::string r = report_json();
@@ -353,7 +569,7 @@ void server_loop_body() {
 
 // ---- client (the other ranks) -----------------------------------------------------------
 
-void client_line(const std::string& line) {
+void client_line_unguarded(const std::string& line) {
   State& s = st();
   nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return;
@@ -379,10 +595,20 @@ void client_line(const std::string& line) {
   }
 }
 
+// A line the monitor cannot use is dropped; it never stops the monitor.
+void client_line(const std::string& line) {
+  try {
+    client_line_unguarded(line);
+  } catch (const std::exception&) {
+  }
+}
+
 void client_loop_body() {
   State& s = st();
   std::string last_report;
   int64_t last_sent = 0, last_turn = mono_us();
+  for (const std::string& l : s.early) client_line(l);
+  s.early.clear();
   while (!s.stop.load()) {
     pollfd fds[2] = {{s.wake[0], POLLIN, 0}, {s.up.fd, POLLIN, 0}};
     ::poll(fds, 2, 250);
@@ -395,8 +621,12 @@ void client_loop_body() {
     if (fds[1].revents) {
       s.up.heard_us = mono_us();
       std::vector<std::string> lines;
-      const bool open = read_lines(s.up, lines);
+      const Read read = read_lines(s.up, lines, kLineLimit);
       for (const auto& l : lines) client_line(l);
+      if (read == Read::kTooLong)
+        std::fprintf(stderr, "tetra: rank %d: the monitor dropped a line of more than %s from rank 0\n", s.rank,
+                     line_limit_text(kLineLimit).c_str());
+      const bool open = read != Read::kClosed;
       if (!open) {
         if (s.up.goodbye || s.stop.load()) return;  // rank 0 ended cleanly
         {
@@ -459,14 +689,56 @@ void guarded(void (*body)(), const char* role) {
 void server_loop() { guarded(server_loop_body, "server"); }
 void client_loop() { guarded(client_loop_body, "client"); }
 
-// Rank 0's address to every rank, over the world (its first op).
-std::string share_address(Communicator& world, const std::string& mine, Duration timeout) {
-  at::Tensor bytes = at::zeros({256}, at::kByte);
-  if (world.rank() == 0) std::memcpy(bytes.data_ptr(), mine.data(), std::min<size_t>(mine.size(), 255));
+// The job's secret from the environment (Note [Job secret]); empty when unset.
+std::string secret_from_environment() {
+  const char* v = std::getenv("TETRA_JOB_SECRET");
+  return v ? std::string(v) : std::string();
+}
+
+// Rank 0's address and the job's secret to every rank, over the world: 256 bytes of
+// address, a byte that says where the secret comes from (0: these 32 random bytes; 1:
+// every rank's TETRA_JOB_SECRET, which does not travel), 32 bytes of secret.
+std::string share_setup(Communicator& world, const std::string& mine, Duration timeout) {
+  State& s = st();
+  constexpr int64_t kAddress = 256, kKey = 32;
+  at::Tensor bytes = at::zeros({kAddress + 1 + kKey}, at::kByte);
+  auto* b = static_cast<uint8_t*>(bytes.data_ptr());
+  const std::string env = secret_from_environment();
+  if (world.rank() == 0) {
+    std::memcpy(b, mine.data(), std::min<size_t>(mine.size(), kAddress - 1));
+    b[kAddress] = env.empty() ? 0 : 1;
+    if (env.empty()) {
+      s.key = random_bytes(kKey);
+      std::memcpy(b + kAddress + 1, s.key.data(), kKey);
+    }
+  }
   BroadcastOptions o;
   o.timeout = timeout;
   world.broadcast(bytes, o)->wait();
-  return std::string(static_cast<const char*>(bytes.data_ptr()));
+  const bool from_env = b[kAddress] == 1;
+  if (from_env != !env.empty())
+    throw CommError(std::string("monitor: TETRA_JOB_SECRET is set ") + (from_env ? "on rank 0 but not on rank " : "on rank ") +
+                    std::to_string(world.rank()) + (from_env ? "" : " but not on rank 0") +
+                    ": every process of a job takes the secret from the environment, or none does (the launcher "
+                    "passes it: mpirun -x TETRA_JOB_SECRET, or export it before srun or torchrun)");
+  if (world.rank() != 0) s.key = from_env ? env : std::string(reinterpret_cast<const char*>(b + kAddress + 1), kKey);
+  else if (from_env) s.key = env;
+  std::memset(b + kAddress + 1, 0, kKey);
+  return std::string(reinterpret_cast<const char*>(b));
+}
+
+// Whether every process of `world` shares this one's kernel and network namespace (then
+// rank 0's monitor listens on loopback only): one allreduce of a hash of the namespace.
+bool world_shares_one_network(Communicator& world, Duration timeout) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (const char c : hardware::network_namespace_id()) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  const int64_t v = static_cast<int64_t>(h >> 2);
+  at::Tensor t = at::tensor({v, -v}, at::kLong);
+  AllreduceOptions o;
+  o.op = ReduceOp::kMax;
+  o.timeout = timeout;
+  world.allreduce(t, o)->wait();
+  return t[0].item<int64_t>() == -t[1].item<int64_t>();
 }
 
 // One attempt at host:port, waiting at most `patience` for the connection (an address of
@@ -529,6 +801,82 @@ std::string advertised_address(int port) {
   return out + tail;
 }
 
+// The next line from `p` within `until`, from `queue` first; false when the connection
+// closed, broke the handshake's line limit or stayed silent.
+bool next_line(Peer& p, std::vector<std::string>& queue, Deadline until, std::string& line) {
+  while (queue.empty()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd f{p.fd, POLLIN, 0};
+    if (::poll(&f, 1, static_cast<int>(std::min<int64_t>(left, 1000))) < 0 && errno != EINTR) return false;
+    if (f.revents && read_lines(p, queue, kHandshakeLine) != Read::kOpen) return false;
+  }
+  line = queue.front();
+  queue.erase(queue.begin());
+  return true;
+}
+
+int connect_to(const std::string& address, Deadline deadline);
+
+// Connects to rank 0 and proves the job's secret, both ways (Note [Monitor handshake]).
+// A connection closed before its challenge (rank 0 was refusing a crowd) is tried again
+// until `deadline`; an answer without the secret is an error at once.
+void connect_and_prove(const std::string& address, Deadline deadline) {
+  State& s = st();
+  const std::string where = process_description();
+  std::string problem = "no attempt";
+  while (Clock::now() < deadline) {
+    Peer p;
+    p.fd = connect_to(address, deadline);
+    std::vector<std::string> queue;
+    std::string line;
+    const Deadline handshake = std::min<Deadline>(deadline, Clock::now() + std::chrono::seconds(10));
+    if (!next_line(p, queue, handshake, line)) {
+      ::close(p.fd);
+      problem = "rank 0 closed the connection, or sent nothing, before its challenge";
+      std::this_thread::sleep_for(std::chrono::milliseconds(100 + 100 * (s.rank % 4)));
+      continue;
+    }
+    const nlohmann::json challenge = nlohmann::json::parse(line, nullptr, false);
+    const auto nonce_of = [](const nlohmann::json& j, const char* k) {
+      if (!j.is_object()) return std::string();
+      const auto it = j.find(k);
+      return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+    };
+    const std::string server_nonce = nonce_of(challenge, "nonce");
+    if (nonce_of(challenge, "t") != "challenge" || server_nonce.size() != 32) {
+      ::close(p.fd);
+      throw CommError("monitor: what answers at " + address +
+                      " is not rank 0's monitor (its first line is no challenge): another program on that port? "
+                      "TETRA_MONITOR_PORT picks another");
+    }
+    const std::string client_nonce = to_hex(reinterpret_cast<const uint8_t*>(random_bytes(16).data()), 16);
+    send_line(p.fd, text_of(nlohmann::json({{"t", "hello"},
+                                            {"rank", s.rank},
+                                            {"where", where},
+                                            {"nonce", client_nonce},
+                                            {"mac", hello_mac(server_nonce, client_nonce, s.rank, where)}})));
+    if (!next_line(p, queue, handshake, line)) {
+      ::close(p.fd);
+      throw CommError("monitor: rank 0 (" + address +
+                      ") refused this rank's proof of the job's secret (rank 0's output says why): do all ranks of "
+                      "the job have the same TETRA_JOB_SECRET, or none?");
+    }
+    const nlohmann::json welcome = nlohmann::json::parse(line, nullptr, false);
+    if (nonce_of(welcome, "t") != "welcome" ||
+        !equal_in_constant_time(nonce_of(welcome, "mac"), welcome_mac(server_nonce, client_nonce, s.rank))) {
+      ::close(p.fd);
+      throw CommError("monitor: the process at " + address +
+                      " answered without the job's secret: it is not this job's rank 0");
+    }
+    p.heard_us = mono_us();
+    s.early = std::move(queue);
+    s.up = std::move(p);
+    return;
+  }
+  throw CommError("monitor: rank 0 at " + address + " did not admit this rank in time: " + problem);
+}
+
 int connect_to(const std::string& address, Deadline deadline) {
   const size_t colon = address.rfind(':');
   const std::string port = address.substr(colon + 1);
@@ -574,6 +922,11 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
   s.stop = false;
   s.ending = false;
   std::string address;
+  // Note [Monitor listens]: only where the ranks are told to connect. TETRA_MONITOR_ADDR
+  // given as an IPv4 address of this host: that address alone. A world on one network
+  // namespace of one kernel (one host, no test hosts): loopback alone, unreachable from
+  // any other machine. Otherwise every interface, since the ranks are told each of them.
+  const bool one_network = world_shares_one_network(world, options.timeout);
   if (s.server) {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) throw CommError(std::string("monitor: socket: ") + std::strerror(errno));
@@ -581,10 +934,18 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    const char* host_env = std::getenv("TETRA_MONITOR_ADDR");
+    in_addr given{};
+    const bool numeric = host_env && ::inet_pton(AF_INET, host_env, &given) == 1;
+    addr.sin_addr.s_addr = numeric ? given.s_addr : htonl(one_network ? INADDR_LOOPBACK : INADDR_ANY);
     const char* port_env = std::getenv("TETRA_MONITOR_PORT");
     addr.sin_port = htons(static_cast<uint16_t>(port_env ? std::atoi(port_env) : 0));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 1024) != 0) {
+    int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    if (bound != 0 && numeric && errno == EADDRNOTAVAIL) {  // an address others reach this host at (NAT)
+      addr.sin_addr.s_addr = htonl(INADDR_ANY);
+      bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    }
+    if (bound != 0 || ::listen(fd, 1024) != 0) {
       const std::string e = std::strerror(errno);
       ::close(fd);
       throw CommError("monitor: cannot listen on port " + std::string(port_env ? port_env : "(any)") + ": " + e +
@@ -593,18 +954,17 @@ void Monitor::start(Communicator& world, const MonitorOptions& options) {
     socklen_t len = sizeof(addr);
     ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
     s.listen_fd = fd;
-    address = advertised_address(ntohs(addr.sin_port));
+    address = one_network && !host_env ? "127.0.0.1:" + std::to_string(ntohs(addr.sin_port))
+                                       : advertised_address(ntohs(addr.sin_port));
   }
-  address = share_address(world, address, options.timeout);
+  address = share_setup(world, address, options.timeout);
   if (::pipe(s.wake) != 0) throw CommError(std::string("monitor: pipe: ") + std::strerror(errno));
   ::fcntl(s.wake[0], F_SETFL, O_NONBLOCK);
   if (!s.server) {
     s.up = Peer{};
     // Rank 0 listened before it shared its addresses: a rank that reaches none of them
     // within 20 s will not (a name that does not resolve here, a network between).
-    s.up.fd = connect_to(address, Clock::now() + std::min<Duration>(options.timeout, std::chrono::seconds(20)));
-    s.up.heard_us = mono_us();
-    send_line(s.up.fd, text_of(nlohmann::json({{"t", "hello"}, {"rank", s.rank}, {"where", process_description()}})));
+    connect_and_prove(address, Clock::now() + std::min<Duration>(options.timeout, std::chrono::seconds(20)));
   }
   {
     std::lock_guard<std::mutex> lock(s.mu);

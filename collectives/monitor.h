@@ -6,7 +6,10 @@
 // Rank 0 listens on a TCP port (TETRA_MONITOR_PORT, else any free one) and tells the
 // others its addresses through the world's first broadcast: its hostname and the IPv4
 // address of each of its interfaces, tried in that order, so that a host where the name
-// does not resolve still connects (TETRA_MONITOR_ADDR replaces the list).
+// does not resolve still connects (TETRA_MONITOR_ADDR replaces the list). It listens only
+// where it is reached (Note [Monitor listens], monitor.cpp: loopback for a job on one
+// host) and believes a connection only once it proved the job's secret (Note [Job
+// secret], collectives/auth.h; Note [Monitor handshake]).
 // Over the connection each process sends, about once a second when something changed,
 // the progress of its communicators (Note [Stall warnings]); rank 0 keeps the latest of
 // every rank and answers queries for a group.

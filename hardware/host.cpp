@@ -9,9 +9,21 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <thread>
 
 namespace tetra::hardware {
+
+std::string network_namespace_id() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  // Without either (not Linux, /proc not mounted), the host's name and the pid: unique, so
+  // nothing is taken to share a namespace that might not.
+  if (boot.empty() || n <= 0) return hostname() + "/" + std::to_string(::getpid());
+  return boot + "/" + std::string(ns, static_cast<size_t>(n));
+}
 
 std::string hostname() {
   char buf[256] = {0};

@@ -12,6 +12,10 @@ std::string hostname();
 // interface order ("10.213.0.1"). What another host may reach this one at when its name
 // does not resolve there (test hosts, containers, clusters without DNS for compute nodes).
 std::vector<std::string> ipv4_addresses();
+// The same for two processes exactly when they share a kernel (its boot id) and a network
+// namespace: then one's loopback address reaches the other. Test hosts on one machine
+// (network namespaces) differ; two machines differ; containers of one pod agree.
+std::string network_namespace_id();
 // Logical CPUs in this process's affinity mask (what it may really run on).
 int usable_cores();
 // Logical CPUs on the host.
