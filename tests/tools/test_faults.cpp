@@ -270,3 +270,52 @@ TEST(Faults, SigtermToMpirunCheckpointsWhenTheKillTimeoutLeavesTimeForIt) {
 }
 
 }  // namespace
+
+// Note [Job secret]: TETRA_JOB_SECRET, when the launcher gives it to every rank, is the
+// key the monitor's handshake proves (and it never travels); given to rank 0 alone, the
+// job stops at once with an error that says so; given with different values, rank 0
+// refuses rank 1's proof and names where it came from, and rank 1 says what to check.
+// Each rank gets its own environment through mpirun's MPMD form (A : B).
+TEST(Faults, TheJobSecretComesFromEveryRanksEnvironmentOrNone) {
+  const auto has = [](const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; };
+  const fs::path d = fresh_dir("faults", "secret");
+  const fs::path job = d / "job.yaml";
+  std::ofstream(job) << "name: secret\n"
+                        "model: {type: mlp, hidden: [16]}\n"
+                        "data: {type: synthetic, batch_size: 16}\n"
+                        "optimizer: {type: sgd, lr: 0.01}\n"
+                        "train: {max_steps: 5, threads: 1}\n"
+                        "mesh: {data: 2}\n"
+                        "checkpoint: {dir: \"\"}\n"
+                        "log: {progress: off, metrics: \"\", dir: \"\"}\n";
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  unsetenv("TETRA_JOB_SECRET");
+  const auto launch = [&](const std::string& tag, const std::string& secret0, const std::string& secret1) {
+    std::vector<std::string> args = {"--oversubscribe", "--bind-to", "none"};
+    for (const std::string& s : {secret0, secret1}) {
+      if (args.size() > 3) args.push_back(":");
+      args.insert(args.end(), {"-np", "1"});
+      if (!s.empty()) args.insert(args.end(), {"-x", "TETRA_JOB_SECRET=" + s});
+      args.insert(args.end(), {kTrain, job.string()});
+    }
+    const pid_t pid = spawn_tool(TETRA_MPIEXEC, args, d / (tag + ".out"), d / (tag + ".err"));
+    const int status = wait_within(pid, std::chrono::seconds(120));
+    return std::make_pair(status, slurp(d / (tag + ".out")) + slurp(d / (tag + ".err")));
+  };
+  const auto [same, same_out] = launch("same", "correct horse", "correct horse");
+  EXPECT_EQ(same, 0) << same_out;
+
+  const auto [one, one_out] = launch("one", "correct horse", "");
+  EXPECT_NE(one, 0) << one_out;
+  EXPECT_NE(one, -1) << "still running after 120 s: " << one_out;
+  EXPECT_TRUE(has(one_out, "TETRA_JOB_SECRET is set on rank 0 but not on rank 1")) << one_out;
+
+  const auto [other, other_out] = launch("other", "correct horse", "battery staple");
+  EXPECT_NE(other, 0) << other_out;
+  EXPECT_NE(other, -1) << "still running after 120 s: " << other_out;
+  EXPECT_TRUE(has(other_out, "the monitor refused a connection (the first) from 127.0.0.1:")) << other_out;
+  EXPECT_TRUE(has(other_out, "its hello did not prove that it holds the job's secret")) << other_out;
+  EXPECT_TRUE(has(other_out, "refused this rank's proof of the job's secret")) << other_out;
+  EXPECT_EQ(other_out.find("terminate called"), std::string::npos) << other_out;
+}

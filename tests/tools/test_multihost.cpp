@@ -25,10 +25,12 @@
 #include <functional>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "collectives/build_config.h"
 #include "core/safetensors.h"
 #include "tests/tools/spawn.h"
 
@@ -201,6 +203,98 @@ TEST_F(MultiHost, ZeroThreeAcrossTwoHostsFollowsOneProcessWithPlainSgd) {
 // 4 processes x 2 replica threads: 8 data-parallel ranks, 4 on each host.
 TEST_F(MultiHost, ReplicasAcrossTwoHostsFollowOneProcess) {
   expect_follows_one_process("replicas", "{type: sgd, lr: 0.05}", {"mesh.data=4", "replicate.replicas=2"});
+}
+
+// Note [Monitor handshake], on the test hosts: a job of 2 ranks on tetra-host1 while a
+// hostile peer (tests/tools/hostile_peer.py) on tetra-host2, and then one on tetra-host1
+// itself, connects to rank 0's monitor and tries a hello claiming rank 1 then a close
+// (which ended every job before the handshake), a forged failure report, 100 MB without
+// a newline, 500 connections at once, random bytes and a replayed challenge. The job runs
+// every step to the end with exit 0 and the losses of an undisturbed run, bit for bit;
+// its log names the refused addresses. TETRA_MONITOR_ADDR=10.213.0.1 makes rank 0 listen
+// on host 1's interface; the undisturbed run, without it, shows where a job on one host
+// listens: loopback only (Note [Monitor listens]).
+namespace {
+
+// The local address of the socket listening on `port` inside `host`'s network namespace
+// ("0100007F" for 127.0.0.1, as /proc/net/tcp writes it); empty when none listens yet.
+std::string listening_on(const std::string& host, int port, const fs::path& dir) {
+  char hex[8];
+  std::snprintf(hex, sizeof(hex), ":%04X", port);
+  const Result r = run(kHosts, {"exec", host, "cat", "/proc/net/tcp"}, dir / "tcp.txt");
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream f(line);
+    std::string slot, local, remote, state;
+    f >> slot >> local >> remote >> state;
+    if (state == "0A" && local.size() > 5 && local.substr(local.size() - 5) == hex) return local.substr(0, local.size() - 5);
+  }
+  return "";
+}
+
+std::string wait_listening(const std::string& host, int port, const fs::path& dir) {
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60); std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(100)))
+    if (std::string a = listening_on(host, port, dir); !a.empty()) return a;
+  return "";
+}
+
+}  // namespace
+
+TEST_F(MultiHost, AHostilePeerNeitherEndsNorDisturbsTheJob) {
+  const fs::path d = fresh("hostile");
+  const int port = 29517;
+  const fs::path job = d / "job.yaml";
+  std::ofstream(job) << "name: hostile\n"
+                        "model: {type: mlp, hidden: [256, 256]}\n"
+                        "data: {type: synthetic, batch_size: 64}\n"
+                        "optimizer: {type: sgd, lr: 0.01}\n"
+                        "train: {max_steps: 2500, seed: 3, threads: 1}\n"
+                        "mesh: {data: 2}\n"
+                        "checkpoint: {dir: \"\"}\n"
+                        "log: {every: 1, progress: off, dir: "
+                     << (d / "run").string() << "}\n";  // not d: the run folder gets a job.yaml of its own
+  const auto job_on_host1 = [&](const std::string& tag, const std::vector<std::string>& env) {
+    std::vector<std::string> args = {"exec", "tetra-host1", TETRA_MPIEXEC, "--allow-run-as-root", "--oversubscribe",
+                                     "--bind-to", "none", "-np", "2", "-x", "TETRA_MONITOR_PORT=" + std::to_string(port)};
+    for (const std::string& e : env) args.insert(args.end(), {"-x", e});
+    args.insert(args.end(), {kTrain, job.string(), "--set", "log.metrics=" + (d / (tag + ".jsonl")).string()});
+    return spawn_tool(kHosts, args, d / (tag + ".log"));
+  };
+
+  // Undisturbed, and on one host: rank 0 listens on loopback only.
+  const pid_t quiet = job_on_host1("quiet", {});
+  EXPECT_EQ(wait_listening("tetra-host1", port, d), "0100007F");
+  ASSERT_EQ(wait_on_hosts(quiet, std::chrono::minutes(3)), 0) << slurp(d / "quiet.log");
+
+  // Attacked, listening on host 1's interface (10.213.0.1 is 0100D50A in /proc/net/tcp).
+  const pid_t attacked = job_on_host1("attacked", {"TETRA_MONITOR_ADDR=10.213.0.1"});
+  EXPECT_EQ(wait_listening("tetra-host1", port, d), "0100D50A");
+  const std::string peer = std::string(TETRA_SOURCE_DIR) + "/tests/tools/hostile_peer.py";
+  std::map<std::string, std::string> said;
+  for (const std::string from : {"tetra-host2", "tetra-host1"}) {
+    const Result r = run(kHosts, {"exec", from, "/usr/bin/python3", peer, "10.213.0.1", std::to_string(port)},
+                         d / ("peer_" + from + ".log"));
+    EXPECT_EQ(r.status, 0) << from << ":\n" << r.out << "\nthe job:\n" << slurp(d / "attacked.log");
+    said[from] = r.out;
+    EXPECT_TRUE(has(r.out, "the monitor still answers")) << from << ": the job ended before the attacks did:\n" << r.out;
+    EXPECT_TRUE(has(r.out, "hello without proof: closed by the monitor")) << r.out;
+    EXPECT_TRUE(has(r.out, "forged failure report: closed by the monitor")) << r.out;
+    EXPECT_TRUE(has(r.out, "random bytes on 20 connections: 20 closed by the monitor")) << r.out;
+    EXPECT_TRUE(has(r.out, "another connection's challenge: closed by the monitor")) << r.out;
+  }
+  const int status = wait_on_hosts(attacked, std::chrono::minutes(3));
+  const std::string out = slurp(d / "attacked.log");
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_FALSE(has(out, "died")) << out;
+  EXPECT_TRUE(has(out, "the monitor refused a connection (the first) from 10.213.0.2:")) << out;
+  EXPECT_TRUE(has(out, "from 10.213.0.1")) << out;
+  EXPECT_TRUE(has(out, "too many connections at once that have not proved the job's secret")) << out;
+  EXPECT_TRUE(has(out, "its hello did not prove that it holds the job's secret")) << out;
+  const auto a = losses(d / "quiet.jsonl"), b = losses(d / "attacked.jsonl");
+  EXPECT_EQ(a.size(), 2500u);
+  EXPECT_EQ(b, a) << "the attacked run's losses differ from the undisturbed run's";
+  for (const auto& [from, text] : said) std::printf("from %s:\n%s", from.c_str(), text.c_str());
 }
 
 // topo run across the hosts sees two hosts and which ranks live where.
