@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "collectives/communicator.h"
 #include "collectives/error.h"
 #include "core/crc32c.h"
+#include "core/json_input.h"
 #include "core/text.h"
 
 // Note [Checkpoint format 2]
@@ -112,10 +114,12 @@ std::string check_file(const std::string& path, const nlohmann::json& expected) 
   }
   ::close(fd);
   if (!why.empty()) return why;
-  const uint64_t want = expected.value("bytes", uint64_t{0});
+  // The reader checked the entry's form when it read meta.json (checksum_entry_ok).
+  uint64_t want = 0;
+  json_uint(expected.at("bytes"), &want);
   if (size != want)
     return std::to_string(size) + " bytes, expected " + std::to_string(want) + " (truncated?)";
-  const std::string got = crc_text(crc.checksum()), crc_want = expected.value("crc32c", "");
+  const std::string got = crc_text(crc.checksum()), crc_want = expected.at("crc32c").get<std::string>();
   if (got != crc_want) return "CRC-32C " + got + " expected " + crc_want;
   return "";
 }
@@ -160,7 +164,8 @@ std::string rank_file(int rank) {
 
 bool is_step_dir(const fs::directory_entry& e) {
   const std::string n = e.path().filename().string();
-  return e.is_directory() && n.rfind("step-", 0) == 0 && fs::exists(e.path() / kMeta);
+  std::error_code ec;
+  return e.is_directory(ec) && n.rfind("step-", 0) == 0 && fs::exists(e.path() / kMeta, ec);
 }
 
 std::vector<std::string> step_dirs(const std::string& dir) {
@@ -174,14 +179,52 @@ std::vector<std::string> step_dirs(const std::string& dir) {
 }
 
 
-// Elements of a shape; -1 when a dimension is negative.
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
+// Elements of a shape of `dtype`; -1 when a dimension is negative, when there are more
+// than 64 of them, or when its bytes (the product of its non-zero dimensions, checked at
+// every step) would pass 2^60: the limits a safetensors header has (Note [Safetensors
+// from elsewhere]), so a damaged meta.json cannot overflow a count or ask for a huge tensor.
+int64_t numel_of(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
+  if (shape.size() > 64) return -1;
+  uint64_t bytes = c10::elementSize(dtype);
+  bool empty = false;
   for (int64_t d : shape) {
     if (d < 0) return -1;
-    n *= d;
+    const auto n = static_cast<uint64_t>(d);
+    if (n == 0)
+      empty = true;
+    else if (bytes > kMaxBytes / n)
+      return -1;
+    else
+      bytes *= n;
   }
-  return n;
+  return empty ? 0 : static_cast<int64_t>(bytes / c10::elementSize(dtype));
+}
+
+// A list of integers from a document read from a file (a shape): false when it is not one.
+bool json_int_list(const nlohmann::json& v, std::vector<int64_t>* out) {
+  if (!v.is_array() || v.size() > 64) return false;
+  out->clear();
+  for (const auto& d : v) {
+    int64_t n = 0;
+    if (!json_int(d, &n)) return false;
+    out->push_back(n);
+  }
+  return true;
+}
+
+// A file name that meta.json may give: one entry of the step folder itself, never a path
+// elsewhere ("../x", "/etc/x") nor a name a C string would cut short.
+bool plain_file_name(const std::string& n) {
+  return !n.empty() && n != "." && n != ".." && n.find('/') == std::string::npos &&
+         n.find('\0') == std::string::npos;
+}
+
+// A "checksums" entry as the writer makes it: {"bytes": <non-negative integer>, "crc32c": "0x..."}.
+bool checksum_entry_ok(const nlohmann::json& v) {
+  uint64_t bytes = 0;
+  return v.is_object() && v.contains("bytes") && json_uint(v["bytes"], &bytes) && v.contains("crc32c") &&
+         v["crc32c"].is_string();
 }
 
 // One tensor of the index while it is built: from rank files' headers (saving, format 1)
@@ -203,10 +246,10 @@ void add_part(Index& index, const std::string& name, at::ScalarType dtype,
     e.shape = shape;
     e.first_file = part.file;
   } else if (e.dtype != dtype) {
-    throw Error(where + ": tensor " + name + " is " + safetensors_dtype_name(e.dtype) + " in " +
+    throw Error(where + ": tensor " + shown(name) + " is " + safetensors_dtype_name(e.dtype) + " in " +
                 e.first_file + " but " + safetensors_dtype_name(dtype) + " in " + part.file);
   } else if (e.shape != shape) {
-    throw Error(where + ": tensor " + name + " has shape " + shape_str(e.shape) + " in " +
+    throw Error(where + ": tensor " + shown(name) + " has shape " + shape_str(e.shape) + " in " +
                 e.first_file + " but " + shape_str(shape) + " in " + part.file);
   }
   e.parts.push_back(std::move(part));
@@ -220,9 +263,9 @@ void index_file(Index& index, const std::string& file_name, const SafetensorsFil
   auto md = file.metadata().find(kSlicesKey);
   if (md != file.metadata().end()) {
     try {
-      slices = nlohmann::json::parse(md->second);
+      slices = parse_json_input(md->second);
     } catch (const std::exception& e) {
-      throw Error(file.path() + ": its " + kSlicesKey + " metadata is not JSON (" + e.what() + ")");
+      throw Error(file.path() + ": its " + kSlicesKey + " metadata is not JSON (" + shown(e.what()) + ")");
     }
     if (!slices.is_object())
       throw Error(file.path() + ": its " + kSlicesKey + " metadata is not a JSON object");
@@ -235,32 +278,29 @@ void index_file(Index& index, const std::string& file_name, const SafetensorsFil
     const auto& s = slices[name];
     std::vector<int64_t> shape;
     int64_t begin = -1;
-    try {
-      shape = s.at("shape").get<std::vector<int64_t>>();
-      begin = s.at("begin").get<int64_t>();
-    } catch (const std::exception& e) {
-      throw Error(file.path() + ": the slice of tensor " + name + " lacks begin or shape in its " +
-                  kSlicesKey + " metadata (" + e.what() + ")");
-    }
-    const int64_t numel = numel_of(shape);
+    if (!s.is_object() || !s.contains("shape") || !json_int_list(s["shape"], &shape) ||
+        !s.contains("begin") || !json_int(s["begin"], &begin))
+      throw Error(file.path() + ": the slice of tensor " + shown(name) + " lacks begin or shape in its " +
+                  kSlicesKey + " metadata (" + shown(s) + ")");
+    const int64_t numel = numel_of(shape, entry.dtype);
     if (entry.shape.size() != 1 || numel < 0 || begin < 0 || begin > numel ||
         entry.numel() > numel - begin)
-      throw Error(file.path() + ": the slice of tensor " + name + " (" + shape_str(entry.shape) +
+      throw Error(file.path() + ": the slice of tensor " + shown(name) + " (" + shape_str(entry.shape) +
                   " elements from " + std::to_string(begin) + ") does not fit its shape " +
                   shape_str(shape));
     add_part(index, name, entry.dtype, shape, Part{file_name, begin, begin + entry.numel()}, where);
   }
   for (auto it = slices.begin(); it != slices.end(); ++it)
     if (!file.contains(it.key()))
-      throw Error(file.path() + ": its " + kSlicesKey + " metadata names tensor " + it.key() +
+      throw Error(file.path() + ": its " + kSlicesKey + " metadata names tensor " + shown(it.key()) +
                   ", which it lacks");
 }
 
 // Sorts each tensor's parts and checks that they cover it exactly once.
 void check_index(Index& index, const std::string& where) {
   for (auto& [name, e] : index) {
-    const int64_t numel = numel_of(e.shape);
-    if (numel < 0) throw Error(where + ": tensor " + name + " has shape " + shape_str(e.shape));
+    const int64_t numel = numel_of(e.shape, e.dtype);
+    if (numel < 0) throw Error(where + ": tensor " + shown(name) + " has shape " + shape_str(e.shape));
     auto& parts = e.parts;
     std::stable_sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) {
       return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
@@ -277,21 +317,21 @@ void check_index(Index& index, const std::string& where) {
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
       if (p.begin < 0 || p.end < p.begin || p.end > numel)
-        throw Error(where + ": tensor " + name + " (" + std::to_string(numel) +
+        throw Error(where + ": tensor " + shown(name) + " (" + std::to_string(numel) +
                     " elements) has a part " + range_str(p.begin, p.end) + " in " + p.file +
                     " outside it");
       if (p.begin > at)
-        throw Error(where + ": tensor " + name + ": elements " + range_str(at, p.begin) +
+        throw Error(where + ": tensor " + shown(name) + ": elements " + range_str(at, p.begin) +
                     " of its " + std::to_string(numel) +
                     " are in no file (a gap between the slices of the ranks)");
       if (p.begin < at)
-        throw Error(where + ": tensor " + name + ": elements " +
+        throw Error(where + ": tensor " + shown(name) + ": elements " +
                     range_str(p.begin, std::min(at, p.end)) + " are in both " + parts[i - 1].file +
                     " and " + p.file + " (overlapping slices)");
       at = p.end;
     }
     if (at < numel)
-      throw Error(where + ": tensor " + name + ": elements " + range_str(at, numel) + " of its " +
+      throw Error(where + ": tensor " + shown(name) + ": elements " + range_str(at, numel) + " of its " +
                   std::to_string(numel) + " are in no file (a gap after the last slice)");
   }
 }
@@ -355,7 +395,7 @@ std::pair<int64_t, uint32_t> write_part(const fs::path& file, const Checkpoint& 
     if (!s.data.defined() || s.data.dim() != 1)
       throw Error(who + ": the slice of tensor " + name + " must be 1-D, not of shape " +
                   (s.data.defined() ? shape_str(s.data.sizes().vec()) : "(undefined)"));
-    const int64_t numel = numel_of(s.shape);
+    const int64_t numel = numel_of(s.shape, s.data.scalar_type());
     if (numel < 0 || s.begin < 0 || s.begin > numel || s.data.numel() > numel - s.begin)
       throw Error(who + ": the slice of tensor " + name + " holds elements " +
                   range_str(s.begin, s.begin + s.data.numel()) + ", outside its shape " +
@@ -538,33 +578,54 @@ CheckpointReader::CheckpointReader(const std::string& path) : open_(std::make_un
   auto damaged = [&](const std::string& why) {
     return Error("checkpoint: " + meta_path + " is damaged: " + why);
   };
+  // meta.json may come from elsewhere (a checkpoint someone shared): every value is
+  // checked for its type and range before use, and a bad one is damage named in the file
+  // (Note [Safetensors from elsewhere] for the limits on shapes).
   nlohmann::json doc;
   {
-    std::ifstream in(meta_path);
+    std::ifstream in(meta_path, std::ios::binary);
     if (!in) throw Error("checkpoint: cannot read " + meta_path);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in.bad()) throw Error("checkpoint: cannot read " + meta_path);
     try {
-      in >> doc;
+      doc = parse_json_input(text);
     } catch (const std::exception& e) {
-      throw damaged(e.what());
+      throw damaged(shown(e.what()));
     }
   }
   if (!doc.is_object()) throw damaged("not a JSON object");
   if (doc.contains(kMetaCrc)) {
     const std::string want = doc[kMetaCrc].is_string() ? doc[kMetaCrc].get<std::string>() : "",
                       got = meta_crc(doc);
-    if (got != want) throw damaged_file(folder_, kMeta, "CRC-32C " + got + " expected " + want);
+    if (got != want) throw damaged_file(folder_, kMeta, "CRC-32C " + got + " expected " + shown(want));
     const auto& sums = doc.value(kChecksums, nlohmann::json::object());
     if (!sums.is_object()) throw damaged("\"checksums\" is not an object");
+    for (auto it = sums.begin(); it != sums.end(); ++it)
+      if (!checksum_entry_ok(it.value()))
+        throw damaged("\"checksums\" of " + shown(it.key()) + " is " + shown(it.value()) +
+                      ", not {\"bytes\": <count>, \"crc32c\": <text>}");
     checksums_ = sums;
   }
+  // An integer member of meta.json (0 when absent).
+  // A count in meta.json (0 when absent): an integer, not negative.
+  auto integer = [&](const char* key) {
+    int64_t v = 0;
+    if (doc.contains(key) && (!json_int(doc[key], &v) || v < 0))
+      throw damaged("\"" + std::string(key) + "\" is " + shown(doc[key]) + ", not a count");
+    return v;
+  };
 
-  const std::string where = "checkpoint " + folder_;
+  // Format 1's errors are about its rank file's header; format 2's about meta.json's index.
+  std::string where = "checkpoint " + folder_;
   Index index;
   try {
     const nlohmann::json format = doc.value("format", nlohmann::json());
-    step_ = doc.value("step", int64_t{0});
-    epoch_ = doc.value("epoch", int64_t{0});
-    step_in_epoch_ = doc.value("step_in_epoch", int64_t{0});
+    step_ = integer("step");
+    epoch_ = integer("epoch");
+    step_in_epoch_ = integer("step_in_epoch");
+    int64_t format_number = 0;
+    if (format.is_number_integer() && !json_int(format, &format_number))
+      format_number = std::numeric_limits<int64_t>::max();  // past int64: newer than any
     if (format == kFormat1) {
       // Format 1: one process wrote every tensor whole into one file; its header is the index.
       format_ = 1;
@@ -573,43 +634,67 @@ CheckpointReader::CheckpointReader(const std::string& path) : open_(std::make_un
       auto file = std::make_unique<SafetensorsFile>((fs::path(folder_) / files_[0]).string());
       index_file(index, files_[0], *file, where);
       open_->open.emplace(files_[0], std::move(file));
-    } else if (format.is_number_integer() && format.get<int>() == kFormat) {
+    } else if (format.is_number_integer() && format_number == kFormat) {
       format_ = kFormat;
-      world_ = doc.at("world").get<int>();
-      files_ = doc.at("files").get<std::vector<std::string>>();
+      where = "checkpoint " + meta_path;
+      const int64_t world = integer("world");
+      if (world < 1 || world > std::numeric_limits<int>::max())
+        throw damaged("\"world\" is " + shown(doc.value("world", nlohmann::json())) +
+                      ", not a count of ranks");
+      world_ = static_cast<int>(world);
+      const auto& files = doc.at("files");
+      if (!files.is_array()) throw damaged("\"files\" is not a list");
+      for (const auto& f : files) {
+        if (!f.is_string() || !plain_file_name(f.get<std::string>()))
+          throw damaged("\"files\" names " + shown(f) + ", not a file of the folder");
+        files_.push_back(f.get<std::string>());
+      }
       const std::set<std::string> known(files_.begin(), files_.end());
+      if (known.size() != files_.size()) throw damaged("\"files\" names a file twice");
+      if (files_.size() != static_cast<size_t>(world_))
+        throw damaged("\"files\" names " + std::to_string(files_.size()) + " files for a world of " +
+                      std::to_string(world_) + " ranks");
       const auto& idx = doc.at("index");
       if (!idx.is_object()) throw damaged("\"index\" is not an object");
       for (auto it = idx.begin(); it != idx.end(); ++it) {
+        const std::string tensor = "tensor " + shown(it.key());
         const auto& e = it.value();
+        if (!e.is_object()) throw damaged(tensor + " is " + shown(e) + ", not an object");
         at::ScalarType dtype;
-        if (!safetensors_dtype_from_name(e.at("dtype").get<std::string>(), &dtype))
-          throw damaged("tensor " + it.key() + " has dtype " + e.at("dtype").dump());
-        const auto shape = e.at("shape").get<std::vector<int64_t>>();
-        for (const auto& p : e.at("parts")) {
-          Part part{p.at("file").get<std::string>(), p.at("begin").get<int64_t>(),
-                    p.at("end").get<int64_t>()};
+        if (!e.contains("dtype") || !e["dtype"].is_string() ||
+            !safetensors_dtype_from_name(e["dtype"].get<std::string>(), &dtype))
+          throw damaged(tensor + " has dtype " + shown(e.value("dtype", nlohmann::json())));
+        std::vector<int64_t> shape;
+        if (!e.contains("shape") || !json_int_list(e["shape"], &shape) || numel_of(shape, dtype) < 0)
+          throw damaged(tensor + " has shape " + shown(e.value("shape", nlohmann::json())));
+        const auto& parts = e.at("parts");
+        if (!parts.is_array()) throw damaged(tensor + " has parts " + shown(parts) + ", not a list");
+        for (const auto& p : parts) {
+          Part part{"", 0, 0};
+          if (!p.is_object() || !p.contains("file") || !p["file"].is_string() || !p.contains("begin") ||
+              !json_int(p["begin"], &part.begin) || !p.contains("end") || !json_int(p["end"], &part.end))
+            throw damaged(tensor + " has a part " + shown(p) + ", not {\"file\", \"begin\", \"end\"}");
+          part.file = p["file"].get<std::string>();
           // Only files of this folder: a damaged index must not send the reader elsewhere.
-          if (!known.count(part.file) || part.file.find('/') != std::string::npos)
-            throw damaged("tensor " + it.key() + " has a part in " + part.file +
-                          ", which is not one of its files");
+          if (!known.count(part.file))
+            throw damaged(tensor + " has a part in " + shown(part.file) + ", which is not one of its files");
           add_part(index, it.key(), dtype, shape, std::move(part), where);
         }
-        if (!index.count(it.key())) throw damaged("tensor " + it.key() + " has no parts");
+        if (!index.count(it.key())) throw damaged(tensor + " has no parts");
       }
-    } else if (format.is_number_integer() && format.get<int>() > kFormat) {
-      throw Error("checkpoint: " + folder_ + " has format " + format.dump() +
+    } else if (format.is_number_integer() && format_number > kFormat) {
+      throw Error("checkpoint: " + folder_ + " has format " + shown(format) +
                   ", newer than this tetra reads (" + std::to_string(kFormat) + ")");
     } else {
-      throw Error("checkpoint: " + folder_ + " is not a tetra checkpoint (format " + format.dump() +
+      throw Error("checkpoint: " + folder_ + " is not a tetra checkpoint (format " + shown(format) +
                   ")");
     }
   } catch (const nlohmann::json::exception& e) {
-    throw damaged(e.what());
+    throw damaged(shown(e.what()));
   }
   check_index(index, where);
   for (auto& [name, e] : index)
-    index_.emplace(name, Entry{e.dtype, e.shape, numel_of(e.shape), std::move(e.parts)});
+    index_.emplace(name, Entry{e.dtype, e.shape, numel_of(e.shape, e.dtype), std::move(e.parts)});
 
   meta_ = doc;
   for (const char* key : kReserved) meta_.erase(key);
@@ -662,8 +747,8 @@ const SafetensorsFile& CheckpointReader::file(const std::string& name) const {
     if (sum != checksums_.end()) {
       const std::string why = check_file(path, *sum);
       if (!why.empty()) throw damaged_file(folder_, name, why);
-    } else if (!fs::exists(path)) {
-      throw damaged_file(folder_, name, "missing");
+    } else if (std::error_code ec; !fs::exists(path, ec)) {
+      throw damaged_file(folder_, name, ec ? ec.message() : "missing");
     }
     it = open_->open.emplace(name, std::make_unique<SafetensorsFile>(path)).first;
   }
@@ -674,11 +759,18 @@ void CheckpointReader::verify() const {
   for (const auto& f : files_) file(f);
 }
 
-void CheckpointReader::read_into(const std::string& name, const Entry& e, int64_t begin,
-                                 int64_t count, void* dst) const {
-  const int64_t end = begin + count;
+torch::Tensor CheckpointReader::read_range(const std::string& name, const Entry& e, int64_t begin,
+                                          int64_t count, at::IntArrayRef shape) const {
+  const int64_t end = begin + count;  // the callers checked [begin, end) is within [0, numel)
   const size_t size = c10::elementSize(e.dtype);
-  char* out = static_cast<char*>(dst);
+  // First every part the range touches, checked against its file's header: a damaged index
+  // can claim a tensor of 2^58 elements, but the tensor is allocated only once files
+  // hold all of its bytes.
+  struct Piece {
+    const SafetensorsFile* file;
+    int64_t lo, hi, part_begin;  // elements [lo, hi) of the tensor, in a part from part_begin
+  };
+  std::vector<Piece> pieces;
   // The first part that ends past `begin`; parts are sorted and disjoint.
   auto it = std::upper_bound(e.parts.begin(), e.parts.end(), begin,
                              [](int64_t b, const Part& p) { return b < p.end; });
@@ -687,36 +779,42 @@ void CheckpointReader::read_into(const std::string& name, const Entry& e, int64_
     if (lo >= hi) continue;
     const SafetensorsFile& f = file(it->file);
     if (!f.contains(name))
-      throw Error("checkpoint " + folder_ + ": " + it->file + " has no tensor " + name +
+      throw Error("checkpoint " + folder_ + ": " + it->file + " has no tensor " + shown(name) +
                   ", though the index puts its elements " + range_str(it->begin, it->end) +
                   " there");
     const auto& stored = f.entry(name);
     if (stored.dtype != e.dtype || stored.numel() != it->end - it->begin)
-      throw Error("checkpoint " + folder_ + ": " + it->file + " holds tensor " + name + " as " +
+      throw Error("checkpoint " + folder_ + ": " + it->file + " holds tensor " + shown(name) + " as " +
                   safetensors_dtype_name(stored.dtype) + " " + shape_str(stored.shape) +
                   ", the index as " + safetensors_dtype_name(e.dtype) + " elements " +
                   range_str(it->begin, it->end));
-    f.read(name, static_cast<uint64_t>(lo - it->begin) * size,
-           static_cast<uint64_t>(hi - lo) * size, out + static_cast<size_t>(lo - begin) * size);
+    pieces.push_back({&f, lo, hi, it->begin});
   }
+  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(e.dtype));
+  char* out = static_cast<char*>(t.data_ptr());
+  for (const Piece& p : pieces)
+    p.file->read(name, static_cast<uint64_t>(p.lo - p.part_begin) * size,
+                 static_cast<uint64_t>(p.hi - p.lo) * size, out + static_cast<size_t>(p.lo - begin) * size);
+  return t;
 }
 
 torch::Tensor CheckpointReader::read(const std::string& name) const {
   const Entry& e = find(name);
-  torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
-  if (e.numel > 0) read_into(name, e, 0, e.numel, t.data_ptr());
-  return t;
+  return read_range(name, e, 0, e.numel, e.shape);
 }
 
 torch::Tensor CheckpointReader::read_flat(const std::string& name, int64_t begin,
                                           int64_t count) const {
   const Entry& e = find(name);
-  if (begin < 0 || count < 0 || begin > e.numel || count > e.numel - begin)
-    throw Error("checkpoint " + folder_ + ": elements " + range_str(begin, begin + count) +
-                " of tensor " + name + " are outside its " + std::to_string(e.numel) + " elements");
-  torch::Tensor t = torch::empty({count}, torch::TensorOptions().dtype(e.dtype));
-  if (count > 0) read_into(name, e, begin, count, t.data_ptr());
-  return t;
+  if (begin < 0 || count < 0 || begin > e.numel || count > e.numel - begin) {
+    int64_t end = 0;
+    const std::string range = __builtin_add_overflow(begin, count, &end)
+                                  ? std::to_string(count) + " from " + std::to_string(begin)
+                                  : range_str(begin, end);
+    throw Error("checkpoint " + folder_ + ": elements " + range + " of tensor " + shown(name) +
+                " are outside its " + std::to_string(e.numel) + " elements");
+  }
+  return read_range(name, e, begin, count, {count});
 }
 
 }  // namespace tetra::core

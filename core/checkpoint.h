@@ -155,8 +155,9 @@ class CheckpointReader {
     std::vector<Part> parts;  // sorted by begin, covering [0, numel) once
   };
   const Entry& find(const std::string& name) const;
-  void read_into(const std::string& name, const Entry& e, int64_t begin, int64_t count,
-                 void* dst) const;
+  // Elements [begin, begin + count) of tensor `name` as a tensor of `shape`.
+  torch::Tensor read_range(const std::string& name, const Entry& e, int64_t begin, int64_t count,
+                           at::IntArrayRef shape) const;
   const SafetensorsFile& file(const std::string& name) const;
 
   std::string folder_;

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/json_input.h"
 
 namespace tetra::core {
 
@@ -145,6 +147,23 @@ uint64_t header_length(const unsigned char* b) {
   return len;
 }
 
+// Note [Safetensors from elsewhere]
+// A safetensors file may come from anyone (an exported model, a checkpoint's rank file),
+// so the header is checked before any of it is trusted, as the reference implementation
+// (huggingface/safetensors) checks it: a header of at most kMaxHeaderBytes, JSON nested
+// no deeper than kMaxJsonDepth (core/json_input.h), every entry an object with a known
+// dtype, a shape of at most kMaxDims non-negative integers whose byte count (checked at
+// every multiplication, zero dimensions or not) is at most kMaxTensorBytes, and
+// data_offsets [begin, end] with end - begin that byte count; then the entries' ranges,
+// in order of begin, must tile the data section exactly: no overlap, no gap, nothing
+// after the last. So every byte a reader reads is inside the file and belongs to one
+// tensor, no allocation is larger than the file, and a malformed file is one
+// tetra::Error "<path>: not a valid safetensors file: <why>" (names and values in it
+// through shown()).
+constexpr uint64_t kMaxHeaderBytes = 100000000;      // the reference's MAX_HEADER_SIZE
+constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 60;
+constexpr size_t kMaxDims = 64;
+
 // The one header parser, for whole files in memory and for SafetensorsFile: checks every
 // entry against its shape and the `data_size` bytes that follow the header.
 std::map<std::string, SafetensorsFile::Entry> parse_header(const char* json, uint64_t len, uint64_t data_size,
@@ -153,9 +172,9 @@ std::map<std::string, SafetensorsFile::Entry> parse_header(const char* json, uin
   auto bad = [&](const std::string& why) { return Error(path + ": not a valid safetensors file: " + why); };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(json, json + len);
+    header = parse_json_input(json, json + len);
   } catch (const std::exception& e) {
-    throw bad(std::string("header is not JSON (") + e.what() + ")");
+    throw bad("header is not JSON (" + shown(e.what()) + ")");
   }
   if (!header.is_object()) throw bad("header is not a JSON object");
   std::map<std::string, SafetensorsFile::Entry> out;
@@ -166,37 +185,66 @@ std::map<std::string, SafetensorsFile::Entry> parse_header(const char* json, uin
           if (m.value().is_string()) (*metadata)[m.key()] = m.value().get<std::string>();
       continue;
     }
+    const std::string tensor = "tensor " + shown(it.key());
     const auto& e = it.value();
     SafetensorsFile::Entry entry;
-    if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() ||
-        !safetensors_dtype_from_name(e["dtype"].get<std::string>(), &entry.dtype))
-      throw bad("tensor " + it.key() + " has no known dtype");
-    if (!e.contains("shape") || !e["shape"].is_array() || !e.contains("data_offsets") ||
-        !e["data_offsets"].is_array() || e["data_offsets"].size() != 2)
-      throw bad("tensor " + it.key() + " lacks shape or data_offsets");
-    // Its byte count, refusing shapes whose product would overflow (a damaged header).
-    constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
-    uint64_t need = c10::elementSize(entry.dtype);
-    for (const auto& d : e["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        throw bad("tensor " + it.key() + " has shape " + e["shape"].dump());
-      const auto n = static_cast<uint64_t>(d.get<int64_t>());
-      if (n != 0 && need > kMaxBytes / n) throw bad("tensor " + it.key() + " has shape " + e["shape"].dump());
+    if (!e.is_object()) throw bad(tensor + " is " + shown(e) + ", not an object");
+    const auto dtype = e.find("dtype"), shape = e.find("shape"), off = e.find("data_offsets");
+    if (dtype == e.end() || !dtype->is_string() ||
+        !safetensors_dtype_from_name(dtype->get<std::string>(), &entry.dtype))
+      throw bad(tensor + " has no known dtype" + (dtype == e.end() ? "" : " (" + shown(*dtype) + ")"));
+    if (shape == e.end() || !shape->is_array() || off == e.end() || !off->is_array() || off->size() != 2)
+      throw bad(tensor + " lacks shape or data_offsets");
+    if (shape->size() > kMaxDims)
+      throw bad(tensor + " has " + std::to_string(shape->size()) + " dimensions (at most " +
+                std::to_string(kMaxDims) + ")");
+    // Its byte count: the product of the non-zero dimensions must stay within
+    // kMaxTensorBytes even when another dimension is 0 (torch sizes such a tensor too).
+    uint64_t bytes = c10::elementSize(entry.dtype);
+    bool empty = false;
+    entry.shape.reserve(shape->size());
+    for (const auto& d : *shape) {
+      uint64_t n = 0;
+      if (!json_uint(d, &n)) throw bad(tensor + " has shape " + shown(*shape));
+      if (n == 0)
+        empty = true;
+      else if (bytes > kMaxTensorBytes / n)
+        throw bad(tensor + " has shape " + shown(*shape) + ", over 2^60 bytes");
+      else
+        bytes *= n;
       entry.shape.push_back(static_cast<int64_t>(n));
-      need *= n;
     }
-    const auto& off = e["data_offsets"];
-    if (!off[0].is_number_unsigned() && !(off[0].is_number_integer() && off[0].get<int64_t>() >= 0))
-      throw bad("tensor " + it.key() + " has data_offsets " + off.dump());
-    if (!off[1].is_number_unsigned() && !(off[1].is_number_integer() && off[1].get<int64_t>() >= 0))
-      throw bad("tensor " + it.key() + " has data_offsets " + off.dump());
-    entry.begin = off[0].get<uint64_t>();
-    entry.end = off[1].get<uint64_t>();
+    const uint64_t need = empty ? 0 : bytes;
+    if (!json_uint((*off)[0], &entry.begin) || !json_uint((*off)[1], &entry.end))
+      throw bad(tensor + " has data_offsets " + shown(*off));
     if (entry.begin > entry.end || entry.end > data_size || entry.end - entry.begin != need)
-      throw bad("tensor " + it.key() + " has data_offsets [" + std::to_string(entry.begin) + ", " +
+      throw bad(tensor + " has data_offsets [" + std::to_string(entry.begin) + ", " +
                 std::to_string(entry.end) + "] that do not fit its shape or the file");
     out.emplace(it.key(), std::move(entry));
   }
+  // The ranges tile the data section (Note [Safetensors from elsewhere]).
+  std::vector<std::pair<const std::string*, const SafetensorsFile::Entry*>> order;
+  order.reserve(out.size());
+  for (const auto& [name, e] : out) order.emplace_back(&name, &e);
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return a.second->begin != b.second->begin ? a.second->begin < b.second->begin
+                                              : a.second->end < b.second->end;
+  });
+  uint64_t at = 0;
+  const std::string* last = nullptr;
+  for (const auto& [name, e] : order) {
+    if (e->begin < at)
+      throw bad("tensors " + shown(*last) + " and " + shown(*name) + " overlap (data bytes [" +
+                std::to_string(e->begin) + ", " + std::to_string(std::min(at, e->end)) + "))");
+    if (e->begin > at)
+      throw bad("data bytes [" + std::to_string(at) + ", " + std::to_string(e->begin) +
+                ") belong to no tensor");
+    at = e->end;
+    last = name;
+  }
+  if (at != data_size)
+    throw bad("data bytes [" + std::to_string(at) + ", " + std::to_string(data_size) +
+              ") after the last tensor belong to no tensor");
   return out;
 }
 
@@ -208,6 +256,7 @@ TensorMap parse_safetensors(const std::string& bytes, const std::string& path,
   if (bytes.size() < 8) throw bad("shorter than its 8-byte header length");
   const uint64_t len = header_length(reinterpret_cast<const unsigned char*>(bytes.data()));
   if (len > bytes.size() - 8) throw bad("header length " + std::to_string(len) + " exceeds the file");
+  if (len > kMaxHeaderBytes) throw bad("header length " + std::to_string(len) + " is over the 100 MB a header may have");
   const uint64_t base = 8 + len;
   auto entries = parse_header(bytes.data() + 8, len, bytes.size() - base, path, metadata);
   TensorMap out;
@@ -264,6 +313,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     pread_all(fd_, path, 0, 8, head);
     const uint64_t len = header_length(head);
     if (len > file_size_ - 8) throw bad("header length " + std::to_string(len) + " exceeds the file");
+    if (len > kMaxHeaderBytes) throw bad("header length " + std::to_string(len) + " is over the 100 MB a header may have");
     std::string json(len, '\0');
     pread_all(fd_, path, 8, len, json.data());
     data_start_ = 8 + len;
@@ -294,7 +344,14 @@ void SafetensorsFile::read(const std::string& name, uint64_t offset, uint64_t le
 
 torch::Tensor SafetensorsFile::tensor(const std::string& name) const {
   const Entry& e = entry(name);
-  torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+  // At most the file's size, which a sparse file may still make more than the memory.
+  torch::Tensor t;
+  try {
+    t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+  } catch (const std::exception& ex) {
+    throw Error(path_ + ": cannot allocate the " + std::to_string(e.end - e.begin) + " bytes of tensor " +
+                shown(name) + " (" + shown(ex.what()) + ")");
+  }
   if (e.end > e.begin) read(name, 0, e.end - e.begin, t.data_ptr());
   return t;
 }

@@ -579,7 +579,15 @@ void Trainer::restore(const CheckpointReader& ckpt) {
   step_ = ckpt.step();
   epoch_ = ckpt.epoch();
   step_in_epoch_ = ckpt.step_in_epoch();
-  if (meta.contains("best_accuracy")) best_accuracy_ = meta["best_accuracy"].get<double>();
+  if (meta.contains("best_accuracy")) {
+    // meta.json may come from elsewhere: a value of another type is an error naming it,
+    // not a nlohmann::json::type_error.
+    if (!meta["best_accuracy"].is_number())
+      throw Error("checkpoint " + ckpt.folder() + ": its meta.json has best_accuracy " +
+                  meta["best_accuracy"].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
+                  ", not a number");
+    best_accuracy_ = meta["best_accuracy"].get<double>();
+  }
   resumed_from_ = ckpt.folder();
 }
 

@@ -882,3 +882,272 @@ TEST(CheckpointOnError, WarnTrainsOnPastAReadOnlyFolderStopEndsTheRun) {
   sets[3] = "checkpoint.on_error=stop";
   EXPECT_THROW(Trainer(job(sets)).run(), CheckpointSaveError);
 }
+
+// ---- files from elsewhere (Note [Safetensors from elsewhere]; tools/fuzz) ------------------
+// A safetensors file or a meta.json may come from another person: each crafted input below
+// is a tetra::Error naming the file, never a crash, undefined behaviour, a huge allocation,
+// another exception type or a read outside the file. The cases are what tools/fuzz's
+// fuzz-safetensors and fuzz-checkpoint-meta probe (and what review of the readers found).
+
+namespace {
+
+// A safetensors file of `header` (JSON text, as given) and `data` bytes after it.
+std::string crafted_safetensors(const std::string& header, const std::string& data = "") {
+  std::string out;
+  const uint64_t len = header.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
+  return out + header + data;
+}
+
+// True when `s` is well-formed UTF-8 (nlohmann's dump() refuses anything else).
+bool is_utf8(const std::string& s) {
+  try {
+    (void)nlohmann::json(s).dump();
+    return true;
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+}
+
+// Both safetensors readers refuse `bytes` with an Error naming the file and carrying `needle`.
+void expect_refused(const fs::path& f, const std::string& bytes, const std::string& needle) {
+  SCOPED_TRACE(needle);
+  write_all(f, bytes);
+  const std::string load = error_of([&] { load_safetensors(f.string()); });
+  const std::string open = error_of([&] { SafetensorsFile file(f.string()); });
+  for (const std::string& e : {load, open}) {
+    EXPECT_NE(e.find(f.string() + ": not a valid safetensors file: "), std::string::npos) << e;
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+    EXPECT_TRUE(is_utf8(e)) << e;
+  }
+}
+
+}  // namespace
+
+TEST(SafetensorsFromElsewhere, CraftedHeadersAreClearErrorsNamingTheFile) {
+  const fs::path f = fresh_dir("st_crafted") / "crafted.safetensors";
+  const std::string eight(8, '\0');
+  // Header lengths: 2^63 and 2^64 - 1 in a small file.
+  expect_refused(f, std::string("\0\0\0\0\0\0\0\x80", 8) + "{}", "header length 9223372036854775808 exceeds the file");
+  expect_refused(f, std::string(8, '\xff') + "{}", "exceeds the file");
+  // Shapes whose byte count overflows: with every dimension non-zero, and with a zero one
+  // (0 elements, but torch sizes the others: an overflow there was a c10::Error).
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,0]}})"),
+                 "tensor w has shape [4294967296,4294967296,4294967296], over 2^60 bytes");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}})"),
+                 "over 2^60 bytes");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", "abcd"),
+                 "tensor w has shape [1.5]");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", "abcd"),
+                 "tensor w has shape [-1]");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,4]}})", "abcd"),
+                 "over 2^60 bytes");
+  std::string dims = "[1";
+  for (int i = 0; i < 64; ++i) dims += ",1";
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"U8","shape":)" + dims + R"(],"data_offsets":[0,1]}})", "a"),
+                 "has 65 dimensions");
+  // Offsets: reversed, past the file, huge, not integers.
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[8,0]}})", eight),
+                 "data_offsets [8, 0] that do not fit");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"U8","shape":[16],"data_offsets":[0,16]}})", eight),
+                 "data_offsets [0, 16] that do not fit");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[18446744073709551608,0]}})", eight),
+                 "do not fit");
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8e0]}})", eight),
+                 "tensor w has data_offsets [0,8.0]");
+  // Ranges that overlap, leave a gap, or leave bytes after the last tensor (the reference
+  // implementation's rule: the tensors tile the data section).
+  expect_refused(f, crafted_safetensors(R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},)"
+                                        R"("b":{"dtype":"U8","shape":[8],"data_offsets":[4,12]}})", eight + "abcd"),
+                 "tensors a and b overlap (data bytes [4, 8))");
+  expect_refused(f, crafted_safetensors(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
+                                        R"("b":{"dtype":"U8","shape":[4],"data_offsets":[8,12]}})", eight + "abcd"),
+                 "data bytes [4, 8) belong to no tensor");
+  expect_refused(f, crafted_safetensors(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", eight),
+                 "data bytes [4, 8) after the last tensor belong to no tensor");
+  // Names: bytes that are not UTF-8 (the message escapes them and stays UTF-8), control
+  // characters, an unknown dtype, an entry that is not an object, JSON nested too deep.
+  expect_refused(f, crafted_safetensors("{\"w\xff\xfe\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}"),
+                 "header is not JSON");
+  expect_refused(f, crafted_safetensors(R"({"w\u0001":{"dtype":"F8_E4M3","shape":[0],"data_offsets":[0,0]}})"),
+                 "tensor w\\x01 has no known dtype (\"F8_E4M3\")");
+  expect_refused(f, crafted_safetensors(R"({"w":[1,2]})"), "tensor w is [1,2], not an object");
+  expect_refused(f, crafted_safetensors(R"({"__metadata__":{"k":)" + std::string(100000, '[') +
+                                        std::string(100000, ']') + "}}"),
+                 "nested deeper than 64 levels");
+  // Nested in the shape, whose text the error quoted: dump() recursed 200,000 levels and
+  // overflowed the stack.
+  expect_refused(f, crafted_safetensors(R"({"w":{"dtype":"F32","shape":)" + std::string(200000, '[') +
+                                        std::string(200000, ']') + R"(,"data_offsets":[0,0]}})"),
+                 "nested deeper than 64 levels");
+}
+
+TEST(SafetensorsFromElsewhere, AHeaderLengthPastTheLimitIsRefusedBeforeItIsRead) {
+  // A sparse 200 MB file whose header length says 150 MB: refused without reading or
+  // allocating the header (the reference's limit is 100 MB).
+  const fs::path f = fresh_dir("st_sparse") / "sparse.safetensors";
+  {
+    std::ofstream out(f, std::ios::binary);
+    const uint64_t len = 150000000;
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((len >> (8 * i)) & 0xff));
+  }
+  fs::resize_file(f, 200000000);
+  const std::string e = error_of([&] { SafetensorsFile file(f.string()); });
+  EXPECT_NE(e.find(f.string() + ": not a valid safetensors file: header length 150000000 is over the 100 MB"),
+            std::string::npos)
+      << e;
+}
+
+TEST(SafetensorsFromElsewhere, ReadsPastATensorAreRefused) {
+  TensorMap in;
+  in["a"] = torch::arange(4, torch::kInt32);
+  const fs::path f = fresh_dir("st_past") / "x.safetensors";
+  save_safetensors(f.string(), in);
+  SafetensorsFile file(f.string());
+  char buf[32];
+  for (const auto& range : {std::pair<uint64_t, uint64_t>{16, 1}, {0, 17}, {~uint64_t{0}, 2}, {1, ~uint64_t{0}}}) {
+    const std::string e = error_of([&] { file.read("a", range.first, range.second, buf); });
+    EXPECT_NE(e.find(f.string() + ": bytes ["), std::string::npos) << range.first << " " << range.second << ": " << e;
+  }
+}
+
+namespace {
+
+// The CRC-32C meta.json carries for `doc` (Note [Checkpoint checksums]).
+std::string meta_crc_of(nlohmann::json doc) {
+  doc.erase("meta_crc32c");
+  const std::string canonical = doc.dump();
+  Crc32c crc;
+  crc.process_bytes(canonical.data(), canonical.size());
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", crc.checksum());
+  return buf;
+}
+
+}  // namespace
+
+TEST(CheckpointFromElsewhere, ACraftedMetaJsonIsAClearErrorNamingIt) {
+  const fs::path d = fresh_dir("crafted_meta");
+  save_sharded(d, 4, reference_tensors(0));
+  const fs::path step = d / "step-00000004", meta_path = step / "meta.json";
+  const nlohmann::json saved = nlohmann::json::parse(read_all(meta_path));
+  // Each case edits the saved meta.json; its CRC is recomputed (`crc`) or dropped with the
+  // checksums (an older checkpoint's form) so that the value itself is what is checked.
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    bool crc;
+    const char* needle;
+    bool on_read;  // refused when read (verify, read), not when opened; else it names meta.json
+  };
+  const std::vector<Case> cases = {
+      // A double where an integer goes: get<int>() of 1e300 was undefined behaviour.
+      {"world 1e300", [](auto& m) { m["world"] = 1e300; }, true, "\"world\" is 1e+300, not a count", false},
+      {"step 1e300", [](auto& m) { m["step"] = 1e300; }, true, "\"step\" is 1e+300, not a count", false},
+      {"epoch -1", [](auto& m) { m["epoch"] = -1; }, true, "\"epoch\" is -1, not a count", false},
+      // Found by fuzz-checkpoint-meta on the old reader (after ~30,000 runs): a dimension past
+      // uint64 parses as a double, and get<std::vector<int64_t>>() converted it out of range.
+      {"a dimension past uint64",
+       [](auto& m) { m["index"]["model/w"]["shape"] = nlohmann::json::parse("[49223372036854775807]"); }, true,
+       "tensor model/w has shape [4.92", false},
+      {"a begin of 0.5", [](auto& m) { m["index"]["model/w"]["parts"][0]["begin"] = 0.5; }, true,
+       "tensor model/w has a part {\"begin\":0.5", false},
+      // A format past int: get<int>() wrapped 2^32 + 2 to 2 and read it as format 2.
+      {"format 2^32 + 2", [](auto& m) { m["format"] = 4294967298LL; }, true, "has format 4294967298, newer than", false},
+      // Shapes whose element count overflowed int64 (undefined behaviour in numel_of).
+      {"shape [2^40, 2^40]", [](auto& m) { m["index"]["model/w"]["shape"] = {1LL << 40, 1LL << 40}; }, true,
+       "tensor model/w has shape [1099511627776,1099511627776]", false},
+      {"shape [-5, 7]", [](auto& m) { m["index"]["model/w"]["shape"] = {-5, 7}; }, true, "has shape [-5,7]", false},
+      // Files outside the folder: verify() read whatever "files" named.
+      {"files ../", [](auto& m) { m["files"][2] = "../../../../etc/passwd"; }, true,
+       "\"files\" names \"../../../../etc/passwd\", not a file of the folder", false},
+      {"files absolute", [](auto& m) { m["files"][2] = "/etc/passwd"; }, true, "not a file of the folder", false},
+      {"files with NUL", [](auto& m) { m["files"][2] = std::string("rank-00002.safetensors\0x", 24); }, true,
+       "\"files\" names \"rank-00002.safetensors\\u0000x\"", false},
+      {"files twice", [](auto& m) { m["files"][2] = "rank-00001.safetensors"; }, true, "names a file twice", false},
+      {"world 2 of 3 files", [](auto& m) { m["world"] = 2; }, true, "names 3 files for a world of 2 ranks", false},
+      // A checksum entry of the wrong form: its nlohmann::json::type_error escaped verify().
+      {"checksums entry 5", [](auto& m) { m["checksums"]["rank-00001.safetensors"] = 5; }, true,
+       "\"checksums\" of rank-00001.safetensors is 5, not {\"bytes\"", false},
+      {"checksums bytes 1e300", [](auto& m) { m["checksums"]["rank-00001.safetensors"]["bytes"] = 1e300; }, true,
+       "\"checksums\" of rank-00001.safetensors is {\"bytes\":1e+300", false},
+      // A file name too long for the filesystem: std::filesystem::exists threw its own error.
+      {"a 300-byte file name",
+       [](auto& m) {
+         const std::string name(300, 'a');
+         m["files"][2] = name;
+         for (auto& entry : m["index"])
+           for (auto& part : entry["parts"])
+             if (part["file"] == "rank-00002.safetensors") part["file"] = name;
+       },
+       false, "is damaged (aaaa", true},
+      // An index claiming a tensor of 2^56 floats that rank-00000 holds 12 of: refused from
+      // the file's header before the 2^58 bytes are allocated (a c10::Error before).
+      {"a huge tensor",
+       [](auto& m) {
+         m["index"]["model/w"]["shape"] = {1LL << 56};
+         m["index"]["model/w"]["parts"] = {{{"file", "rank-00000.safetensors"}, {"begin", 0}, {"end", 1LL << 56}}};
+       },
+       true, "rank-00000.safetensors holds tensor model/w as F32 [12], the index as F32 elements [0, 72057594037927936)",
+       true},
+      // Nesting past what dump() (the meta CRC) can recurse through.
+      {"deep nesting", [](auto& m) { m["job"] = nlohmann::json::parse(std::string(100, '[') + std::string(100, ']')); }, false,
+       "nested deeper than 64 levels", false},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    nlohmann::json m = saved;
+    if (!c.crc) {
+      m.erase("meta_crc32c");
+      m.erase("checksums");
+    }
+    c.edit(m);
+    if (c.crc) m["meta_crc32c"] = meta_crc_of(m);
+    write_all(meta_path, m.dump(1));
+    const std::string e = error_of([&] {
+      CheckpointReader r(step.string());
+      if (c.on_read) {
+        r.verify();
+        for (const auto& name : r.names()) (void)r.read(name);
+      }
+    });
+    EXPECT_NE(e.find(step.string()), std::string::npos) << e;
+    EXPECT_NE(e.find(c.needle), std::string::npos) << e;
+    EXPECT_TRUE(is_utf8(e)) << e;
+    if (!c.on_read && std::string(c.what) != "format 2^32 + 2")  // a version, not damage: names the folder
+      EXPECT_NE(e.find(meta_path.string()), std::string::npos) << e;
+  }
+  // Still a good checkpoint once meta.json is back.
+  write_all(meta_path, saved.dump(1));
+  EXPECT_NO_THROW(CheckpointReader(step.string()).verify());
+}
+
+TEST(CheckpointFromElsewhere, ReadFlatOutsideATensorIsAnErrorEvenWhenTheRangeOverflows) {
+  const fs::path d = fresh_dir("read_flat_outside");
+  save_sharded(d, 4, reference_tensors(0));
+  CheckpointReader r((d / "step-00000004").string());
+  for (const auto& range : {std::pair<int64_t, int64_t>{-1, 1}, {35, 1}, {0, 36},
+                            {INT64_MAX, INT64_MAX}, {1, INT64_MAX}}) {
+    const std::string e = error_of([&] { (void)r.read_flat("model/w", range.first, range.second); });
+    EXPECT_NE(e.find("of tensor model/w are outside its 35 elements"), std::string::npos) << e;
+  }
+}
+
+TEST(CheckpointFromElsewhere, AResumedMetaValueOfAnotherTypeIsAnErrorNamingTheCheckpoint) {
+  // The trainer reads best_accuracy from the user meta: a string there was a
+  // nlohmann::json::type_error escaping the resume.
+  set_threads(1);
+  const fs::path d = fresh_dir("resume_meta_type");
+  Trainer(job({"checkpoint.dir=" + d.string(), "checkpoint.every_steps=10", "train.max_steps=10"})).run();
+  const fs::path step = d / "step-00000010", meta_path = step / "meta.json";
+  nlohmann::json m = nlohmann::json::parse(read_all(meta_path));
+  m["best_accuracy"] = "high";
+  m["meta_crc32c"] = meta_crc_of(m);
+  write_all(meta_path, m.dump(1));
+  const std::string e = error_of([&] {
+    Trainer(job({"checkpoint.dir=" + (d / "next").string(), "checkpoint.resume=" + step.string()})).run();
+  });
+  EXPECT_NE(e.find("checkpoint " + step.string() + ": its meta.json has best_accuracy \"high\", not a number"),
+            std::string::npos)
+      << e;
+}
