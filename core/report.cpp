@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "collectives/error.h"
+#include "collectives/launch.h"
 #include "core/safetensors.h"
 
 namespace tetra::core {
@@ -31,9 +32,10 @@ void MetricsWriter::write(const nlohmann::json& record) {
 }
 
 Progress::Progress(const std::string& mode, int64_t every, std::FILE* out) : every_(every), out_(out) {
-  bool tty = out && ::isatty(::fileno(out)) != 0;
+  const bool tty = out && ::isatty(::fileno(out)) != 0;
+  const bool launched = collectives::detect_launch().launcher != "single";
   off_ = mode == "off" || !out;  // no stream: nothing to print on
-  live_ = !off_ && (mode == "line" || (mode == "auto" && tty));
+  live_ = !off_ && (mode == "line" || (mode == "auto" && tty && !launched));
 }
 
 std::string Progress::format(const Status& s) const {

@@ -36,8 +36,11 @@ class MetricsWriter {
   EventWriter events_;
 };
 
-// The progress display. On a terminal (mode auto or line) one live line rewritten in
-// place; otherwise (plain) a line every log.every steps; off prints nothing.
+// The progress display. `line`: one live line rewritten in place; `plain`: a line every
+// log.every steps; `off`: nothing. `auto` is the live line only on a terminal of a process
+// no launcher started: Open MPI gives each rank a pseudo-terminal even when mpirun's own
+// output goes to a file, so under a launcher (mpirun, srun, torchrun) isatty() cannot
+// tell a person from a file, and auto prints plain lines there.
 class Progress {
  public:
   struct Status {

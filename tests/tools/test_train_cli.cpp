@@ -293,6 +293,32 @@ log: {every: 1, progress: plain}
   }
 }
 
+// Issue 33, item 5: `mpirun -np 2 train job.yaml > f 2>&1` with log.progress left to
+// auto. Open MPI gives each rank a pseudo-terminal even when mpirun's own output is a
+// file, so a rank cannot tell a person from a file by isatty(): under a launcher the live
+// line is off unless asked for (log.progress: line). The file holds plain lines, no
+// carriage returns or escape codes, and the progress of rank 0 alone.
+TEST(TrainMpi, RedirectedOutputUnderMpirunIsPlainLinesFromRankZero) {
+  fs::path d = fresh_dir("mpi_plain");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [16]}
+data: {type: synthetic, batch_size: 32}
+optimizer: {type: sgd, lr: 0.05}
+train: {max_steps: 6, threads: 1}
+mesh: {data: 2}
+checkpoint: {dir: ""}
+log: {every: 1, metrics: ""}
+)").string();
+  Outcome many = run_mpi(2, {job, "--set", "log.dir=" + (d / "run").string()});
+  ASSERT_EQ(many.status, 0) << many.out;
+  EXPECT_EQ(many.out.find('\r'), std::string::npos) << many.out;
+  EXPECT_EQ(many.out.find("\x1b["), std::string::npos) << many.out;
+  size_t lines = 0;
+  for (size_t at = many.out.find("step 6/6"); at != std::string::npos; at = many.out.find("step 6/6", at + 1)) ++lines;
+  EXPECT_EQ(lines, 1u) << "the last step's progress line, once (rank 0's):\n" << many.out;
+  EXPECT_NE(many.out.find("step 1/6"), std::string::npos) << many.out;
+}
+
 TEST(TrainMpi, TwoProcessesFollowOneProcess) { expect_mpi_follows_single(2, "128"); }
 TEST(TrainMpi, ThreeProcessesFollowOneProcess) { expect_mpi_follows_single(3, "192"); }
 
