@@ -155,7 +155,8 @@ int train_main(int argc, char** argv) {
       "  train job.yaml --dry-run --np 512 --ranks-per-host 8   the plan and a predicted step at 512 ranks\n"
       "  mpirun -np 4 train configs/dp.yaml                     4 processes (Open MPI)\n"
       "  srun --mpi=pmix train job.yaml                         a Slurm step\n"
-      "  torchrun --nproc_per_node 2 --no_python train job.yaml --set collectives.backend=gloo\n"
+      "  torchrun --nproc_per_node 2 -r 1 -t 1 --no_python train job.yaml --set collectives.backend=gloo\n"
+      "                                                         (-r 1 -t 1: Debian's torchrun 1.13 needs them)\n"
       "  train --schema > tetra.schema.json                     for editors\n\n"
       "Exit status: 0 done; 1 the run failed; 2 the job, a file or the command line is wrong; 3 another rank "
              "died or failed; 4 preempted (SIGTERM/SIGINT: every rank finished its step and wrote its checkpoint; run "
@@ -166,6 +167,20 @@ int train_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+  // The plan's options without --dry-run: a user who typed --np wanted that many
+  // processes, which only a launcher starts.
+  if (!dry_run && (np > 0 || ranks_per_host > 0 || !calibration.empty() || json)) {
+    const std::string option = np > 0 ? "--np" : ranks_per_host > 0 ? "--ranks-per-host" : !calibration.empty() ? "--calibration" : "--json";
+    std::fprintf(stderr, "train: error: %s is an option of --dry-run (it plans the job for that launch, and runs nothing)",
+                 option.c_str());
+    if (np > 0)
+      std::fprintf(stderr,
+                   "; to run on %d processes, launch them: mpirun -np %d train %s (srun -n %d train ..., or "
+                   "torchrun --nproc_per_node %d -r 1 -t 1 --no_python train ... --set collectives.backend=gloo)",
+                   np, np, job.empty() ? "JOB" : job.c_str(), np, np);
+    std::fprintf(stderr, "\n");
+    return 2;
   }
 
   if (schema || list_keys) {

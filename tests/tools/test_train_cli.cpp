@@ -129,6 +129,21 @@ TEST(TrainCli, BrokenYamlMissingFileAndBadFlagsExit2) {
   EXPECT_NE(r.out.find("dataset-fashion-mnist"), std::string::npos) << r.out;
 }
 
+// Issue 33, item 7: `train configs/dp.yaml --np 2` wanted two processes; --np only plans
+// them (a --dry-run option), and the run used to fail on the mesh instead. It now says
+// how to launch, before anything runs, exit 2.
+TEST(TrainCli, NpWithoutDryRunSaysHowToLaunch) {
+  const std::string dp = std::string(TETRA_SOURCE_DIR) + "/configs/dp.yaml";
+  Outcome r = run({dp, "--np", "2"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("train: error: --np is an option of --dry-run"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("mpirun -np 2 train " + dp), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("mesh data=2"), std::string::npos) << r.out;
+  r = run({dp, "--json"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--json is an option of --dry-run"), std::string::npos) << r.out;
+}
+
 TEST(TrainCli, SetOverridesAndPrintConfigShowsDefaults) {
   fs::path d = fresh_dir("print");
   fs::path job = write_job(d, "job.yaml", "model: {type: mlp}\n");
