@@ -279,7 +279,14 @@ std::string discover_cpus_hwloc(HostTopology& host) {
     p.index = static_cast<int>(i);
     const char* model = hwloc_obj_get_info_by_name(o, "CPUModel");
     if (!model && o != root) model = hwloc_obj_get_info_by_name(root, "CPUModel");
-    p.model = model ? model : "";
+    // As the kernel and hwloc give it: padded ("Processor             ") or with runs of
+    // spaces inside ("Intel(R) Xeon(R) CPU           E5-2690"); shown with single spaces.
+    for (const char* c = model ? model : ""; *c; ++c)
+      if (!std::isspace(static_cast<unsigned char>(*c)))
+        p.model += *c;
+      else if (!p.model.empty() && p.model.back() != ' ')
+        p.model += ' ';
+    if (!p.model.empty() && p.model.back() == ' ') p.model.pop_back();
     p.cpus = bitmap_list(o->cpuset);
     p.cores = count_in(o->cpuset, HWLOC_OBJ_CORE);
     p.pus = count_in(o->cpuset, HWLOC_OBJ_PU);

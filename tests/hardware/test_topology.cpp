@@ -96,6 +96,17 @@ TEST(Topology, DiscoverHostMatchesTheOs) {
   EXPECT_EQ(hw::parse_cpu_list(h.allowed_cpus).size() > 0, true);
 }
 
+// Issue 33, item 7: `topo` showed "Oxide Virtual Turin-like Processor             , 2 cores":
+// the CPU's name as the kernel pads it. Names are shown trimmed, with single spaces.
+TEST(Topology, PackageNamesHaveNoPaddingOrRunsOfSpaces) {
+  for (const hw::Package& p : hw::discover_host().packages) {
+    if (p.model.empty()) continue;
+    EXPECT_NE(p.model.front(), ' ') << "'" << p.model << "'";
+    EXPECT_NE(p.model.back(), ' ') << "'" << p.model << "'";
+    EXPECT_EQ(p.model.find("  "), std::string::npos) << "'" << p.model << "'";
+  }
+}
+
 TEST(Topology, CachesArePlausible) {
   hw::HostTopology h = hw::discover_host();
   if (h.caches.empty()) GTEST_SKIP() << "hwloc reports no caches on this machine";
