@@ -51,9 +51,11 @@ int64_t tensor_bytes(const CheckpointReader& r, const std::string& name) {
 int show(const std::string& path, bool parts) {
   CheckpointReader r(path);
   std::printf("checkpoint %s\n", r.folder().c_str());
-  std::printf("  step %lld, epoch %lld (step %lld in it), format %d, written by %d rank%s\n",
-              static_cast<long long>(r.step()), static_cast<long long>(r.epoch()),
-              static_cast<long long>(r.step_in_epoch()), r.format(), r.world(),
+  // Epochs counted from 1, as train's progress line counts them (meta.json keeps the
+  // trainer's own count, from 0).
+  std::printf("  step %lld, epoch %lld (%lld step%s into it), format %d, written by %d rank%s\n",
+              static_cast<long long>(r.step()), static_cast<long long>(r.epoch() + 1),
+              static_cast<long long>(r.step_in_epoch()), r.step_in_epoch() == 1 ? "" : "s", r.format(), r.world(),
               r.world() == 1 ? "" : "s");
   if (!r.meta().empty()) std::printf("  meta %s\n", r.meta().dump().c_str());
 
