@@ -18,6 +18,7 @@
 #include <chrono>
 #include <thread>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <string>
@@ -74,7 +75,18 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
   if (!spec.checkpoint.safetensors.empty())
     std::printf("  weights      %s (safetensors)\n", spec.checkpoint.safetensors.c_str());
   if (!spec.log.metrics.empty()) std::printf("  metrics      %s\n", spec.log.metrics.c_str());
-  if (!spec.log.trace.empty()) std::printf("  trace        %s\n", spec.log.trace.c_str());
+  if (!spec.log.trace.empty()) {
+    // Several ranks write one trace each, t.rank<N>.json beside t.json (which then does
+    // not exist): name what is there (issue 33, item 7).
+    const std::filesystem::path t(spec.log.trace);
+    const std::filesystem::path rank0 = t.parent_path() / (t.stem().string() + ".rank0" + t.extension().string());
+    std::error_code ec;
+    if (!std::filesystem::exists(t, ec) && std::filesystem::exists(rank0, ec))
+      std::printf("  trace        %s, one per rank (`trace-merge -o %s %s` joins them)\n", rank0.c_str(),
+                  spec.log.trace.c_str(), spec.log.trace.c_str());
+    else
+      std::printf("  trace        %s\n", spec.log.trace.c_str());
+  }
   if (!spec.log.dir.empty())
     std::printf("  run folder   %s (`report %s` draws it as one page)\n", spec.log.dir.c_str(), spec.log.dir.c_str());
 }

@@ -312,7 +312,8 @@ log: {every: 1, progress: plain}
 // auto. Open MPI gives each rank a pseudo-terminal even when mpirun's own output is a
 // file, so a rank cannot tell a person from a file by isatty(): under a launcher the live
 // line is off unless asked for (log.progress: line). The file holds plain lines, no
-// carriage returns or escape codes, and the progress of rank 0 alone.
+// carriage returns or escape codes, and the progress of rank 0 alone. Item 7 on the same
+// run: the closing summary names the per-rank traces, not a t.json that does not exist.
 TEST(TrainMpi, RedirectedOutputUnderMpirunIsPlainLinesFromRankZero) {
   fs::path d = fresh_dir("mpi_plain");
   const std::string job = write_job(d, "job.yaml", R"(
@@ -324,8 +325,13 @@ mesh: {data: 2}
 checkpoint: {dir: ""}
 log: {every: 1, metrics: ""}
 )").string();
-  Outcome many = run_mpi(2, {job, "--set", "log.dir=" + (d / "run").string()});
+  Outcome many = run_mpi(2, {job, "--set", "log.dir=" + (d / "run").string(), "--set",
+                             "log.trace=" + (d / "t.json").string()});
   ASSERT_EQ(many.status, 0) << many.out;
+  // Item 7: the summary names the traces that exist (one per rank), not t.json.
+  EXPECT_NE(many.out.find("trace        " + (d / "t.rank0.json").string() + ", one per rank"), std::string::npos)
+      << many.out;
+  EXPECT_TRUE(fs::exists(d / "t.rank1.json"));
   EXPECT_EQ(many.out.find('\r'), std::string::npos) << many.out;
   EXPECT_EQ(many.out.find("\x1b["), std::string::npos) << many.out;
   size_t lines = 0;
