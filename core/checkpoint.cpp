@@ -730,7 +730,8 @@ void CheckpointReader::expect_shape(const std::string& name, at::IntArrayRef sha
   const std::vector<int64_t> there = this->shape(name);
   if (!shape.equals(there))
     throw ConfigError("checkpoint " + folder_ + ": tensor " + name + " has shape " + shape_str(there) + " there and " +
-                      shape_str(shape.vec()) + " in this model");
+                      shape_str(shape.vec()) + " in this model (a checkpoint of another model: --set "
+                      "checkpoint.resume=never starts afresh, or give this job a checkpoint.dir of its own)");
 }
 const std::vector<Part>& CheckpointReader::parts(const std::string& name) const {
   return find(name).parts;

@@ -53,8 +53,17 @@ void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& wo
     os << "mesh " << spec.str() << " = " << spec.world_size() << " rank" << (spec.world_size() == 1 ? "" : "s");
   os << ", but the world has " << world_size;
   if (!world_origin.empty()) os << " (" << world_origin << ")";
-  os << "; make the product of the mesh axes equal the number of processes"
-     << (spec.axes.empty() ? " (e.g. mesh: {data: " + std::to_string(world_size) + "})" : std::string());
+  // The hint as a command-line user types it (--set), not as YAML (issue 33, item 7).
+  os << "; make the product of the mesh axes equal the number of processes";
+  if (spec.axes.empty()) {
+    os << " (--set mesh.data=" << world_size << ")";
+  } else if (world_size == 1) {
+    std::string here;
+    for (const auto& a : spec.axes)
+      if (a.size > 1) here += " --set mesh." + a.name + "=1";
+    os << ": launch " << spec.world_size() << " (mpirun -np " << spec.world_size() << " train ...), or run on one with"
+       << here;
+  }
   throw ConfigError(os.str());
 }
 

@@ -550,7 +550,7 @@ void Trainer::restore(const CheckpointReader& ckpt) {
   auto expect = [&](const char* key, const nlohmann::json& now) {
     if (meta.contains(key) && meta[key] != now)
       throw ConfigError("checkpoint " + ckpt.folder() + " was written with " + key + " = " + meta[key].dump() +
-                        ", this job has " + now.dump() + " (set checkpoint.resume: never to start afresh)");
+                        ", this job has " + now.dump() + " (--set checkpoint.resume=never starts afresh)");
   };
   expect("batch_size", spec_.data.batch_size);
   expect("steps_per_epoch", batches_->steps_per_epoch());

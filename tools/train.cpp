@@ -274,6 +274,9 @@ int train_main(int argc, char** argv) {
     std::fflush(stdout);
     std::string msg = e.what();
     if (!msg.empty() && msg.back() == '\n') msg.pop_back();
+    // A job file's errors say where ("job.yaml:3:5: error: ..."); the others (the mesh
+    // against the world, a checkpoint's shapes) get the prefix every other error has.
+    if (msg.find(": error: ") == std::string::npos && msg.rfind("error: ", 0) != 0) msg = "train: error: " + msg;
     if (speak) std::fprintf(stderr, "%s\n", msg.c_str());
     return quiet_exit(speak, kExitUserError);
   } catch (const tetra::DataError& e) {

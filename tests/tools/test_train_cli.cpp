@@ -144,6 +144,37 @@ TEST(TrainCli, NpWithoutDryRunSaysHowToLaunch) {
   EXPECT_NE(r.out.find("--json is an option of --dry-run"), std::string::npos) << r.out;
 }
 
+// Issue 33, item 7: the mesh's check against the world and a checkpoint's shape check
+// had neither the "train: error:" prefix every other error has nor a hint a
+// command-line user can type: both now say `--set ...`.
+TEST(TrainCli, MeshAndCheckpointShapeErrorsHaveThePrefixAndSetHints) {
+  fs::path d = fresh_dir("prefix");
+  const std::string dp = std::string(TETRA_SOURCE_DIR) + "/configs/dp.yaml";
+  Outcome r = run({dp, "--set", "log.dir=" + (d / "dp").string()});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("train: error: mesh data=2 = 2 ranks, but the world has 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("mpirun -np 2 train ..."), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--set mesh.data=1"), std::string::npos) << r.out;
+
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [32]}
+data: {type: synthetic, batch_size: 16}
+train: {max_steps: 2, threads: 1}
+log: {progress: off, metrics: ""}
+)").string();
+  const std::vector<std::string> where = {"--set", "checkpoint.dir=" + (d / "ckpt").string(), "--set",
+                                          "log.dir=" + (d / "run").string()};
+  std::vector<std::string> first = {job};
+  first.insert(first.end(), where.begin(), where.end());
+  ASSERT_EQ(run(first).status, 0);
+  std::vector<std::string> wider = {job, "--set", "model.hidden=[48]", "--set", "train.max_steps=4"};
+  wider.insert(wider.end(), where.begin(), where.end());
+  r = run(wider);
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("train: error: checkpoint "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--set checkpoint.resume=never starts afresh"), std::string::npos) << r.out;
+}
+
 TEST(TrainCli, SetOverridesAndPrintConfigShowsDefaults) {
   fs::path d = fresh_dir("print");
   fs::path job = write_job(d, "job.yaml", "model: {type: mlp}\n");
