@@ -175,6 +175,29 @@ log: {progress: off, metrics: ""}
   EXPECT_NE(r.out.find("--set checkpoint.resume=never starts afresh"), std::string::npos) << r.out;
 }
 
+// Issue 33, item 7: configs/zero.yaml promised "10 bytes per parameter instead of 16"
+// while its 25 MB units held the model's gradients whole (ZeRO-2 then saved nothing on
+// them). Its dry run, which equals the run to the byte, now keeps the promise as the
+// comment states it: 10 bytes per parameter plus the one unit on its way (the largest
+// layer, 1024 x 1024 floats), and buffers never above the gradients a rank would hold
+// without ZeRO.
+TEST(TrainCli, ZeroConfigHoldsWhatItsCommentPromises) {
+  const std::string zero = std::string(TETRA_SOURCE_DIR) + "/configs/zero.yaml";
+  Outcome r = run({zero, "--dry-run", "--json"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json plan = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  const double params = plan["parameters"].get<double>();
+  ASSERT_EQ(plan["estimate"].size(), 2u);
+  for (const auto& rank : plan["estimate"]) {
+    const auto& b = rank["bytes"];
+    const double state = b["parameters"].get<double>() + b["gradients"].get<double>() + b["optimizer"].get<double>() +
+                         b["buffers"].get<double>();
+    EXPECT_LE(b["buffers"].get<double>(), 4.0 * 1024 * 1024) << b.dump();
+    EXPECT_LE(state, 10 * params + 4.0 * 1024 * 1024 + 4096) << b.dump();
+    EXPECT_LT(state, 16 * params * 0.8) << b.dump();
+  }
+}
+
 TEST(TrainCli, SetOverridesAndPrintConfigShowsDefaults) {
   fs::path d = fresh_dir("print");
   fs::path job = write_job(d, "job.yaml", "model: {type: mlp}\n");
