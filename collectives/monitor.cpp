@@ -176,6 +176,19 @@ std::string line_limit_text(size_t limit) {
   return limit >= (size_t{1} << 20) ? std::to_string(limit >> 20) + " MiB" : std::to_string(limit) + " bytes";
 }
 
+// A string field of a line from the other end; "" when it has none (or not a string).
+std::string string_field(const nlohmann::json& j, const char* key) {
+  if (!j.is_object()) return "";
+  const auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// A challenge's or a hello's nonce: 16 fresh random bytes, in hex.
+std::string fresh_nonce() {
+  const std::string r = random_bytes(16);
+  return to_hex(reinterpret_cast<const uint8_t*>(r.data()), r.size());
+}
+
 // The proofs of Note [Monitor handshake] (hex HMACs).
 std::string hello_mac(const std::string& server_nonce, const std::string& client_nonce, int rank,
                       const std::string& where) {
@@ -292,17 +305,13 @@ void flush_refusals(int64_t now, bool all = false) {
 void server_hello(Peer& p, const std::string& line) {
   State& s = st();
   const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || j.value("t", "") != "hello") {
+  if (string_field(j, "t") != "hello") {
     p.refused = "its first line is not a hello";
     return;
   }
-  const auto text = [&](const char* k) {
-    const auto it = j.find(k);
-    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
-  };
   const auto it = j.find("rank");
   const int64_t rank = it != j.end() && it->is_number_integer() ? it->get<int64_t>() : -1;
-  const std::string where = text("where"), nonce = text("nonce"), mac = text("mac");
+  const std::string where = string_field(j, "where"), nonce = string_field(j, "nonce"), mac = string_field(j, "mac");
   if (rank < 1 || rank >= s.size) {
     p.refused = "its hello claims no rank of this world of " + std::to_string(s.size);
     return;
@@ -458,7 +467,7 @@ void server_accept() {
   p.fd = fd;
   p.address = address;
   p.heard_us = mono_us();
-  p.nonce = to_hex(reinterpret_cast<const uint8_t*>(random_bytes(16).data()), 16);
+  p.nonce = fresh_nonce();
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   if (!send_line(fd, text_of(nlohmann::json({{"t", "challenge"}, {"nonce", p.nonce}})))) {
@@ -730,9 +739,9 @@ std::string share_setup(Communicator& world, const std::string& mine, Duration t
 // Whether every process of `world` shares this one's kernel and network namespace (then
 // rank 0's monitor listens on loopback only): one allreduce of a hash of the namespace.
 bool world_shares_one_network(Communicator& world, Duration timeout) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (const char c : hardware::network_namespace_id()) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
-  const int64_t v = static_cast<int64_t>(h >> 2);
+  const Digest d = sha256(hardware::network_namespace_id());
+  int64_t v = 0;
+  for (int i = 0; i < 7; ++i) v = v << 8 | d[static_cast<size_t>(i)];  // 56 bits: -v cannot overflow
   at::Tensor t = at::tensor({v, -v}, at::kLong);
   AllreduceOptions o;
   o.op = ReduceOp::kMax;
@@ -838,19 +847,14 @@ void connect_and_prove(const std::string& address, Deadline deadline) {
       continue;
     }
     const nlohmann::json challenge = nlohmann::json::parse(line, nullptr, false);
-    const auto nonce_of = [](const nlohmann::json& j, const char* k) {
-      if (!j.is_object()) return std::string();
-      const auto it = j.find(k);
-      return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
-    };
-    const std::string server_nonce = nonce_of(challenge, "nonce");
-    if (nonce_of(challenge, "t") != "challenge" || server_nonce.size() != 32) {
+    const std::string server_nonce = string_field(challenge, "nonce");
+    if (string_field(challenge, "t") != "challenge" || server_nonce.size() != 32) {
       ::close(p.fd);
       throw CommError("monitor: what answers at " + address +
                       " is not rank 0's monitor (its first line is no challenge): another program on that port? "
                       "TETRA_MONITOR_PORT picks another");
     }
-    const std::string client_nonce = to_hex(reinterpret_cast<const uint8_t*>(random_bytes(16).data()), 16);
+    const std::string client_nonce = fresh_nonce();
     send_line(p.fd, text_of(nlohmann::json({{"t", "hello"},
                                             {"rank", s.rank},
                                             {"where", where},
@@ -863,8 +867,8 @@ void connect_and_prove(const std::string& address, Deadline deadline) {
                       "the job have the same TETRA_JOB_SECRET, or none?");
     }
     const nlohmann::json welcome = nlohmann::json::parse(line, nullptr, false);
-    if (nonce_of(welcome, "t") != "welcome" ||
-        !equal_in_constant_time(nonce_of(welcome, "mac"), welcome_mac(server_nonce, client_nonce, s.rank))) {
+    if (string_field(welcome, "t") != "welcome" ||
+        !equal_in_constant_time(string_field(welcome, "mac"), welcome_mac(server_nonce, client_nonce, s.rank))) {
       ::close(p.fd);
       throw CommError("monitor: the process at " + address +
                       " answered without the job's secret: it is not this job's rank 0");
