@@ -255,6 +255,11 @@ struct Sorted {
 
 long rank_in_trace_filename(const std::string& name) { return rank_in_filename(name).value_or(-1); }
 
+std::string rank_trace_file(const std::string& trace, int rank) {
+  const std::filesystem::path p(trace);
+  return (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(rank) + p.extension().string())).string();
+}
+
 std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs,
                                           const std::string& exclude) {
   const std::string out_key = exclude.empty() ? std::string() : key_of(exclude);

@@ -45,6 +45,10 @@ std::vector<std::string> find_trace_files(const std::vector<std::string>& inputs
 // The N of a file name "...rank<N>.json" ("trace.rank3.json", "rank3.json"); -1 if none.
 long rank_in_trace_filename(const std::string& name);
 
+// The file `rank` writes when every rank of a job writes its own trace: trace.json ->
+// trace.rank<N>.json beside it (what the trainer writes and a missing X.json finds).
+std::string rank_trace_file(const std::string& trace, int rank);
+
 struct MergedTrace {
   nlohmann::json doc;                 // {"traceEvents": [...], "displayTimeUnit": "ms"}
   std::vector<int> pids;              // the pid each input became, in input order

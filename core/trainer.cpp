@@ -26,6 +26,7 @@
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/torch_compat.h"
+#include "core/trace_merge.h"
 #include "hardware/host.h"
 
 namespace tetra::core {
@@ -637,9 +638,7 @@ std::vector<double> since(std::vector<double> now, const std::vector<double>& be
 
 // One trace per rank when there are several: trace.json -> trace.rank1.json beside it.
 std::string rank_trace_path(const std::string& trace, int rank, int world) {
-  if (trace.empty() || world == 1) return trace;
-  const fs::path p(trace);
-  return (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(rank) + p.extension().string())).string();
+  return trace.empty() || world == 1 ? trace : rank_trace_file(trace, rank);
 }
 
 double bubble_of(const std::vector<double>& c) { return c[kIdleWall] > 0 ? c[kIdleWait] / c[kIdleWall] : -1; }

@@ -32,6 +32,7 @@
 #include "core/job_spec.h"
 #include "core/report.h"
 #include "core/runtime.h"
+#include "core/trace_merge.h"
 #include "core/trainer.h"
 #include "hardware/host.h"
 #include "tetra/run.h"
@@ -78,10 +79,9 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
   if (!spec.log.trace.empty()) {
     // Several ranks write one trace each, t.rank<N>.json beside t.json (which then does
     // not exist): name what is there (issue 33, item 7).
-    const std::filesystem::path t(spec.log.trace);
-    const std::filesystem::path rank0 = t.parent_path() / (t.stem().string() + ".rank0" + t.extension().string());
+    const std::string rank0 = rank_trace_file(spec.log.trace, 0);
     std::error_code ec;
-    if (!std::filesystem::exists(t, ec) && std::filesystem::exists(rank0, ec))
+    if (!std::filesystem::exists(spec.log.trace, ec) && std::filesystem::exists(rank0, ec))
       std::printf("  trace        %s, one per rank (`trace-merge -o %s %s` joins them)\n", rank0.c_str(),
                   spec.log.trace.c_str(), spec.log.trace.c_str());
     else
