@@ -248,9 +248,9 @@ TrainSpec parse_train(Section& t) {
   return spec;
 }
 
-CheckpointSpec parse_checkpoint(Section& c, const std::string& name) {
+CheckpointSpec parse_checkpoint(Section& c) {
   CheckpointSpec spec;
-  spec.dir = c.string("dir", "runs/" + name + "/ckpt");  // "" turns checkpoints off
+  spec.dir = c.string("dir", "ckpt");  // in the run folder (Note [One run folder]); "" = off
   spec.every_steps = c.integer("every_steps", 0, 0);
   spec.keep = c.integer("keep", 3, 1);
   spec.resume = c.string("resume", "auto");
@@ -266,7 +266,7 @@ CheckpointSpec parse_checkpoint(Section& c, const std::string& name) {
 
 LogSpec parse_log(Section& l, const std::string& name) {
   LogSpec spec;
-  spec.metrics = l.string("metrics", "runs/" + name + "/metrics.jsonl");
+  spec.metrics = l.string("metrics", "metrics.jsonl");  // in the run folder; "" = off
   spec.every = l.integer("every", 50, 1);
   spec.trace = l.string("trace", "");
   spec.progress = l.choice("progress", "auto", {"auto", "line", "plain", "off"});
@@ -368,7 +368,7 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   Section train = root.section("train");
   spec.train = parse_train(train);
   Section checkpoint = root.section("checkpoint");
-  spec.checkpoint = parse_checkpoint(checkpoint, spec.name);
+  spec.checkpoint = parse_checkpoint(checkpoint);
   Section log = root.section("log");
   spec.log = parse_log(log, spec.name);
   Section mesh = root.section("mesh");
@@ -376,6 +376,10 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   Section collectives = root.section("collectives");
   spec.collectives = parse_collectives(collectives);
   check_cross_fields(spec, model, data);
+  // Note [One run folder]: the written paths, resolved once, here.
+  for (std::string* path : {&spec.checkpoint.dir, &spec.checkpoint.safetensors, &spec.log.metrics, &spec.log.trace,
+                            &spec.log.tensorboard})
+    *path = in_run_folder(spec.log.dir, *path);
 
   // d_ff: 0 means 4 * d_model; print what will be built.
   if (spec.model.type == "gpt") {
@@ -383,7 +387,9 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
     resolved["model"]["d_ff"] = spec.model.d_ff;
   }
 
+  std::vector<std::string> absent;  // plugin sections the job leaves out: their strategies are off
   for (const std::string& name : plugins.names()) {
+    if (!root.has(name)) absent.push_back(name);
     Section section = root.section(name);
     try {
       std::shared_ptr<const PluginConfig> cfg = plugins.at(name)(section, spec);
@@ -411,6 +417,11 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   if (origin_of_line) diag.relocate(origin_of_line);
   diag.throw_if_errors();
   out.resolved = doc.resolved();
+  // A strategy's section left out of the job is not written out with its defaults: read
+  // back (the run folder's job.yaml), a present section turns its strategy on, and
+  // `pipeline: {micro_batches: 4}` made a one-stage pipeline of four micro-batches.
+  for (const std::string& name : absent)
+    if (!spec.plugins.count(name)) out.resolved.remove(name);
   out.spec.resolved = resolved_yaml(out.resolved);
   return out;
 }
@@ -645,6 +656,11 @@ std::vector<std::string> SectionRegistry::names() const {
 }
 
 // ---- parsing ----------------------------------------------------------------------------
+
+std::string in_run_folder(const std::string& run_dir, const std::string& path) {
+  if (path.empty() || run_dir.empty() || std::filesystem::path(path).is_absolute()) return path;
+  return (std::filesystem::path(run_dir) / path).lexically_normal().string();
+}
 
 ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
                          const SectionRegistry& plugins) {

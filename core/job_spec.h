@@ -101,23 +101,34 @@ const std::vector<std::string>& on_checkpoint_error_names();  // stop warn
 const std::string& to_string(OnCheckpointError on_error);
 
 struct CheckpointSpec {
-  std::string dir;            // default runs/<name>/ckpt; "" = no checkpoints
+  std::string dir;            // default ckpt (in the run folder); "" = no checkpoints
   int64_t every_steps = 0;    // 0 = only at the end
   int64_t keep = 3;           // newest K kept; >= 1
   std::string resume = "auto"; // auto (newest in dir, if any) | never | a checkpoint path
-  std::string safetensors;    // when set, the final weights are exported there
+  std::string safetensors;    // when set (model.safetensors), the final weights are exported there
   // A failed save: stop ends the run with its error; warn prints it on rank 0, counts it
   // (metrics' checkpoint_failures) and trains on. The previous checkpoint stays intact.
   OnCheckpointError on_error = OnCheckpointError::kStop;
 };
 
+// Note [One run folder]
+// Everything a run writes lives in one folder, log.dir, which defaults to runs/<name>:
+// job.yaml, summary.json and flight/ always, and checkpoint.dir (ckpt), log.metrics
+// (metrics.jsonl), log.trace, log.tensorboard and checkpoint.safetensors, whose relative
+// paths are taken inside it (torchtitan's dump_folder does the same). So a new `name`,
+// or a new log.dir, moves the whole run and leaves every other run's files alone; an
+// absolute path still goes where it says. The job file and job.yaml keep the paths as
+// written (relative); the parsed spec holds them resolved (runs/<name>/ckpt), which is
+// what every reader of the spec uses. With log.dir "" (no run folder) relative paths are
+// taken from the current directory. checkpoint.resume and data.path, which the job reads,
+// are taken from the current directory.
 struct LogSpec {
-  std::string metrics;  // JSONL path; default runs/<name>/metrics.jsonl; "" after --set = off
+  std::string metrics;  // JSONL path; default metrics.jsonl (in the run folder); "" = off
   int64_t every = 50;   // steps between train records / plain progress lines
-  std::string trace;    // Chrome trace JSON path (per rank); "" = off
+  std::string trace;    // Chrome trace JSON path (per rank), e.g. trace.json; "" = off
   std::string progress = "auto";  // auto (live line on a terminal) | line | plain | off
   std::string dir;  // default runs/<name>: job.yaml, summary.json (Note [Run folder]), flight/
-  std::string tensorboard;  // TensorBoard event files go to this folder (rank 0's); "" = off
+  std::string tensorboard;  // TensorBoard event files go to this folder (rank 0's), e.g. tb; "" = off
 };
 
 struct CollectivesSpec {
@@ -193,6 +204,10 @@ struct ParsedJob {
   JobSpec spec;
   YAML::Node resolved;  // every key with its value or default
 };
+
+// A path the run writes, as the spec holds it (Note [One run folder]): "" stays "" (off),
+// an absolute path stays, a relative one is taken inside `run_dir` (unless that is "").
+std::string in_run_folder(const std::string& run_dir, const std::string& path);
 
 // Parses a job file, applies the `--set` overrides, validates every section and the
 // cross-field rules. Throws tetra::ConfigError carrying every diagnostic at once.

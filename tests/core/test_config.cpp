@@ -488,11 +488,15 @@ TEST(ConfigResolved, HoldsDefaultsInTheFixedSectionOrder) {
     s.finish();
     return nullptr;
   });
-  ParsedJob job = parse_job_string("train:\n  epochs: 2\nname: demo\n", "job.yaml", {}, plugins);
+  ParsedJob job = parse_job_string("train:\n  epochs: 2\nname: demo\nzero: {}\n", "job.yaml", {}, plugins);
   ASSERT_TRUE(job.resolved["optimizer"]["eps"].IsDefined());
   EXPECT_DOUBLE_EQ(job.resolved["optimizer"]["eps"].as<double>(), 1e-8);
   EXPECT_EQ(job.resolved["train"]["epochs"].as<int>(), 2);
-  EXPECT_EQ(job.resolved["checkpoint"]["dir"].as<std::string>(), "runs/demo/ckpt");
+  // The written paths as the job gives them (relative: inside the run folder), which
+  // the spec holds resolved (Note [One run folder]).
+  EXPECT_EQ(job.resolved["checkpoint"]["dir"].as<std::string>(), "ckpt");
+  EXPECT_EQ(job.resolved["log"]["dir"].as<std::string>(), "runs/demo");
+  EXPECT_EQ(job.spec.checkpoint.dir, "runs/demo/ckpt");
   std::string text = resolved_yaml(job.resolved);
   std::vector<std::string> order = {
       "name: demo", "\nmodel:",      "\ndata:", "\noptimizer:", "\nschedule:",
@@ -511,6 +515,51 @@ TEST(ConfigResolved, HoldsDefaultsInTheFixedSectionOrder) {
   JobSpec again = parse_job_string(text, "job.yaml", {}, plugins).spec;
   EXPECT_EQ(again.train.epochs, 2);
   EXPECT_EQ(again.name, "demo");
+  EXPECT_EQ(again.checkpoint.dir, "runs/demo/ckpt");
+  EXPECT_EQ(again.log.metrics, "runs/demo/metrics.jsonl");
+}
+
+// Issue 33: a strategy's section the job leaves out is not written out with its defaults,
+// or job.yaml read back turned the strategy on (a one-stage pipeline of 4 micro-batches).
+TEST(ConfigResolved, LeavesOutTheSectionsOfStrategiesTheJobDoesNotHave) {
+  SectionRegistry plugins;
+  plugins.add("pipeline", [](Section& s, const JobSpec&) -> std::shared_ptr<const PluginConfig> {
+    const bool present = s.has("micro_batches");
+    s.integer("micro_batches", 4, 1, 64);
+    s.finish();
+    return present ? std::make_shared<PluginConfig>() : nullptr;
+  });
+  const std::string text = resolved_yaml(parse_job_string("name: demo\n", "job.yaml", {}, plugins).resolved);
+  EXPECT_EQ(text.find("\npipeline:"), std::string::npos) << text;
+  EXPECT_TRUE(parse_job_string(text, "job.yaml", {}, plugins).spec.plugins.empty());
+  const std::string with = resolved_yaml(
+      parse_job_string("name: demo\npipeline: {micro_batches: 2}\n", "job.yaml", {}, plugins).resolved);
+  EXPECT_NE(with.find("micro_batches: 2"), std::string::npos) << with;
+}
+
+// Issue 33, item 2: every path a run writes is inside log.dir, runs/<name> by default,
+// so a new name or a new log.dir moves the whole run; absolute paths stay.
+TEST(ConfigRunFolder, EveryWrittenPathFollowsTheNameAndTheRunFolder) {
+  auto spec = [](std::vector<std::string> sets) {
+    return parse_job_string("name: a\nlog: {trace: trace.json, tensorboard: tb}\ncheckpoint: {safetensors: model.safetensors}\n",
+                            "job.yaml", sets, kNoPlugins)
+        .spec;
+  };
+  for (const auto& [sets, dir] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{}, "runs/a"}, {{"name=b"}, "runs/b"}, {{"log.dir=/tmp/elsewhere/r"}, "/tmp/elsewhere/r"}}) {
+    const JobSpec s = spec(sets);
+    EXPECT_EQ(s.log.dir, dir);
+    EXPECT_EQ(s.checkpoint.dir, dir + "/ckpt");
+    EXPECT_EQ(s.log.metrics, dir + "/metrics.jsonl");
+    EXPECT_EQ(s.log.trace, dir + "/trace.json");
+    EXPECT_EQ(s.log.tensorboard, dir + "/tb");
+    EXPECT_EQ(s.checkpoint.safetensors, dir + "/model.safetensors");
+  }
+  const JobSpec abs = spec({"checkpoint.dir=/data/ckpt", "log.metrics="});
+  EXPECT_EQ(abs.checkpoint.dir, "/data/ckpt");
+  EXPECT_EQ(abs.log.metrics, "");  // off
+  const JobSpec no_folder = spec({"log.dir="});
+  EXPECT_EQ(no_folder.checkpoint.dir, "ckpt");  // from the current directory
 }
 
 TEST(ConfigResolved, GptDffIsResolved) {
@@ -680,14 +729,14 @@ log:
   EXPECT_EQ(s.train.threads, 2);
   EXPECT_EQ(s.train.precision, Precision::kBf16);
   EXPECT_EQ(s.train.accumulation_steps, 2);
-  EXPECT_EQ(s.checkpoint.dir, "out/ckpt");
+  EXPECT_EQ(s.checkpoint.dir, "runs/full/out/ckpt");  // in the run folder (Note [One run folder])
   EXPECT_EQ(s.checkpoint.every_steps, 50);
   EXPECT_EQ(s.checkpoint.keep, 2);
   EXPECT_EQ(s.checkpoint.resume, "never");
-  EXPECT_EQ(s.checkpoint.safetensors, "out/model.safetensors");
-  EXPECT_EQ(s.log.metrics, "out/m.jsonl");
+  EXPECT_EQ(s.checkpoint.safetensors, "runs/full/out/model.safetensors");
+  EXPECT_EQ(s.log.metrics, "runs/full/out/m.jsonl");
   EXPECT_EQ(s.log.every, 10);
-  EXPECT_EQ(s.log.trace, "out/trace.json");
+  EXPECT_EQ(s.log.trace, "runs/full/out/trace.json");
   EXPECT_EQ(s.log.progress, "plain");
   EXPECT_TRUE(s.plugins.empty());
 }
