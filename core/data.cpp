@@ -107,6 +107,10 @@ class TextDataset : public Dataset {
   int64_t examples_[2] = {0, 0};
 };
 
+// Fashion-MNIST's pixel mean and standard deviation over the training split (after / 255),
+// with which every image is normalised (exports say so: DataInfo::preprocessing).
+constexpr double kFashionMean = 0.2860, kFashionStd = 0.3530;
+
 const char* kFashionHint =
     "install the Debian package dataset-fashion-mnist (tools/setup.sh does) or set data.path";
 
@@ -130,9 +134,8 @@ std::unique_ptr<Dataset> make_fashion_mnist(const DataSpec& spec) {
                              shape_str(dims)));
     }
     // [N, 28, 28] uint8 -> [N, 1, 28, 28] float in [0, 1], then Fashion-MNIST's mean/std.
-    constexpr double kMean = 0.2860, kStd = 0.3530;
     torch::Tensor x = t.to(torch::kFloat).unsqueeze(1);
-    x.mul_(1.0 / (255.0 * kStd)).sub_(kMean / kStd);
+    x.mul_(1.0 / (255.0 * kFashionStd)).sub_(kFashionMean / kFashionStd);
     return x;
   };
   auto labels = [&](const char* name, int64_t count) {
@@ -153,6 +156,15 @@ std::unique_ptr<Dataset> make_fashion_mnist(const DataSpec& spec) {
   DataInfo info;
   info.input_shape = {1, 28, 28};
   info.num_classes = 10;
+  info.preprocessing = {
+      {"kind", "image"},
+      {"raw", "uint8 pixels, 28 x 28, row-major (the IDX files' order); labels 0-9"},
+      {"scale", 1.0 / 255.0},
+      {"mean", kFashionMean},
+      {"std", kFashionStd},
+      {"formula", "x = (pixels * scale - mean) / std, float32 of shape [N, 1, 28, 28]"},
+      {"classes", {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                   "Ankle boot"}}};
   info.description = concat("Fashion-MNIST (", train_x.size(0), " train, ", test_x.size(0), " test)");
   return std::make_unique<TensorDataset>(std::move(info), train_x, train_y, test_x, test_y);
 }
@@ -188,6 +200,12 @@ std::unique_ptr<Dataset> make_text(const DataSpec& spec) {
   info.num_classes = 256;
   info.language_model = true;
   info.seq_len = T;
+  info.preprocessing = {
+      {"kind", "bytes"},
+      {"vocab", 256},
+      {"seq_len", T},
+      {"formula", "ids = the text's bytes (0-255) as int64, seq_len of them per sequence, shape [N, seq_len]; "
+                  "the output at each position scores the next byte"}};
   info.description = concat("text ", spec.path, " (", total, " bytes; ", examples(train_bytes),
                             " train, ", examples(test_bytes), " test sequences of ", T, ")");
   return std::make_unique<TextDataset>(std::move(info), bytes.slice(0, 0, train_bytes).clone(),
@@ -219,6 +237,8 @@ std::unique_ptr<Dataset> make_synthetic(const DataSpec& spec, int64_t seed) {
   DataInfo info;
   info.input_shape = spec.shape;
   info.num_classes = spec.classes;
+  info.preprocessing = {{"kind", "synthetic"},
+                        {"formula", "none: float32 inputs of input.shape drawn by tetra from data.seed's stream"}};
   info.description = concat("synthetic (shape ", shape_str(spec.shape), ", ", spec.classes,
                             " classes, ", spec.train_samples, " train, ", spec.test_samples,
                             " test)");

@@ -8,6 +8,7 @@
 // union of the slices is exactly the same global batch (the numerics contract).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -27,6 +28,10 @@ struct DataInfo {
   bool language_model = false;       // targets are next tokens [seq_len], not a label
   int64_t seq_len = 0;               // text only
   std::string description;           // "Fashion-MNIST (60000 train, 10000 test)"
+  // How a raw example becomes the model's input, for a reader of the exported weights
+  // (Note [Export config]): the scaling and normalisation of images, the vocabulary and
+  // sequence length of text. Null for a program's own dataset.
+  nlohmann::json preprocessing;
 };
 
 struct Batch {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <ctime>
 #include <mutex>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -16,11 +17,13 @@
 #include <sstream>
 
 #include "core/checkpoint.h"
+#include "collectives/auth.h"
 #include "collectives/build_config.h"
 #include "collectives/error.h"
 #include "collectives/topology_gather.h"
 #include "collectives/hierarchical.h"
 #include "core/models.h"
+#include "core/preflight.h"
 #include "core/random.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
@@ -125,7 +128,15 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     throw ConfigError("the trainer got a replica group of " + std::to_string(options_.replica->size()) +
                       " but no world; replicas need the process world (a communicator of 1 for one process)");
   }
-  data_ = options_.data ? options_.data : std::shared_ptr<const Dataset>(make_dataset(spec_.data, spec_.train.seed));
+  if (options_.data) {
+    data_ = options_.data;
+  } else {
+    try {
+      data_ = make_dataset(spec_.data, spec_.train.seed);
+    } catch (const DataError& e) {
+      throw DataError(std::string("data.path: ") + e.what());  // the key to change
+    }
+  }
   if (options_.model) {
     // A program's own builder may draw from torch's generator, which thread-ranks share.
     std::lock_guard<std::mutex> lock(global_rng_mutex());
@@ -142,6 +153,13 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     params_.push_back({p.key(), p.value()});
   }
   model_parameters_ = parameter_count(*model_);
+  // The whole model's layers, before a pipeline keeps only its stage's (Note [Export config]).
+  for (size_t i = 0; i < model_->size(); ++i) {
+    nlohmann::json params = nlohmann::json::array();
+    for (const auto& p : model_->ptr(i)->named_parameters(/*recurse=*/true))
+      params.push_back(std::to_string(i) + "." + p.key());
+    layers_.push_back({{"index", i}, {"layer", layer_text(*model_->ptr(i))}, {"parameters", params}});
+  }
   weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed));
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
@@ -191,58 +209,122 @@ ModelStateBytes Trainer::memory() const {
   return m;
 }
 
-// Note [Export config]: beside the safetensors export, what it takes to rebuild the model
-// without the job file: the model section with its defaults resolved, the input it was
-// built for, every layer in order with its parameter names, and each tensor's shape and
-// dtype. The Hugging Face layout when the export is model.safetensors (config.json beside
-// it); for another name, NAME.config.json beside NAME.safetensors, so that two exports
-// in one folder keep their own.
-void Trainer::write_export_config(const std::string& safetensors_path, const TensorMap& weights) {
+// Note [Export config]: beside the safetensors export, what it takes to use the weights
+// without the job file or tetra: the model section with its defaults resolved, the input
+// it was built for and how a raw example becomes that input (DataInfo::preprocessing:
+// Fashion-MNIST's scaling and normalisation, text's byte vocabulary and sequence length),
+// every layer in order (its text is torch.nn's repr, so a reader builds the same
+// nn.Sequential) with its parameter names, and each tensor's shape and dtype. The Hugging
+// Face layout when the export is model.safetensors (config.json beside it); for another
+// name, NAME.config.json beside NAME.safetensors, so that two exports in one folder keep
+// their own. Every checkpoint carries the same description (meta "export"), so that
+// `ckpt export` writes the config too.
+nlohmann::json Trainer::export_description() const {
+  const DataInfo& info = data_->info();
+  return {{"framework", "tetra"},
+          {"job", spec_.name},
+          {"model", model_json(/*with_dropout=*/true)},
+          {"input", {{"shape", info.input_shape},
+                     {"dtype", info.language_model ? "int64 token ids (bytes, 0-255)" : "float32"},
+                     {"classes", info.num_classes},
+                     {"language_model", info.language_model},
+                     {"preprocessing", info.preprocessing.is_null()
+                                           ? nlohmann::json("unknown: the program's own dataset")
+                                           : info.preprocessing}}},
+          {"output", info.language_model ? "logits [N, seq_len, vocab] over the next byte"
+                                         : "logits [N, classes]; the prediction is their argmax"},
+          {"layers", layers_},
+          {"parameters", model_parameters_},
+          {"how", "the layers in order form the model; the tensor names are the layers' (index.parameter), as "
+                  "torch.nn.Sequential.state_dict() names them. An mlp's and a cnn's layer texts are torch.nn's "
+                  "reprs (Linear(in_features=784, ...), ReLU(), ...); a gpt's blocks are tetra's (core/layers.h). "
+                  "tetra's C++ zoo builds it as core::build_model(ModelSpec from \"model\", DataInfo from "
+                  "\"input\")"}};
+}
+
+std::string export_config_path(const std::string& safetensors_path) {
   const fs::path st(safetensors_path);
-  const fs::path path = st.parent_path() / (st.stem() == "model" ? std::string("config.json")
-                                                                  : st.stem().string() + ".config.json");
-  const DataInfo info = data_->info();
+  return (st.parent_path() / (st.stem() == "model" ? std::string("config.json") : st.stem().string() + ".config.json"))
+      .string();
+}
+
+void write_export_config(const std::string& safetensors_path, nlohmann::json description, const TensorMap& weights,
+                         int64_t step) {
+  const fs::path st(safetensors_path);
+  const std::string path = export_config_path(safetensors_path);
+  nlohmann::json tensors = nlohmann::json::object();
+  for (const auto& [name, t] : weights)
+    tensors[name] = {{"shape", t.sizes().vec()}, {"dtype", safetensors_dtype_name(t.scalar_type())}};
+  description["weights"] = st.filename().string();
+  description["tensors"] = tensors;
+  description["step"] = step;
+  write_file_atomic(path, description.dump(1) + "\n");
+}
+
+// Note [Checkpoint identity]: what makes a checkpoint's state mean something, and so must
+// match to resume it: the job's name, the model (its section, but dropout, which changes
+// no tensor), the data's shapes (an example's shape, the classes or vocabulary; not its
+// path, as a moved dataset is the same, nor whether the program or the job made it), and
+// the parameter count. The layout (mesh, ZeRO stage, pipeline cut) is not in it:
+// checkpoints reshard. What may change across a resume (the optimizer's settings, the
+// schedule, dropout, precision) is recorded as settings and listed when it differs.
+nlohmann::json Trainer::model_json(bool with_dropout) const {
   nlohmann::json model;
   if (options_.model) {
     model["type"] = "custom";
+    return model;
+  }
+  const ModelSpec& m = spec_.model;
+  const DataInfo& info = data_->info();
+  model["type"] = m.type;
+  if (m.type == "gpt") {
+    model.update({{"layers", m.layers}, {"heads", m.heads}, {"d_model", m.d_model},
+                  {"d_ff", m.d_ff > 0 ? m.d_ff : 4 * m.d_model}, {"seq_len", info.seq_len}, {"vocab", info.num_classes}});
   } else {
-    const ModelSpec& m = spec_.model;
-    model["type"] = m.type;
-    if (m.type == "gpt") {
-      model.update({{"layers", m.layers}, {"heads", m.heads}, {"d_model", m.d_model},
-                    {"d_ff", m.d_ff > 0 ? m.d_ff : 4 * m.d_model}, {"seq_len", info.seq_len},
-                    {"vocab", info.num_classes}, {"dropout", m.dropout}});
-    } else {
-      model.update({{"hidden", m.hidden}, {"activation", m.activation}, {"dropout", m.dropout}});
-      if (m.type == "cnn") model["channels"] = m.channels;
-    }
+    model.update({{"hidden", m.hidden}, {"activation", m.activation}});
+    if (m.type == "cnn") model["channels"] = m.channels;
   }
-  nlohmann::json layers = nlohmann::json::array();
-  for (size_t i = 0; i < model_->size(); ++i) {
-    nlohmann::json params = nlohmann::json::array();
-    for (const auto& p : model_->ptr(i)->named_parameters(/*recurse=*/true))
-      params.push_back(std::to_string(i) + "." + p.key());
-    layers.push_back({{"index", i}, {"layer", layer_text(*model_->ptr(i))}, {"parameters", params}});
+  if (with_dropout) model["dropout"] = m.dropout;
+  return model;
+}
+
+namespace {
+// A short, stable name for an identity (Note [Checkpoint identity]): 16 hex digits of the
+// SHA-256 of its JSON (nlohmann sorts keys, so equal identities hash alike).
+std::string fingerprint(const nlohmann::json& identity) {
+  return collectives::to_hex(collectives::sha256(identity.dump())).substr(0, 16);
+}
+}  // namespace
+
+nlohmann::json Trainer::identity() const {
+  const DataInfo& info = data_->info();
+  return {{"model", model_json(/*with_dropout=*/false)},
+          {"data", {{"input_shape", info.input_shape}, {"classes", info.num_classes},
+                    {"language_model", info.language_model}}},
+          {"parameters", model_parameters_}};
+}
+
+nlohmann::json Trainer::settings() const {
+  const OptimizerSpec& o = spec_.optimizer;
+  const ScheduleSpec& s = spec_.schedule;
+  nlohmann::json j = {{"optimizer.lr", o.lr},
+                      {"optimizer.weight_decay", o.weight_decay},
+                      {"optimizer.clip_grad_norm", o.clip_grad_norm},
+                      {"schedule.type", s.type},
+                      {"schedule.warmup_steps", s.warmup_steps},
+                      {"schedule.min_lr", s.min_lr},
+                      {"schedule.decay_steps", s.decay_steps},
+                      {"model.dropout", spec_.model.dropout},
+                      {"train.precision", to_string(spec_.train.precision)},
+                      {"train.accumulation_steps", spec_.train.accumulation_steps}};
+  if (o.type == "sgd") {
+    j["optimizer.momentum"] = o.momentum;
+    j["optimizer.nesterov"] = o.nesterov;
+  } else {
+    j["optimizer.betas"] = {o.beta1, o.beta2};
+    j["optimizer.eps"] = o.eps;
   }
-  nlohmann::json tensors = nlohmann::json::object();
-  for (const auto& [name, t] : weights) tensors[name] = {{"shape", t.sizes().vec()}, {"dtype", safetensors_dtype_name(t.scalar_type())}};
-  const nlohmann::json config = {
-      {"framework", "tetra"},
-      {"weights", st.filename().string()},
-      {"model", model},
-      {"input", {{"shape", info.input_shape},
-                 {"dtype", info.language_model ? "int64 token ids (bytes, 0-255)" : "float32"},
-                 {"classes", info.num_classes},
-                 {"language_model", info.language_model}}},
-      {"layers", layers},
-      {"tensors", tensors},
-      {"step", step_},
-      {"parameters", parameter_count(*model_)},
-      {"how", "tetra's C++ zoo: core::build_model(ModelSpec from \"model\", DataInfo from \"input\"), then "
-              "load_safetensors; the tensor names are the layers' (index.parameter) in order"}};
-  std::ofstream out(path);
-  out << config.dump(1) << "\n";
-  if (!out) throw Error("checkpoint.safetensors: cannot write " + path.string());
+  return j;
 }
 
 TensorMap Trainer::weights() {
@@ -532,6 +614,10 @@ std::string Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t step_i
   if (writer()) {
     ckpt.tensors["rng/cpu"] = cpu_rng_state();
     ckpt.meta["job"] = spec_.name;
+    ckpt.meta["identity"] = identity();  // Note [Checkpoint identity]
+    ckpt.meta["fingerprint"] = fingerprint(ckpt.meta["identity"]);
+    ckpt.meta["settings"] = settings();
+    ckpt.meta["export"] = export_description();  // Note [Export config]: for `ckpt export`
     ckpt.meta["batch_size"] = spec_.data.batch_size;
     ckpt.meta["steps_per_epoch"] = batches_->steps_per_epoch();
     ckpt.meta["optimizer"] = spec_.optimizer.type;
@@ -553,6 +639,57 @@ void Trainer::restore(const CheckpointReader& ckpt) {
       throw ConfigError("checkpoint " + ckpt.folder() + " was written with " + key + " = " + meta[key].dump() +
                         ", this job has " + now.dump() + " (--set checkpoint.resume=never starts afresh)");
   };
+  // Note [Checkpoint identity]: another job's, or another model's, is refused before any
+  // tensor is read.
+  if (meta.contains("job") && meta["job"].is_string() && meta["job"].get<std::string>() != spec_.name)
+    throw ConfigError("checkpoint " + ckpt.folder() + " belongs to job \"" + meta["job"].get<std::string>() +
+                      "\", and this job is \"" + spec_.name + "\": resuming it would go on with that job's run. "
+                      "--set name=" + meta["job"].get<std::string>() + " goes on with that job; a checkpoint of "
+                      "this job's own, or checkpoint.resume=never, starts this one");
+  if (meta.contains("fingerprint") && meta["fingerprint"] != fingerprint(identity())) {
+    // What differs, key by key (model.hidden [1024,1024] there, [512] here).
+    const nlohmann::json theirs = meta.contains("identity") ? meta["identity"].flatten() : nlohmann::json::object();
+    const nlohmann::json ours = identity().flatten();
+    std::map<std::string, std::pair<std::string, std::string>> differs;  // key -> (theirs, ours)
+    auto key_of = [](std::string pointer) {  // "/model/hidden/0" -> "model.hidden"
+      std::string key;
+      std::stringstream parts(pointer);
+      for (std::string part; std::getline(parts, part, '/');)
+        if (!part.empty() && !std::isdigit(static_cast<unsigned char>(part[0]))) key += (key.empty() ? "" : ".") + part;
+      return key;
+    };
+    auto value_at = [](const nlohmann::json& flat, const std::string& key) {
+      nlohmann::json unflat = flat.unflatten();
+      nlohmann::json* at = &unflat;
+      std::stringstream parts(key);
+      for (std::string part; std::getline(parts, part, '.');) {
+        if (!at->is_object() || !at->contains(part)) return std::string("(none)");
+        at = &(*at)[part];
+      }
+      return at->dump();
+    };
+    for (const nlohmann::json* flat : {&theirs, &ours})
+      for (const auto& [pointer, v] : flat->items()) {
+        const std::string key = key_of(pointer);
+        if (!differs.count(key) && value_at(theirs, key) != value_at(ours, key))
+          differs[key] = {value_at(theirs, key), value_at(ours, key)};
+      }
+    std::string list;
+    for (const auto& [key, values] : differs)
+      list += (list.empty() ? "" : ", ") + key + " " + values.first + " there, " + values.second + " here";
+    throw ConfigError("checkpoint " + ckpt.folder() + " holds another model or data (" +
+                      (list.empty() ? "its fingerprint differs" : list) +
+                      "). --set checkpoint.resume=never starts afresh, and its saves then replace these "
+                      "checkpoints; a new name keeps both runs");
+  }
+  // What may differ, listed in one line by the run.
+  resume_changes_.clear();
+  if (meta.contains("settings") && meta["settings"].is_object()) {
+    const nlohmann::json now = settings();
+    for (const auto& [key, was] : meta["settings"].items())
+      if (now.contains(key) && now[key] != was)
+        resume_changes_ += (resume_changes_.empty() ? "" : ", ") + key + " " + was.dump() + " -> " + now[key].dump();
+  }
   expect("batch_size", spec_.data.batch_size);
   expect("steps_per_epoch", batches_->steps_per_epoch());
   expect("optimizer", spec_.optimizer.type);
@@ -806,6 +943,11 @@ TrainResult Trainer::run() {
   const std::string trace_path = rank_trace_path(spec_.log.trace, world_rank, world_size);
   if (!trace_path.empty()) trace_.enable(world_rank, spec_.name + " rank " + std::to_string(world_rank));
 
+  // Note [Preflight]: room for one checkpoint, on every rank (each writes its part).
+  if (checkpoints)
+    if (const std::string problem = space_problem(spec_, model_parameters_); !problem.empty())
+      throw ConfigError(problem);
+
   // Resume: auto takes the newest intact checkpoint in checkpoint.dir when there is one.
   if (ck.resume != "never") {
     if (ck.resume != "auto" && !CheckpointStore::resolve(ck.resume))
@@ -850,7 +992,8 @@ TrainResult Trainer::run() {
   if (write && !spec_.log.dir.empty()) write_run_start();
   Progress progress(write ? spec_.log.progress : "off", spec_.log.every, options_.out);
   if (!resumed_from_.empty())
-    progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
+    progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_) +
+                     (resume_changes_.empty() ? "" : "; changed since it was written: " + resume_changes_));
 
   TrainResult result;
   result.resumed_from = resumed_from_;
@@ -1034,7 +1177,7 @@ TrainResult Trainer::run() {
       save_safetensors(ck.safetensors, weights,
                      {{"format", "pt"}, {"framework", "tetra"}, {"model", options_.model ? "custom" : spec_.model.type},
                       {"step", std::to_string(step_)}});
-      write_export_config(ck.safetensors, weights);
+      write_export_config(ck.safetensors, export_description(), weights, step_);
     }
   }
   if (!trace_path.empty()) trace_.write(trace_path);

@@ -147,8 +147,13 @@ class Trainer {
     double grad_norm = -1;  // the global gradient norm before clipping; -1 without clipping
   };
   StepOutcome train_step(const torch::Tensor& indices);
-  // config.json beside the safetensors export (Note [Export config]).
-  void write_export_config(const std::string& safetensors_path, const TensorMap& weights);
+  // Note [Export config] and Note [Checkpoint identity] (trainer.cpp).
+  nlohmann::json export_description() const;
+  nlohmann::json model_json(bool with_dropout) const;
+  nlohmann::json identity() const;
+  nlohmann::json settings() const;
+  std::string resume_changes_;  // the settings that differ from the resumed checkpoint's
+  nlohmann::json layers_ = nlohmann::json::array();  // the whole model's, in order
   // The model-order index of the first parameter whose gradient this rank holds (in part,
   // under ZeRO) is not finite; kNone when every one is finite.
   int64_t first_nonfinite_gradient();
@@ -196,5 +201,13 @@ class Trainer {
                      const std::vector<std::string>& hosts, const std::string& trace_path) const;
   std::string started_at_;  // UTC, ISO 8601
 };
+
+// config.json beside a safetensors export (Note [Export config]): `description` (a
+// trainer's, or a checkpoint's meta "export") with the file's name, its tensors' shapes
+// and dtypes and the step added. model.safetensors -> config.json; NAME.safetensors ->
+// NAME.config.json. Throws tetra::Error when it cannot be written.
+void write_export_config(const std::string& safetensors_path, nlohmann::json description, const TensorMap& weights,
+                         int64_t step);
+std::string export_config_path(const std::string& safetensors_path);
 
 }  // namespace tetra::core

@@ -17,6 +17,7 @@
 // and what differs); 2 the command line, the checkpoint or the output is wrong (the
 // message, "ckpt: error: ...", names the file).
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -29,6 +30,7 @@
 #include "core/report.h"
 #include "core/safetensors.h"
 #include "core/text.h"
+#include "core/trainer.h"
 
 namespace {
 
@@ -57,7 +59,13 @@ int show(const std::string& path, bool parts) {
               static_cast<long long>(r.step()), static_cast<long long>(r.epoch() + 1),
               static_cast<long long>(r.step_in_epoch()), r.step_in_epoch() == 1 ? "" : "s", r.format(), r.world(),
               r.world() == 1 ? "" : "s");
-  if (!r.meta().empty()) std::printf("  meta %s\n", r.meta().dump().c_str());
+  if (!r.meta().empty()) {
+    nlohmann::json meta = r.meta();
+    const bool described = meta.contains("export");
+    meta.erase("export");  // the layers, for `export`'s config.json: long, and said below
+    std::printf("  meta %s\n", meta.dump().c_str());
+    if (described) std::printf("  export: the model's description is here (`ckpt export` writes it as the config)\n");
+  }
 
   int64_t total = 0;
   std::vector<std::pair<std::string, std::string>> files;
@@ -124,6 +132,18 @@ int export_weights(const std::string& path, const std::string& output, bool all)
       output, out, {{"format", "pt"}, {"framework", "tetra"}, {"step", std::to_string(r.step())}});
   std::printf("ckpt: wrote %zu tensors (%s) of step %lld to %s\n", out.size(),
               size_text(bytes).c_str(), static_cast<long long>(r.step()), output.c_str());
+  // Note [Export config]: the checkpoint's description of its model and input, beside
+  // the weights, as train's own export writes it. (--all's names are not the model's.)
+  const std::string config = tetra::core::export_config_path(output);
+  if (all) {
+    std::printf("ckpt: no config with --all (its tensors are the checkpoint's, not a model's)\n");
+  } else if (r.meta().contains("export") && r.meta()["export"].is_object()) {
+    tetra::core::write_export_config(output, r.meta()["export"], out, r.step());
+    std::printf("ckpt: wrote %s (the model's layers, its input and preprocessing)\n", config.c_str());
+  } else {
+    std::fprintf(stderr, "ckpt: warning: %s predates model descriptions in checkpoints: no %s was written\n",
+                 r.folder().c_str(), config.c_str());
+  }
   return 0;
 }
 

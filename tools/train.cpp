@@ -30,6 +30,7 @@
 #include "collectives/launch.h"
 #include "collectives/mpi.h"
 #include "core/job_spec.h"
+#include "core/preflight.h"
 #include "core/report.h"
 #include "core/runtime.h"
 #include "core/trace_merge.h"
@@ -134,8 +135,9 @@ int train_main(int argc, char** argv) {
       ->group("Check and plan")
       ->check(CLI::PositiveNumber);
   app.add_option("--calibration", calibration,
-                 "with --dry-run: the links and compute rate the cost model predicts a step with (a file from "
-                 "bench-collectives --calibrate; default: $TETRA_CALIBRATION, else a GPU cluster's)")
+                 "with --dry-run: the links and compute rate the cost model predicts a step with: a file from "
+                 "bench-collectives --calibrate, or gpu-cluster (an A100-class cluster's); default: "
+                 "$TETRA_CALIBRATION, else this machine's, measured")
       ->group("Check and plan");
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)")->group("Check and plan");
   app.add_flag("--list-keys", list_keys,
@@ -239,7 +241,21 @@ int train_main(int argc, char** argv) {
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
     if (check) {
-      std::printf("%s: ok\n", job.c_str());
+      // What would fail later fails here (Note [Preflight]): the paths, the data read and
+      // the model built (as shapes: nothing is allocated), room for a checkpoint.
+      check_paths(spec);
+      TrainerOptions dry;
+      dry.dry_run = true;
+      const Trainer trainer(spec, dry);
+      if (const std::string problem = space_problem(spec, trainer.model_parameters()); !problem.empty())
+        throw ConfigError(problem);
+      std::printf("%s: ok (%s; model %lld parameters%s)\n", job.c_str(), trainer.dataset().info().description.c_str(),
+                  static_cast<long long>(trainer.model_parameters()),
+                  spec.checkpoint.dir.empty()
+                      ? ""
+                      : ("; a checkpoint about " + human_bytes(checkpoint_bytes(spec, trainer.model_parameters())) +
+                         " in " + spec.checkpoint.dir)
+                            .c_str());
       return 0;
     }
     if (print_config) {
@@ -276,7 +292,16 @@ int train_main(int argc, char** argv) {
     if (!msg.empty() && msg.back() == '\n') msg.pop_back();
     // A job file's errors say where ("job.yaml:3:5: error: ..."); the others (the mesh
     // against the world, a checkpoint's shapes) get the prefix every other error has.
-    if (msg.find(": error: ") == std::string::npos && msg.rfind("error: ", 0) != 0) msg = "train: error: " + msg;
+    // Several problems (the paths, Note [Preflight]) come a line each: each line gets it.
+    if (msg.find(": error: ") == std::string::npos && msg.rfind("error: ", 0) != 0) {
+      std::string prefixed;
+      for (size_t at = 0, nl; at <= msg.size(); at = nl + 1) {
+        nl = msg.find('\n', at);
+        if (nl == std::string::npos) nl = msg.size();
+        prefixed += (at ? "\n" : "") + std::string("train: error: ") + msg.substr(at, nl - at);
+      }
+      msg = prefixed;
+    }
     if (speak) std::fprintf(stderr, "%s\n", msg.c_str());
     return quiet_exit(speak, kExitUserError);
   } catch (const tetra::DataError& e) {

@@ -30,7 +30,8 @@ checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
 
-JobSpec job(std::vector<std::string> sets) { return numerics::job(kJob, sets, "dp"); }
+// One name for every run here (numerics' "job"): a checkpoint resumes only its own job.
+JobSpec job(std::vector<std::string> sets) { return numerics::job(kJob, sets); }
 
 // The shared harness (tests/common/numerics.h): losses and the final evaluation here
 // (AdamW with clipping); parameters too in the plain-SGD test below.

@@ -41,7 +41,8 @@ checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
 
-JobSpec job(std::vector<std::string> sets) { return numerics::job(kJob, sets, "pp"); }
+// One name for every run here (numerics' "job"): a checkpoint resumes only its own job.
+JobSpec job(std::vector<std::string> sets) { return numerics::job(kJob, sets); }
 
 // The shared harness (tests/common/numerics.h); this file compares losses and the final
 // evaluation (AdamW with clipping here; the plain-SGD parameter comparison of every
