@@ -1,6 +1,9 @@
 #include "core/cost_model.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -117,9 +120,56 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
 
 namespace {
 
+// One-way seconds for `bytes` between ranks a and b (others only take part in the
+// barriers): half the best round trip of `iters`.
+double one_way_s(collectives::Communicator& comm, int a, int b, int64_t bytes, int iters) {
+  at::Tensor buf = at::zeros({std::max<int64_t>(1, bytes)}, at::kByte);
+  const int me = comm.rank();
+  double best = 1e300;
+  for (int i = 0; i < iters + 2; ++i) {
+    comm.barrier()->wait();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (me == a) {
+      comm.send(buf, b)->wait();
+      comm.recv(buf, b)->wait();
+    } else if (me == b) {
+      comm.recv(buf, a)->wait();
+      comm.send(buf, a)->wait();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 2;
+    if (i >= 2) best = std::min(best, s);  // two warm-up rounds
+  }
+  // Rank a's measurement, to everyone.
+  at::Tensor t = at::full({1}, me == a ? best : 0.0, at::kDouble);
+  comm.allreduce(t)->wait();
+  return t.item<double>();
+}
+
+}  // namespace
+
+LinkCost measure_link(collectives::Communicator& comm, int a, int b) {
+  const double small = one_way_s(comm, a, b, 8, 50);
+  const int64_t big1 = int64_t{4} << 20, big2 = int64_t{16} << 20;
+  const double t1 = one_way_s(comm, a, b, big1, 5), t2 = one_way_s(comm, a, b, big2, 5);
+  LinkCost l;
+  l.alpha_s = small;
+  l.bytes_per_s = t2 > t1 ? double(big2 - big1) / (t2 - t1) : double(big2) / std::max(t2, 1e-9);
+  return l;
+}
+
+namespace {
+
+// Seconds as ms, or us below a millisecond (a small model's step on a fast cluster).
 std::string ms(double s) {
   char b[32];
-  std::snprintf(b, sizeof(b), s >= 0.1 ? "%.0f ms" : s >= 0.001 ? "%.1f ms" : "%.3f ms", s * 1e3);
+  std::snprintf(b, sizeof(b), s >= 0.1 ? "%.0f ms" : s >= 0.001 ? "%.1f ms" : "%.1f us", s >= 0.001 ? s * 1e3 : s * 1e6);
+  return b;
+}
+
+// A share as a percentage with the digits it needs: 41%, 0.52%, 0.0031%.
+std::string percent(double f) {
+  char b[32];
+  std::snprintf(b, sizeof(b), f >= 0.01 || f <= 0 ? "%.0f%%" : "%.2g%%", f * 100);
   return b;
 }
 
@@ -147,9 +197,13 @@ std::string prediction_text(const StepPrediction& p, const Calibration& c) {
                   static_cast<long long>(a.ops), a.how.c_str());
     os << b;
   }
-  std::snprintf(b, sizeof(b), "  step         %s predicted: %.0f samples/s on %d ranks, efficiency %.0f%% of %d x one rank (%s)\n",
-                ms(p.total_s).c_str(), p.samples_per_s, p.ranks, p.efficiency * 100, p.ranks,
-                ms(p.single_rank_s).c_str());
+  if (p.ranks == 1)
+    std::snprintf(b, sizeof(b), "  step         %s predicted: %.0f samples/s on 1 rank\n", ms(p.total_s).c_str(),
+                  p.samples_per_s);
+  else
+    std::snprintf(b, sizeof(b), "  step         %s predicted: %.0f samples/s on %d ranks, efficiency %s of %d x one rank (%s)\n",
+                  ms(p.total_s).c_str(), p.samples_per_s, p.ranks, percent(p.efficiency).c_str(), p.ranks,
+                  ms(p.single_rank_s).c_str());
   os << b;
   return os.str();
 }
@@ -157,7 +211,9 @@ std::string prediction_text(const StepPrediction& p, const Calibration& c) {
 nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c) {
   nlohmann::json axes = nlohmann::json::array();
   for (const AxisTime& a : p.axes) axes.push_back({{"axis", a.axis}, {"how", a.how}, {"seconds", a.seconds}, {"ops", a.ops}});
-  return {{"calibration", calibration_json(c)}, {"ranks", p.ranks},       {"compute_s", p.compute_s},
+  nlohmann::json cal = calibration_json(c);
+  cal["source"] = c.source;  // which figures, measured or assumed (Note [This machine's figures])
+  return {{"calibration", cal}, {"ranks", p.ranks},       {"compute_s", p.compute_s},
           {"pipeline_s", p.pipeline_s},         {"bubble_s", p.bubble_s}, {"other_s", p.other_s},
           {"step_s", p.total_s},                {"samples_per_s", p.samples_per_s},
           {"single_rank_s", p.single_rank_s},   {"efficiency", p.efficiency}, {"axes", axes}};

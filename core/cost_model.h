@@ -66,6 +66,12 @@ struct Calibration {
 Calibration load_calibration(const std::string& path);
 nlohmann::json calibration_json(const Calibration& c, const std::string& measured = "");
 
+// alpha and beta of the link between ranks a and b of `comm` (collective: every rank of
+// it calls): alpha is half the best round trip of 8 bytes, beta the slope between 4 MiB
+// and 16 MiB ping-pongs. What `bench-collectives --calibrate` and a dry run without a
+// calibration measure (Note [This machine's figures]).
+LinkCost measure_link(collectives::Communicator& comm, int a, int b);
+
 double ring_allreduce_s(int n, double bytes, const LinkCost& link);
 double ring_collect_s(int n, double bytes, const LinkCost& link);  // reduce_scatter, allgather, broadcast
 double hierarchical_allreduce_s(int hosts, int per_host, double bytes, const LinkCost& intra, const LinkCost& inter);

@@ -297,42 +297,6 @@ int run_rank(const Args& a, Communicator& comm, bool print) {
   return failures;
 }
 
-// One-way seconds for `bytes` between ranks a and b (others only take part in the
-// barriers): half the best round trip of `iters`.
-double one_way_s(Communicator& comm, int a, int b, int64_t bytes, int iters) {
-  at::Tensor buf = at::zeros({std::max<int64_t>(1, bytes)}, at::kByte);
-  const int me = comm.rank();
-  double best = 1e300;
-  for (int i = 0; i < iters + 2; ++i) {
-    comm.barrier()->wait();
-    const auto t0 = Clock::now();
-    if (me == a) {
-      comm.send(buf, b)->wait();
-      comm.recv(buf, b)->wait();
-    } else if (me == b) {
-      comm.recv(buf, a)->wait();
-      comm.send(buf, a)->wait();
-    }
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count() / 2;
-    if (i >= 2) best = std::min(best, s);  // two warm-up rounds
-  }
-  // Rank a's measurement, to everyone.
-  at::Tensor t = at::full({1}, me == a ? best : 0.0, at::kDouble);
-  comm.allreduce(t)->wait();
-  return t.item<double>();
-}
-
-// alpha and beta of the link between a and b.
-tetra::core::LinkCost measure_link(Communicator& comm, int a, int b) {
-  const double small = one_way_s(comm, a, b, 8, 50);
-  const int64_t big1 = int64_t{4} << 20, big2 = int64_t{16} << 20;
-  const double t1 = one_way_s(comm, a, b, big1, 5), t2 = one_way_s(comm, a, b, big2, 5);
-  tetra::core::LinkCost l;
-  l.alpha_s = small;
-  l.bytes_per_s = t2 > t1 ? double(big2 - big1) / (t2 - t1) : double(big2) / std::max(t2, 1e-9);
-  return l;
-}
-
 // One rank's fp32 matmul rate on one thread, on the shape of a wide MLP layer's forward,
 // with every rank computing at once (ranks that share cores share them here too, as they
 // will in training): the mean over the ranks of each one's sustained rate over 30 calls.
@@ -359,9 +323,9 @@ int calibrate(Communicator& world, const std::string& path) {
   }
   tetra::core::Calibration c;
   std::string notes;
-  if (intra_b > 0) c.intra_host = measure_link(world, 0, intra_b);
+  if (intra_b > 0) c.intra_host = tetra::core::measure_link(world, 0, intra_b);
   else notes += "; no two ranks share a host: inside a host keeps the default";
-  if (inter_b > 0) c.inter_host = measure_link(world, 0, inter_b);
+  if (inter_b > 0) c.inter_host = tetra::core::measure_link(world, 0, inter_b);
   else notes += "; every rank is on one host: across hosts keeps the default";
   c.flops_per_s = matmul_flops_per_s(world);
   if (world.rank() != 0) return 0;

@@ -6,7 +6,7 @@
 # not fit the device memory, and recommends the fastest. Nothing runs but the dry runs.
 #
 #   tools/predict_scale.sh JOB [--ranks "8 64 512 4096"] [--ranks-per-host 8]
-#                              [--memory-gb 80] [--calibration FILE] [--batch-per-rank K]
+#                              [--memory-gb 80] [--calibration FILE|gpu-cluster] [--batch-per-rank K]
 #                              [--plans "zero-1,zero-3,..."] [--set KEY=VALUE ...] [--bin DIR]
 #
 # --plans keeps only the named ones (comma-separated). --batch-per-rank K sets
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { sed -n '2,/^set -e/p' "$0" | sed '$d' >&2; exit 2; }
 job=$1
 shift
-ranks="8 64 512 4096" per_host=8 memory_gb=80 calibration="" per_rank="" bin=build/bin only=""
+ranks="8 64 512 4096" per_host=8 memory_gb=80 calibration=gpu-cluster per_rank="" bin=build/bin only=""
 sets=()
 while (($#)); do
   case $1 in

@@ -544,6 +544,49 @@ TEST(TrainCli, DryRunPredictsAStepOnTheCalibrationsLinks) {
   EXPECT_NE(missing.out.find("nope.json: cannot read it"), std::string::npos) << missing.out;
 }
 
+// Issue 33, item 6: without a calibration the dry run prices the step on this machine
+// (Note [This machine's figures]): compute from the layers it times, a measured local
+// pair inside the host, and the GPU-cluster defaults across hosts only when the layout
+// spans hosts, named as assumed. One rank is "1 rank"; a tiny model's efficiency is
+// not "0%".
+TEST(TrainCli, DryRunWithoutACalibrationDescribesThisMachine) {
+  const fs::path d = fresh_dir("this_machine");
+  const fs::path job = write_job(d, "job.yaml",
+                                 "name: here\nmodel: {type: mlp, hidden: [32]}\n"
+                                 "data: {type: synthetic, batch_size: 64, shape: [100], classes: 10}\n"
+                                 "train: {threads: 1}\nmesh: {data: 4}\n");
+  auto cost = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {job.string(), "--dry-run", "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Outcome r = run(args);
+    EXPECT_EQ(r.status, 0) << r.out;
+    return nlohmann::json::parse(r.out.substr(r.out.find('{')))["cost"];
+  };
+  const nlohmann::json here = cost({"--np", "4"});
+  const std::string measured = here["calibration"].dump();
+  EXPECT_NE(measured.find("this machine, measured"), std::string::npos) << measured;
+  EXPECT_NE(measured.find("across hosts not used (every rank on this host)"), std::string::npos) << measured;
+  // A CPU core, not a GPU: well under a TFLOP/s, and more than nothing.
+  const double gflops = here["calibration"]["compute"]["gflops_per_s"].get<double>();
+  EXPECT_GT(gflops, 0.01);
+  EXPECT_LT(gflops, 1000);
+  EXPECT_GT(here["efficiency"].get<double>(), 0);
+  const nlohmann::json spans = cost({"--np", "4", "--ranks-per-host", "2"});
+  EXPECT_NE(spans["calibration"].dump().find("across hosts assumed: the GPU-cluster defaults"), std::string::npos)
+      << spans["calibration"].dump();
+  const nlohmann::json cluster = cost({"--np", "4", "--calibration", "gpu-cluster"});
+  EXPECT_DOUBLE_EQ(cluster["calibration"]["compute"]["gflops_per_s"].get<double>(), 150000);
+  EXPECT_NE(cluster["calibration"].dump().find("as --calibration gpu-cluster asks"), std::string::npos);
+
+  Outcome text = run({job.string(), "--dry-run", "--np", "4"});
+  EXPECT_EQ(text.out.find("efficiency 0%"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("cost model (Note [Cost model]; this machine, measured"), std::string::npos) << text.out;
+  Outcome one = run({job.string(), "--dry-run", "--set", "mesh.data=1"});
+  EXPECT_EQ(one.status, 0) << one.out;
+  EXPECT_NE(one.out.find("samples/s on 1 rank\n"), std::string::npos) << one.out;
+  EXPECT_EQ(one.out.find("1 ranks"), std::string::npos) << one.out;
+}
+
 // --dry-run --np N lays out every rank without communicating, and checks the mesh fits
 // N; --json is the same plan for tools.
 TEST(TrainCli, DryRunWithNpLaysOutEveryRankAndJsonSaysTheSame) {

@@ -6,17 +6,20 @@
 #include <cstdarg>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/backends.h"
 #include "collectives/build_config.h"
 #include "collectives/launch.h"
+#include "collectives/local.h"
 #include "collectives/monitor.h"
 #include "collectives/topology_gather.h"
 #include "collectives/watchdog.h"
 #include "core/cost_model.h"
 #include "core/models.h"
 #include "core/plan.h"
+#include "core/preflight.h"
 #include "core/report.h"
 #include "core/runtime.h"
 #include "data_parallel/data_parallel.h"
@@ -160,10 +163,62 @@ StepPrediction predict(const Trainer& trainer, const std::vector<RankEstimate>& 
                       plan.process_count() * R, cal);
 }
 
-Calibration calibration_of(const DryRunOptions& how) {
-  if (!how.calibration.empty()) return load_calibration(how.calibration);
-  if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) return load_calibration(env);
-  return Calibration{};
+// Note [This machine's figures]
+// A dry run without a calibration prices the step on the machine it runs on, not on a
+// cluster it has never seen:
+//   compute  the model's layers timed forward and backward on one rank's micro-batch at
+//            the job's threads (pipeline::measure_layers, the timings a by_time cut
+//            takes; a large model's are taken on a sample and scaled, Note [Layer
+//            costs]): the FLOPs the cost model counts over those seconds. Elementwise
+//            work is in the time, so the rate is what this model sustains here.
+//   inside   a measured local pair: two thread-ranks of this process over the local
+//            backend (shared memory), alpha and beta as bench-collectives measures them.
+//   across   nothing here to measure: when the layout spans hosts (--np beyond
+//            --ranks-per-host), the GPU-cluster defaults, named as assumed.
+// `--calibration gpu-cluster` asks for the GPU-cluster defaults throughout (what
+// tools/predict_scale.sh plans with); a calibration file measures a real cluster.
+Calibration this_machine(const Trainer& trainer, bool spans_hosts) {
+  Trainer& t = const_cast<Trainer&>(trainer);
+  const Plan& plan = trainer.job_plan();
+  const bool bf16 = plan.spec().train.precision == Precision::kBf16;
+  const int64_t micro = std::max<int64_t>(1, plan.micro_batch_size());
+  const std::vector<pipeline::LayerCost> costs =
+      pipeline::measure_layers(t.model(), trainer.dataset(), micro, bf16, /*time=*/true, pipeline::kDryRunTimedFlops,
+                               &trainer.probe());
+  double seconds = 0, flops = 0;
+  for (const auto& c : costs) seconds += c.forward_s + c.backward_s;
+  for (double f : forward_flops(t.model(), trainer.probe())) flops += 3 * f * double(micro);
+  Calibration c;
+  if (seconds > 0 && flops > 0) c.flops_per_s = flops / seconds;
+  // The pair: two thread-ranks measuring each other.
+  std::vector<collectives::CommunicatorPtr> pair = collectives::make_local_group(2, "dry-run pair");
+  LinkCost link;
+  std::thread other([&] { measure_link(*pair[1], 0, 1); });
+  link = measure_link(*pair[0], 0, 1);
+  other.join();
+  c.intra_host = link;
+  const int threads = at::get_num_threads();
+  c.source = "this machine, measured: compute from the layers timed forward and backward on a micro-batch of " +
+             std::to_string(micro) + " at " + std::to_string(threads) + " thread" + (threads == 1 ? "" : "s") +
+             "; inside a host a local pair (2 thread-ranks, shared memory); across hosts " +
+             (spans_hosts ? "assumed: the GPU-cluster defaults (8 x 100 Gbit/s InfiniBand per host), as no second "
+                            "host is here to measure (--calibration FILE from bench-collectives --calibrate measures it)"
+                          : "not used (every rank on this host)");
+  return c;
+}
+
+Calibration calibration_of(const DryRunOptions& how, const Trainer& trainer, bool spans_hosts) {
+  std::string file = how.calibration;
+  if (file.empty())
+    if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) file = env;
+  if (file == "gpu-cluster") {
+    Calibration c;
+    c.source = "the GPU-cluster defaults, as --calibration gpu-cluster asks (an A100-class cluster: NVLink inside a "
+               "host, 8 x 100 Gbit/s InfiniBand across, 150 TFLOP/s per GPU)";
+    return c;
+  }
+  if (!file.empty()) return load_calibration(file);
+  return this_machine(trainer, spans_hosts);
 }
 
 nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankEstimate>& estimates,
@@ -256,7 +311,7 @@ std::string dry_run(const JobSpec& spec, const RunOptions& options, const DryRun
   int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
   if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
   const std::vector<RankRow> rows = rank_rows(plan, local);
-  const Calibration cal = calibration_of(how);
+  const Calibration cal = calibration_of(how, trainer, host_count(rows) > 1);
   // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
   const std::vector<RankEstimate> estimates = trainer.estimate();
   if (how.json) return plan_json(trainer, estimates, rows, local, cal).dump(2) + "\n";
@@ -294,6 +349,8 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
                      launch.launcher != "single"  ? launch.launcher + ": " + launch.evidence
                      : launch.evidence.empty()    ? "a single process, no launcher"
                                                   : "a single process (" + launch.evidence + "; srun starts the ranks)");
+  // Every path the job reads and writes, before anything is loaded or trained (Note [Preflight]).
+  check_paths(spec);
   set_up_health(spec);
   collectives::CommunicatorPtr world;
   if (launch.multi_process()) {
