@@ -172,8 +172,28 @@ void y_axis(std::string& out, const Area& a, const Ticks& yt, const std::string&
            "\" stroke=\"#e4e4e4\"/>";
     out += text(a.l - 5, map(v, yt, a.b, a.t) + 4, tick_text(v, yt), "end");
   }
-  out += "<text transform=\"translate(14," + num((a.t + a.b) / 2) +
-         ") rotate(-90)\" text-anchor=\"middle\">" + escape(label) + "</text>";
+  // Rotated along the plot's height, and no longer than it: a label longer than a short
+  // chart's plot ran up into the legend. It gets smaller to fit, down to 9 px, and then
+  // takes two lines, broken at the space nearest its middle.
+  const double width = text_width(label, kFont);
+  const double size = width > a.h() ? std::max(9.0, kFont * a.h() / width) : kFont;
+  auto rotated = [&](double x, const std::string& s) {
+    out += "<text transform=\"translate(" + num(x) + "," + num((a.t + a.b) / 2) +
+           ") rotate(-90)\" text-anchor=\"middle\"" +
+           (size < kFont ? " font-size=\"" + num(size) + "\"" : std::string()) + ">" + escape(s) + "</text>";
+  };
+  const size_t mid = label.size() / 2;
+  const size_t before = label.rfind(' ', mid), after = label.find(' ', mid);
+  const size_t cut = before == std::string::npos ? after
+                     : after == std::string::npos ? before
+                     : mid - before <= after - mid ? before
+                                                   : after;
+  if (width * size / kFont <= a.h() || cut == std::string::npos) {
+    rotated(14, label);
+  } else {
+    rotated(9, label.substr(0, cut));
+    rotated(19, label.substr(cut + 1));
+  }
 }
 
 void x_axis(std::string& out, const Area& a, const Ticks& xt, const std::string& label) {

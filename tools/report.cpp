@@ -587,7 +587,7 @@ void step_time_section(Page& page, const Run& run) {
       bubble = bubble || std::isfinite(number(r, "pipeline_bubble"));
     }
     for (const auto& axis : comm_axes) head.push_back("comm " + axis);
-    if (bubble) head.push_back("pipeline bubble");
+    if (bubble) head.push_back("bubble over the run");
     for (const auto& r : ranks) {
       std::vector<std::string> row = {fmt("%.0f", number(r, "rank"))};
       double total = 0;
@@ -1041,8 +1041,8 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
   const double overall = all_span > 0 ? 1 - all_busy / all_span : kNaN;
   table.push_back(
       {"all pipeline ranks", ms(all_span / 1e3), ms(all_busy / 1e3), "", pct(overall), ""});
-  page.table({"rank", "step", "forward + backward", "waiting", "idle / step",
-              "idle between first F and last B"},
+  page.table({"rank", "step", "forward + backward", "waiting", "idle in this step",
+              "idle between first F and last B (the schedule's bubble)"},
              table);
   std::string textbook;
   if (p > 1 && m > 0)
@@ -1059,6 +1059,13 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
                                : "job.yaml is missing or does not parse") +
                ".";
   page.note(textbook);
+  // A rank's bubble appears as three figures, each measuring something else: say which.
+  page.note("Three measures of a rank's bubble, each of its own span: \"idle in this step\" is this one "
+            "step's time outside forward and backward (gradient sync, the optimizer and data loading "
+            "included); \"idle between first F and last B\" is the part of it the schedule explains, the one "
+            "to set beside the textbook figure; \"bubble over the run\" (the step-time table) and the curve "
+            "below are the trainer's own count, time waiting on a neighbour over the time inside the schedule, "
+            "over the whole run and over each logged interval.");
   page.note("Traces " + merged.alignment + ": " + tetra::core::join(run.traces) + ".");
   for (const auto& w : merged.warnings) page.note("warning: " + w);
   bubble_curves();
@@ -1162,8 +1169,8 @@ int report(const std::string& dir, std::string out, const std::string& png, int6
                 "the train records carry no lr");
   curve_section(page, run.metrics, "throughput", "Throughput", "samples_per_s", "samples/s",
                 "the train records carry no samples_per_s");
-  curve_section(page, run.metrics, "grad-norm", "Gradient norm", "grad_norm",
-                "gradient norm (L2, before clipping)",
+  curve_section(page, run.metrics, "grad-norm", "Gradient norm (L2, before clipping)", "grad_norm",
+                "gradient norm",
                 "no grad_norm in the train records (the trainer logs it when "
                 "optimizer.clip_grad_norm is set)");
   page.html += "</div>\n";

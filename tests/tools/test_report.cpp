@@ -366,7 +366,7 @@ TEST(Report, HandWrittenRunGivesEveryChartWithTheSeriesItsFilesImply) {
     EXPECT_EQ(count(s, "class=\"line\""), 1u) << id;
   }
   EXPECT_EQ(count(path_of(section(html, "lr"), "line", "Learning rate"), "L"), 7u);
-  EXPECT_EQ(count(path_of(section(html, "grad-norm"), "line", "Gradient norm"), "M"), 2u)
+  EXPECT_EQ(count(path_of(section(html, "grad-norm"), "line", "Gradient norm (L2, before clipping)"), "M"), 2u)
       << "no grad_norm at the skipped step";
 
   // Time per step: five phases stacked, the pipeline axis's communication over them, and
@@ -698,4 +698,36 @@ TEST(Chart, TextIsEscapedAndTheComposedSvgIsOneDocument) {
   const std::string doc = chart::compose("run", {c, c});
   EXPECT_EQ(count(doc, "xmlns=\"http://www.w3.org/2000/svg\""), 1u);
   EXPECT_EQ(count(doc, "<svg x="), 2u);
+}
+
+// Issue 33, item 7: a y-axis label longer than a short chart's plot ran up into its
+// legend; it now shrinks to the plot's height (down to 9 px).
+TEST(Chart, ALongYLabelStaysBesideItsPlot) {
+  namespace chart = tetra::core::chart;
+  chart::Frame f;
+  f.title = "Gradient norm";
+  f.width = 430;
+  f.height = 200;
+  f.x = {"step", chart::Unit::kNumber, false, true};
+  f.y = {"gradient norm (L2, before clipping)", chart::Unit::kNumber, false};
+  const chart::Chart c = chart::line_chart(f, {{"a series", {1, 2, 3}, {3, 2, 1}, "", true, false, false}});
+  // Each line of it (two, here) no longer than the plot is high, at the size it is drawn.
+  const std::regex label("rotate\\(-90\\)\" text-anchor=\"middle\" font-size=\"([0-9.]+)\">([^<]*)</text>");
+  const std::regex plot("<rect x=\"[0-9.]+\" y=\"([0-9.]+)\" width=\"[0-9.]+\" height=\"([0-9.]+)\" fill=\"none\"");
+  std::smatch p;
+  ASSERT_TRUE(std::regex_search(c.body, p, plot)) << c.body;
+  const double plot_height = std::stod(p[2].str());
+  size_t lines = 0;
+  for (auto it = std::sregex_iterator(c.body.begin(), c.body.end(), label); it != std::sregex_iterator(); ++it) {
+    const double size = std::stod((*it)[1].str());
+    EXPECT_GE(size, 9);
+    // chart.cpp's layout measure: 0.6 em a character.
+    EXPECT_LE(0.6 * size * static_cast<double>((*it)[2].length()), plot_height) << (*it)[2].str();
+    ++lines;
+  }
+  EXPECT_EQ(lines, 2u) << c.body;
+  // A short label keeps the chart's font.
+  f.y.label = "loss";
+  EXPECT_EQ(chart::line_chart(f, {{"a", {1, 2}, {2, 1}, "", true, false, false}}).body.find("font-size=\"9"),
+            std::string::npos);
 }
