@@ -342,11 +342,17 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
   // A layer like one already timed (the same signature: a transformer's repeated blocks)
   // takes that one's times and output.
   std::map<std::string, std::tuple<double, double, torch::Tensor>> timed;
+  // In training, a layer's backward computes its input's gradient only when a layer
+  // before it has parameters (the data needs none): the first Linear's dX is not work a
+  // step does, and timing it made a dry run's compute rate low.
+  bool upstream_parameters = false;
   for (int i = 0; i < L; ++i) {
     auto& m = layer(model, i);
     LayerCost& c = out[static_cast<size_t>(i)];
     c.scaled = scaled;
-    const std::string key = core::layer_signature(*m.ptr(), x);
+    const bool input_grad = upstream_parameters;
+    upstream_parameters = upstream_parameters || c.params > 0;
+    const std::string key = core::layer_signature(*m.ptr(), x) + (input_grad ? "" : " (no input gradient)");
     if (auto it = timed.find(key); it != timed.end()) {
       c.forward_s = std::get<0>(it->second) * ratio[static_cast<size_t>(i)];
       c.backward_s = std::get<1>(it->second) * ratio[static_cast<size_t>(i)];
@@ -355,12 +361,14 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
     }
     core::MaterializedScope created(*m.ptr());  // before y: the graph goes first
     torch::Tensor in = x.detach();
-    if (in.is_floating_point()) in.requires_grad_(true);
+    if (in.is_floating_point() && input_grad) in.requires_grad_(true);
     torch::Tensor y;
-    // The best of a few runs: the first pays for allocation, the noise of a shared
-    // machine only ever adds. A scaled timing is a rough one anyway: two runs.
-    double f = 1e30, bw = 1e30;
-    for (int rep = 0; rep < (scaled ? 2 : 4); ++rep) {
+    // The best of several runs: the first pays for allocation, the noise of a shared
+    // machine only ever adds. At least 4, and up to 20 until the layer has run for 50 ms
+    // (a short layer's best of 4 on two busy cores varied by half). A scaled timing is a
+    // rough one anyway: two runs.
+    double f = 1e30, bw = 1e30, spent = 0;
+    for (int rep = 0; rep < (scaled ? 2 : 20) && (scaled || rep < 4 || spent < 0.05); ++rep) {
       auto t0 = Clock::now();
       {
         core::compat::CpuAutocast autocast(bf16);
@@ -373,6 +381,7 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
       auto t2 = Clock::now();
       f = std::min(f, seconds(t0, t1));
       bw = std::min(bw, seconds(t1, t2));
+      spent += seconds(t0, t2);
     }
     c.forward_s = f * ratio[static_cast<size_t>(i)];
     c.backward_s = bw * ratio[static_cast<size_t>(i)];
