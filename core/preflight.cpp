@@ -77,14 +77,16 @@ std::string read_problem(const std::string& key, const std::string& path, bool f
 
 }  // namespace
 
-std::vector<std::string> path_problems(const JobSpec& spec) {
+std::vector<std::string> path_problems(const JobSpec& spec, bool own_data) {
   std::vector<std::string> out;
   auto add = [&](std::string problem) {
     if (!problem.empty()) out.push_back(std::move(problem));
   };
   // Read.
   const DataSpec& d = spec.data;
-  if (d.type == "fashion-mnist") {
+  if (own_data) {
+    // The program's dataset: nothing to read here.
+  } else if (d.type == "fashion-mnist") {
     const std::string hint =
         " (data.type fashion-mnist reads a folder of the four gzipped IDX files: install the Debian package "
         "dataset-fashion-mnist, which tools/setup.sh does, or set data.path)";
@@ -184,8 +186,8 @@ std::string run_folder_problem(const JobSpec& spec) {
   return "";
 }
 
-void check_paths(const JobSpec& spec) {
-  std::vector<std::string> problems = path_problems(spec);
+void check_paths(const JobSpec& spec, bool own_data) {
+  std::vector<std::string> problems = path_problems(spec, own_data);
   if (const std::string p = run_folder_problem(spec); !p.empty()) problems.push_back(p);
   if (problems.empty()) return;
   std::string msg;

@@ -28,8 +28,9 @@
 namespace tetra::core {
 
 // The problems with the job's paths, one message each ("data.path: ..."); empty when
-// every path is fine. Touches nothing: creates no folder, writes no file.
-std::vector<std::string> path_problems(const JobSpec& spec);
+// every path is fine. Touches nothing: creates no folder, writes no file. `own_data`: the
+// program brings its dataset (RunOptions::data), and data.path is not read.
+std::vector<std::string> path_problems(const JobSpec& spec, bool own_data = false);
 
 // What one checkpoint of `parameters` parameters takes on disk under the job's
 // optimizer (fp32 weights and state), and the problem when checkpoint.dir's file system
@@ -41,6 +42,6 @@ std::string space_problem(const JobSpec& spec, int64_t parameters);
 std::string run_folder_problem(const JobSpec& spec);
 
 // Throws tetra::ConfigError carrying every problem of path_problems and run_folder_problem.
-void check_paths(const JobSpec& spec);
+void check_paths(const JobSpec& spec, bool own_data = false);
 
 }  // namespace tetra::core

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/preflight.h"
 #include "tests/common/numerics.h"
 #include "tools/examples/custom_model/own_model.h"
 
@@ -218,3 +219,16 @@ TEST(OwnModel, FollowsOneProcessUnderPipelineDataZeroAndReplicas) {
 }
 
 }  // namespace own_model
+
+// The program's own dataset (RunOptions::data): data.path is never read, so a job whose
+// path does not exist here is no preflight error (Note [Preflight]); without one it is.
+TEST(Preflight, TheProgramsOwnDataIsNotLookedForAtDataPath) {
+  tetra::core::SectionRegistry plugins;
+  tetra::register_builtin_plugins(plugins);
+  const tetra::core::JobSpec spec = tetra::core::parse_job_string(
+      "name: own\ndata: {type: fashion-mnist, path: /nonexistent/fashion}\ncheckpoint: {dir: \"\"}\n"
+      "log: {dir: \"\", metrics: \"\"}\n",
+      "own.yaml", {}, plugins).spec;
+  EXPECT_THROW(tetra::core::check_paths(spec), tetra::ConfigError);
+  EXPECT_NO_THROW(tetra::core::check_paths(spec, /*own_data=*/true));
+}

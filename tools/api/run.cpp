@@ -350,7 +350,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
                      : launch.evidence.empty()    ? "a single process, no launcher"
                                                   : "a single process (" + launch.evidence + "; srun starts the ranks)");
   // Every path the job reads and writes, before anything is loaded or trained (Note [Preflight]).
-  check_paths(spec);
+  check_paths(spec, /*own_data=*/static_cast<bool>(options.data));
   set_up_health(spec);
   collectives::CommunicatorPtr world;
   if (launch.multi_process()) {
