@@ -740,8 +740,10 @@ void Trainer::restore(const CheckpointReader& ckpt) {
 //                 communication per mesh axis, its pipeline bubble. Gathering the ranks'
 //                 entries is one collective at the end; a run that failed or was
 //                 preempted has no summary.json, which says it did not finish.
-//   metrics.jsonl, trace.rank<N>.json, flight/, ckpt/  when the job's log and checkpoint
-//                 paths leave them here (the defaults do, except the trace).
+//   metrics.jsonl, trace.rank<N>.json, flight/, ckpt/, model.safetensors and its
+//                 config.json: the job's relative paths are taken inside log.dir (Note
+//                 [One run folder] in job_spec.h; the trace and the export are off unless
+//                 named).
 //
 // Note [Per-rank records]
 // A train record carries what differs between ranks, gathered to the writer by one
