@@ -10,10 +10,9 @@
 //          checkpoint.safetensors: either there and of the right kind (a folder, a file)
 //          and writable, or creatable: the nearest existing parent is a folder (not a
 //          file in the way) that may be written.
-//   space  checkpoint.dir's file system has room for one checkpoint by the estimate
-//          (checkpoint_bytes: parameters, optimizer state, buffers), with its keep + 1
-//          copies noted in the message but not required (old ones are pruned after a
-//          new one is written, so one more is what must fit).
+//   space  checkpoint.dir's file system has room for one more checkpoint by the
+//          estimate (checkpoint_bytes: fp32 weights and the optimizer's state): old
+//          ones are pruned only after a new one is written, so one more must fit.
 // Then the run folder (Note [One run folder]) must not hold another job's run: its
 // job.yaml names the job that wrote it.
 // All of these are ConfigErrors (exit 2), every problem at once, before any training.
