@@ -8,7 +8,6 @@
 #include <cstring>
 #include <ctime>
 #include <mutex>
-#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -293,6 +292,24 @@ namespace {
 // SHA-256 of its JSON (nlohmann sorts keys, so equal identities hash alike).
 std::string fingerprint(const nlohmann::json& identity) {
   return collectives::to_hex(collectives::sha256(identity.dump())).substr(0, 16);
+}
+
+// Appends "key theirs there, ours here" to `out` for each value under `at` (a key path,
+// a.b) that differs, descending into objects (in key order); a missing one is "(none)".
+void list_differences(const nlohmann::json& theirs, const nlohmann::json& ours, const std::string& at,
+                      std::string& out) {
+  if (theirs.is_object() && ours.is_object()) {
+    std::set<std::string> keys;
+    for (const auto& [k, v] : theirs.items()) keys.insert(k);
+    for (const auto& [k, v] : ours.items()) keys.insert(k);
+    for (const std::string& k : keys)
+      list_differences(theirs.contains(k) ? theirs.at(k) : nlohmann::json(), ours.contains(k) ? ours.at(k) : nlohmann::json(),
+                       at.empty() ? k : at + "." + k, out);
+    return;
+  }
+  if (theirs == ours) return;
+  auto text = [](const nlohmann::json& v) { return v.is_null() ? std::string("(none)") : v.dump(); };
+  out += (out.empty() ? "" : ", ") + at + " " + text(theirs) + " there, " + text(ours) + " here";
 }
 }  // namespace
 
@@ -646,37 +663,9 @@ void Trainer::restore(const CheckpointReader& ckpt) {
                       "\", and this job is \"" + spec_.name + "\": resuming it would go on with that job's run. "
                       "--set name=" + meta["job"].get<std::string>() + " goes on with that job; a checkpoint of "
                       "this job's own, or checkpoint.resume=never, starts this one");
-  if (meta.contains("fingerprint") && meta["fingerprint"] != fingerprint(identity())) {
-    // What differs, key by key (model.hidden [1024,1024] there, [512] here).
-    const nlohmann::json theirs = meta.contains("identity") ? meta["identity"].flatten() : nlohmann::json::object();
-    const nlohmann::json ours = identity().flatten();
-    std::map<std::string, std::pair<std::string, std::string>> differs;  // key -> (theirs, ours)
-    auto key_of = [](std::string pointer) {  // "/model/hidden/0" -> "model.hidden"
-      std::string key;
-      std::stringstream parts(pointer);
-      for (std::string part; std::getline(parts, part, '/');)
-        if (!part.empty() && !std::isdigit(static_cast<unsigned char>(part[0]))) key += (key.empty() ? "" : ".") + part;
-      return key;
-    };
-    auto value_at = [](const nlohmann::json& flat, const std::string& key) {
-      nlohmann::json unflat = flat.unflatten();
-      nlohmann::json* at = &unflat;
-      std::stringstream parts(key);
-      for (std::string part; std::getline(parts, part, '.');) {
-        if (!at->is_object() || !at->contains(part)) return std::string("(none)");
-        at = &(*at)[part];
-      }
-      return at->dump();
-    };
-    for (const nlohmann::json* flat : {&theirs, &ours})
-      for (const auto& [pointer, v] : flat->items()) {
-        const std::string key = key_of(pointer);
-        if (!differs.count(key) && value_at(theirs, key) != value_at(ours, key))
-          differs[key] = {value_at(theirs, key), value_at(ours, key)};
-      }
-    std::string list;
-    for (const auto& [key, values] : differs)
-      list += (list.empty() ? "" : ", ") + key + " " + values.first + " there, " + values.second + " here";
+  if (const nlohmann::json ours = identity(); meta.contains("fingerprint") && meta["fingerprint"] != fingerprint(ours)) {
+    std::string list;  // what differs, key by key: model.hidden [1024,1024] there, [512] here
+    list_differences(meta.contains("identity") ? meta["identity"] : nlohmann::json(), ours, "", list);
     throw ConfigError("checkpoint " + ckpt.folder() + " holds another model or data (" +
                       (list.empty() ? "its fingerprint differs" : list) +
                       "). --set checkpoint.resume=never starts afresh, and its saves then replace these "
