@@ -387,7 +387,6 @@ void Optimizer::load_state_dict(const std::map<std::string, torch::Tensor>& stat
   }
 }
 
-namespace {
 double grad_norm_sq(const std::vector<NamedParam>& params) {
   torch::NoGradGuard no_grad;
   double total = 0;
@@ -398,7 +397,12 @@ double grad_norm_sq(const std::vector<NamedParam>& params) {
   }
   return total;
 }
-}  // namespace
+
+void scale_gradients(const std::vector<NamedParam>& params, double factor) {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params)
+    if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(factor);
+}
 
 double grad_norm(const std::vector<NamedParam>& params) { return std::sqrt(grad_norm_sq(params)); }
 
@@ -409,12 +413,7 @@ double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm) {
 double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
                       const std::function<double(double)>& reduce_sq) {
   double norm = std::sqrt(reduce_sq(grad_norm_sq(params)));
-  if (max_norm > 0 && norm > max_norm) {
-    torch::NoGradGuard no_grad;
-    double scale = max_norm / (norm + 1e-6);  // torch.nn.utils.clip_grad_norm_'s epsilon
-    for (const auto& p : params)
-      if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(scale);
-  }
+  if (max_norm > 0 && norm > max_norm) scale_gradients(params, clip_scale(max_norm, norm));
   return norm;
 }
 

@@ -96,8 +96,14 @@ double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm);
 // turns this part's squared norm into the whole model's.
 double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
                       const std::function<double(double)>& reduce_sq);
-// The global L2 norm of a set of gradients.
+// The global L2 norm of a set of gradients, and its square.
 double grad_norm(const std::vector<NamedParam>& params);
+double grad_norm_sq(const std::vector<NamedParam>& params);
+// Multiplies every defined gradient by `factor`.
+void scale_gradients(const std::vector<NamedParam>& params, double factor);
+// What clipping multiplies the gradients by when their norm is above max_norm
+// (torch.nn.utils.clip_grad_norm_'s epsilon).
+inline double clip_scale(double max_norm, double norm) { return max_norm / (norm + 1e-6); }
 
 // Learning rate at optimizer step `step` (0-based) of a run of `total_steps`.
 class LrSchedule {

@@ -1,22 +1,22 @@
 // The strategy-plugin interface.
 //
-// A strategy owns one mesh axis and hooks the phases of a training step. The trainer
-// knows only this interface; plugins register their YAML section (SectionRegistry) and
-// build their Strategy from the parsed config. Hooks default to doing nothing, so a
-// strategy overrides only the phases it changes.
+// A strategy owns one mesh axis (declared once, by its section's StrategyRole) and hooks
+// the phases of a training step. The trainer knows only this interface and the
+// capabilities of Note [Capabilities]; plugins register their YAML section
+// (SectionRegistry) and build their Strategy from the parsed config. Hooks default to
+// doing nothing, so a strategy overrides only the phases it changes.
 //
 // The phases of one step, in order:
-//   attach(state)            once, after the model exists and before the optimizer is
-//                            built over state.params (broadcast, hooks; a pipeline keeps
-//                            only its stage's layers and parameters)
-//   forward_backward(step)   only the strategy that owns_forward_backward() (the
-//                            pipeline): it runs the step's micro-batches itself and calls
-//                            step.before_backward, which runs the others' hooks
+//   attach(state)            once, after the model exists and before the model state's
+//                            owner is made over state.params (broadcast, hooks; a
+//                            pipeline keeps only its stage's layers and parameters)
+//   runner.run(step)         the step runner (Note [One step runner]) runs the step's
+//                            micro-batches; step.before_backward runs every strategy's
 //   before_backward(last)    before each micro-batch's backward; `last` ends the step
 //   finish_gradients()       after the last backward: on return gradients are global
-//   (clip — its norm summed over reduce_grad_norm_sq — optimizer step)
+//   (clip — its norm summed over reduce_grad_norm_sq — and the owner's optimizer step)
 //
-// On each mesh axis exactly one strategy synchronises gradients (gradient_axis()). When
+// On each mesh axis exactly one strategy synchronises gradients (StrategyRole). When
 // two do, the one that owns the model state (ModelStateOwner: ZeRO, which reduce-scatters
 // into its shards) takes the axis and the plan leaves the other (the data-parallel
 // allreduce) out; two owners, or two plain synchronisers, are a ConfigError (core/plan.h).
@@ -43,12 +43,14 @@
 #include "core/init.h"
 #include "core/job_spec.h"
 #include "core/mesh.h"
+#include "core/model_state.h"
 #include "core/models.h"
 #include "core/optim.h"
 #include "core/plan.h"
 #include "core/random.h"
 #include "core/report.h"
 #include "core/safetensors.h"
+#include "core/step.h"
 
 namespace tetra::core {
 
@@ -71,84 +73,41 @@ struct TrainState {
   const Materializer* weights = nullptr;  // the one place that creates the model's tensors
 };
 
-// One step's work, for the strategy that runs forward and backward itself.
-struct StepInput {
-  torch::Tensor indices;  // this data rank's samples of the global batch
-  std::function<Batch(const torch::Tensor& indices)> load;  // reads samples
-  // Runs the other strategies' before_backward(last): call it before each backward,
-  // with last = true before the step's last backward on this rank.
-  std::function<void(bool last)> before_backward;
-  bool bf16 = false;  // CPU autocast for the forward
-  // The dropout key of row 0 of `indices` (Note [Layout-invariant dropout]): a forward of
-  // the rows from r on runs under random.offset(r).
-  RandomContext random;
-};
-
-// What it reports back: the mean loss over `indices`, the same on every rank of its
-// axis, and where the time went (seconds).
-struct StepOutput {
-  double loss = 0;
-  double data_s = 0, forward_s = 0, backward_s = 0;
-  // The first micro-batch of this rank (0-based, in order) whose loss was not finite, and
-  // that loss; -1 when every loss this rank computed was finite (or it computes none: a
-  // pipeline's loss lives on its last stage). The trainer names it when it stops.
-  int64_t nonfinite_micro_batch = -1;
-  double nonfinite_loss = 0;
-};
-
-// Sums of one evaluation batch.
-struct EvalSums {
-  double loss_sum = 0;  // per-example loss summed over the batch
-  int64_t correct = 0, predictions = 0;
-};
-
 class Strategy {
  public:
   virtual ~Strategy() = default;
   virtual std::string name() const = 0;
-  // The mesh axis the strategy owns ("" for none); orders attach.
-  virtual std::string axis() const { return ""; }
-  // The mesh axis over which this strategy synchronises gradients ("" for none).
-  virtual std::string gradient_axis() const { return ""; }
   virtual void attach(TrainState& state) {}
-  // The pipeline replaces the trainer's loop over micro-batches.
-  virtual bool owns_forward_backward() const { return false; }
-  virtual StepOutput forward_backward(const StepInput& step) { return {}; }
-  // A strategy that owns the forward evaluates a batch itself (every rank of its axis
-  // returns the same sums); nullopt leaves it to the trainer's model->forward.
-  virtual std::optional<EvalSums> evaluate(const Batch& batch, bool bf16) { return std::nullopt; }
   // The squared gradient norm of the whole model from this rank's part (a pipeline adds
-  // up its stages'); identity when every rank holds every gradient.
+  // up its stages', ZeRO its shards'); identity when every rank holds every gradient.
   virtual double reduce_grad_norm_sq(double local) { return local; }
-  // Checkpoints. Collective over the strategy's ranks: on return the checkpoint writer
-  // (world rank 0) holds the tensors of the whole model in `tensors` under the names a
-  // single process uses — so a checkpoint does not depend on the layout that wrote it.
-  // On restore every rank reads the checkpoint and takes its own tensors by name.
-  virtual void gather_state(TensorMap& tensors) {}
   virtual void before_backward(bool last_micro_batch) {}
   virtual void finish_gradients() {}
-  // Seconds spent waiting on communication in finish_gradients over the run (how much
-  // backward did not hide). The time each mesh axis was in use is the axis
-  // communicator's busy_seconds() (Note [Traffic counters]).
-  virtual double wait_seconds() const { return 0; }
-  // A pipeline's bubble, over the run: the seconds this rank waited on its neighbours
-  // within its steps' schedules, out of the seconds those schedules ran ({0, 0} for a
-  // strategy without stages). The trainer reports wait/wall per logging interval.
-  struct Idle {
-    double wait_s = 0, wall_s = 0;
-  };
-  virtual Idle idle() const { return {}; }
   // What it decided on attaching that the job spec alone does not say (hierarchical
   // allreduce turned on because the data group spans hosts, say), for the run's opening
   // lines; "" when there is nothing to say.
   virtual std::string decision() const { return ""; }
 };
 
-// The bytes of model state one rank holds (deduplicated by storage): what ZeRO shards.
-struct ModelStateBytes {
-  int64_t parameters = 0, gradients = 0, optimizer = 0;
-  int64_t buffers = 0;  // communication buffers, and (ZeRO-3) layers gathered at the moment
-  int64_t total() const { return parameters + gradients + optimizer + buffers; }
+// Note [Capabilities]
+// What only some strategies do is an interface of its own, which the strategy also
+// derives from, and which the trainer looks for once, when it attaches the strategies:
+//   ModelStateOwner (core/model_state.h)  keeps the parameters, gradients and optimizer
+//                       state in its own layout and steps them (ZeRO); else core's
+//                       ReplicatedState does
+//   StepRunner (core/step.h)  runs the step's forward and backward and the evaluation
+//                       forward (the pipeline); else core's LocalRunner does
+//   StateGatherer       sends the tensors this rank holds of a model split across ranks
+//                       to the checkpoint writer (the pipeline)
+// A job has at most one owner and one runner besides core's (a ConfigError otherwise), so
+// the trainer always holds exactly one of each and never asks which strategy is attached.
+class StateGatherer {
+ public:
+  virtual ~StateGatherer() = default;
+  // Checkpoints and exports. Collective over the strategy's ranks: on return the writer
+  // (world rank 0) holds the tensors of the whole model in `tensors` under the names a
+  // single process uses — so a checkpoint does not depend on the layout that wrote it.
+  virtual void gather_state(TensorMap& tensors) = 0;
 };
 
 // Note [Per-rank estimate]
@@ -179,39 +138,6 @@ struct RankEstimate {
   // Parameters, gradients and optimizer slots of `params` held whole, as the trainer's
   // own optimizer holds them (buffers untouched).
   void replicated_state(const JobSpec& spec);
-};
-
-// An optional capability (its own interface, not "not supported" methods on Strategy): a
-// strategy that keeps the model state in its own layout — ZeRO shards the parameters,
-// gradients and optimizer state over the data axis — and therefore steps the optimizer,
-// clips and checkpoints that state itself. The trainer then builds no Optimizer of its
-// own and never reads the parameters' values directly (under ZeRO-3 they exist only while
-// a layer runs). Every method that communicates is collective over the data group.
-class ModelStateOwner {
- public:
-  virtual ~ModelStateOwner() = default;
-  virtual void zero_grad() = 0;
-  // This rank's part of the squared global gradient norm: every element of the model
-  // counted by exactly one rank of the data group (reduce_grad_norm_sq adds them up).
-  virtual double grad_norm_sq() = 0;
-  virtual void scale_gradients(double factor) = 0;
-  // After finish_gradients: the names of the parameters whose gradient, in the part this
-  // rank owns, holds a NaN or an infinity (empty when all are finite: the common case, and
-  // a cheap one). The trainer agrees on them over every rank (train.on_nonfinite).
-  virtual std::vector<std::string> nonfinite_gradients() = 0;
-  // One optimizer step at `lr`; on return the parameters hold the new values (as far as
-  // this layout keeps them at all).
-  virtual void step(double lr) = 0;
-  // Collective: adds this rank's slices of the parameters ("model/<name>") and optimizer
-  // state ("optim/<name>.exp_avg", ...) and, on data rank 0, the whole "optim/__step__".
-  virtual void save_state(Checkpoint& ckpt) = 0;
-  // Takes this rank's part of the parameters and optimizer state from any checkpoint,
-  // whatever layout wrote it. Checks every shape before changing anything.
-  virtual void load_state(const CheckpointReader& reader) = 0;
-  // Collective: the whole parameters of this rank's model (its pipeline stage) under
-  // their single-process names, on data rank 0 (others leave `out` unchanged).
-  virtual void gather_parameters(TensorMap& out) = 0;
-  virtual ModelStateBytes memory() const = 0;
 };
 
 // For strategies that replicate or shard the model over a group (data parallelism, ZeRO):

@@ -1,6 +1,10 @@
-// The training loop: read this rank's part of each global batch, split it into
-// micro-batches, forward and backward, clip, step, schedule the learning rate, evaluate,
-// checkpoint, log.
+// The training loop: data, runner, owner, records. Each step reads this rank's part of
+// the global batch; the step runner (Note [One step runner], core/step.h) runs its
+// forward and backward; the strategies synchronise the gradients; the model state's
+// owner (Note [One owner of the model state], core/model_state.h) clips and steps; the
+// run's records (core/records.h) note it. Evaluation, checkpoints (core/identity.h,
+// core/resume.h) and preemption hang off the same loop. The trainer never asks which
+// strategy is attached (Note [Capabilities], core/strategy.h).
 #pragma once
 
 #include <torch/torch.h>
@@ -18,45 +22,16 @@
 #include "core/job_spec.h"
 #include "core/models.h"
 #include "core/optim.h"
+#include "core/identity.h"
+#include "core/model_state.h"
 #include "core/plan.h"
+#include "core/records.h"
 #include "core/report.h"
+#include "core/step.h"
 #include "core/strategy.h"
 #include "collectives/communicator.h"
 
 namespace tetra::core {
-
-struct EvalResult {
-  double test_loss = 0;
-  std::optional<double> accuracy;    // classifiers: top-1; language models: next-token
-  std::optional<double> perplexity;  // language models
-  int64_t samples = 0;
-};
-
-struct TrainResult {
-  int64_t steps = 0;            // optimizer steps taken by this run (after any resume)
-  int64_t final_step = 0;       // global step count at the end
-  double train_seconds = 0;     // time in training steps (no eval, no checkpoints)
-  double total_seconds = 0;
-  double samples_per_s = 0;     // global samples per second of training time
-  double final_loss = 0;
-  std::vector<double> losses;   // training loss of each step this run took (skipped ones aside)
-  // Steps this run skipped because their loss or gradients were not finite
-  // (train.on_nonfinite: skip): each consumed its batch and advanced the step count and
-  // the learning-rate schedule, but changed neither the parameters nor the optimizer
-  // state. Not in `steps` or `losses`.
-  int64_t skipped_steps = 0;
-  std::optional<EvalResult> final_eval;
-  std::optional<double> best_accuracy;
-  std::string checkpoint;       // the last checkpoint written ("" when none)
-  std::string resumed_from;     // "" when the run started fresh
-  // Where the training time went, summed over the steps (seconds): reading batches,
-  // forward, backward, finishing gradients (waiting on what backward did not hide),
-  // and the optimizer (clipping included).
-  struct Phases {
-    double data = 0, forward = 0, backward = 0, gradients = 0, optimizer = 0;
-  } phases;
-  ModelStateBytes memory;  // this rank's model state after the last step
-};
 
 class Trainer;
 
@@ -138,7 +113,7 @@ class Trainer {
  private:
   void restore(const CheckpointReader& ckpt);
   std::string save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch);
-  // What one step did (Note [One decision per step]).
+  // What one step did (Note [One decision per step], core/step.cpp).
   struct StepOutcome {
     double loss = 0;
     bool skipped = false;  // not finite, and train.on_nonfinite: skip
@@ -147,16 +122,13 @@ class Trainer {
     double grad_norm = -1;  // the global gradient norm before clipping; -1 without clipping
   };
   StepOutcome train_step(const torch::Tensor& indices);
-  // Note [Export config] and Note [Checkpoint identity] (trainer.cpp).
-  nlohmann::json export_description() const;
-  nlohmann::json model_json(bool with_dropout) const;
-  nlohmann::json identity() const;
-  nlohmann::json settings() const;
-  std::string resume_changes_;  // the settings that differ from the resumed checkpoint's
-  nlohmann::json layers_ = nlohmann::json::array();  // the whole model's, in order
   // The model-order index of the first parameter whose gradient this rank holds (in part,
-  // under ZeRO) is not finite; kNone when every one is finite.
+  // under ZeRO) is not finite; -1 when every one is finite.
   int64_t first_nonfinite_gradient();
+  // Averages a scalar over the data-parallel ranks (identity on one).
+  double data_average(double v);
+  // This rank's counters for the records, with `m` its memory() now (the caller has it).
+  RankState rank_state(const ModelStateBytes& m) const;
 
   Plan plan_;  // validated on construction: a broken composition never starts
   const JobSpec& spec_;  // plan_'s
@@ -168,8 +140,10 @@ class Trainer {
   // index the ranks agree on for "the first parameter whose gradient is not finite".
   std::vector<std::string> param_names_;
   std::map<std::string, int64_t> param_index_;
+  int64_t model_parameters_ = 0;
+  std::unique_ptr<RunIdentity> identity_;  // what checkpoints and exports say of the run
+  std::string resume_changes_;             // the settings that differ from the resumed checkpoint's
   int64_t skipped_steps_ = 0;  // this run's
-  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<BatchPlan> batches_;
   int64_t total_steps_ = 0;
@@ -182,32 +156,17 @@ class Trainer {
   collectives::CommunicatorPtr data_group_;  // the data axis (nullptr: one process)
   int data_rank_ = 0, data_size_ = 1;
   std::vector<std::unique_ptr<Strategy>> strategies_;
-  std::unique_ptr<Materializer> weights_;
-  mutable std::optional<LayerProbe> probe_;  // probe(): taken once  // creates the tensors of the model built as shapes
+  std::unique_ptr<Materializer> weights_;  // creates the tensors of the model built as shapes
+  mutable std::optional<LayerProbe> probe_;  // probe(): taken once
   std::unique_ptr<TrainState> state_;
-  Strategy* stepper_ = nullptr;
-  ModelStateOwner* owner_ = nullptr;  // a strategy that keeps the model state (ZeRO)
-  int64_t model_parameters_ = 0;  // the strategy that owns forward/backward, if any
+  // Note [Capabilities]: exactly one runner and one owner, a strategy's or core's.
+  StepRunner* runner_ = nullptr;
+  std::string runner_name_;
+  std::unique_ptr<LocalRunner> local_runner_;
+  ModelStateOwner* owner_ = nullptr;
+  std::unique_ptr<ReplicatedState> replicated_;
+  std::vector<StateGatherer*> gatherers_;
   TrainResult::Phases phases_;
-  // Averages a scalar over the data-parallel ranks (identity on one).
-  double data_average(double v);
-  // Note [Run folder] and Note [Per-rank records] (trainer.cpp).
-  std::vector<std::string> comm_axes_;          // the mesh axes of more than one rank
-  // This rank's, cumulative (RankCounter), with `m` its memory() now (the caller has it).
-  std::vector<double> rank_counters(const ModelStateBytes& m) const;
-  std::vector<std::vector<double>> gather_counters(const std::vector<double>& mine);  // collective
-  void write_run_start() const;
-  void write_summary(const TrainResult& r, const std::vector<std::vector<double>>& ranks,
-                     const std::vector<std::string>& hosts, const std::string& trace_path) const;
-  std::string started_at_;  // UTC, ISO 8601
 };
-
-// config.json beside a safetensors export (Note [Export config]): `description` (a
-// trainer's, or a checkpoint's meta "export") with the file's name, its tensors' shapes
-// and dtypes and the step added. model.safetensors -> config.json; NAME.safetensors ->
-// NAME.config.json. Throws tetra::Error when it cannot be written.
-void write_export_config(const std::string& safetensors_path, nlohmann::json description, const TensorMap& weights,
-                         int64_t step);
-std::string export_config_path(const std::string& safetensors_path);
 
 }  // namespace tetra::core

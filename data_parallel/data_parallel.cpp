@@ -32,7 +32,6 @@ using collectives::Communicator;
 using collectives::CommunicatorPtr;
 using collectives::ReduceOp;
 using collectives::WorkPtr;
-using Clock = std::chrono::steady_clock;
 
 class DataParallel final : public core::Strategy {
  public:
@@ -40,7 +39,6 @@ class DataParallel final : public core::Strategy {
       : opt_(std::move(o)), ranks_per_host_(env_int("TETRA_RANKS_PER_HOST")),
         skip_allreduce_(env_int("TETRA_BENCH_SKIP_ALLREDUCE") != 0) {}
   std::string name() const override { return "data_parallel"; }
-  std::string gradient_axis() const override { return "data"; }
 
   std::string decision() const override {
     if (!comm_ || hosts_ <= 1) return "";
@@ -89,14 +87,12 @@ class DataParallel final : public core::Strategy {
       for (int s : grads_.buckets()[i].slots) grads_.bind(s);
       launch(buckets_[i]);
     }
-    const auto t0 = Clock::now();
     complete_hierarchy();
     for (size_t i = 0; i < buckets_.size(); ++i) {
       Bucket& b = buckets_[i];
       for (auto& w : b.works) w->wait();
       trace_works(b, i, hier_ ? "allgather (host)" : "allreduce");
     }
-    wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
     // Each .grad is a view of its bucket: the average is in place already, unless it
     // travelled compressed or the hierarchy summed it.
     for (auto& b : buckets_) {
@@ -108,7 +104,6 @@ class DataParallel final : public core::Strategy {
     grads_.reset();
   }
 
-  double wait_seconds() const override { return wait_s_; }
 
  private:
   // What a bucket of the shared layout (grads_) needs for its communication.
@@ -221,7 +216,6 @@ class DataParallel final : public core::Strategy {
   bool sync_ = false;
   core::GradientBuckets grads_;  // the layout, the hooks, the .grad views (core's bucketer)
   std::vector<Bucket> buckets_;
-  double wait_s_ = 0;
 };
 
 }  // namespace

@@ -166,12 +166,12 @@ struct Link {
 
 // ---- the strategy ---------------------------------------------------------------------
 
-class Pipeline final : public PipelineStrategy {
+// It runs the step (core::StepRunner) and sends its stages' tensors to the checkpoint
+// writer (core::StateGatherer).
+class Pipeline final : public PipelineStrategy, public core::StepRunner, public core::StateGatherer {
  public:
   explicit Pipeline(Options o) : opt_(std::move(o)) {}
   std::string name() const override { return "pipeline"; }
-  std::string axis() const override { return "pipeline"; }
-  bool owns_forward_backward() const override { return true; }
   const PipelineStats& stats() const override { return stats_; }
   Idle idle() const override { return {stats_.wait_s, stats_.wall_s}; }
   const Partition& partition() const override { return partition_; }
@@ -227,8 +227,8 @@ class Pipeline final : public PipelineStrategy {
     for (const auto& p : model->named_parameters()) state.params.push_back({p.key(), p.value()});
   }
 
-  core::StepOutput forward_backward(const core::StepInput& step) override;
-  std::optional<core::EvalSums> evaluate(const core::Batch& batch, bool bf16) override;
+  core::StepOutput run(const core::StepInput& step) override;
+  core::EvalSums evaluate(const core::Batch& batch, bool bf16) override;
 
   double reduce_grad_norm_sq(double local) override {
     if (!pp_ || pp_->size() == 1) return local;
@@ -494,16 +494,16 @@ struct Slot {
 
 }  // namespace
 
-core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
+core::StepOutput Pipeline::run(const core::StepInput& step) {
   cut_chunks();
   const int m = opt_.micro_batches, v = opt_.virtual_stages;
   const auto& prog = sched_.ranks[rank_];
-  const int64_t n = step.indices.size(0);
-  core::StepOutput out;
+  // Each micro-batch's rows, dropout key and loss weight, the step's loss and its times
+  // (Note [One step runner]).
+  core::MicroBatches micro(step, m);
+  core::StepOutput& out = micro.out();
   std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
-  std::vector<at::Tensor> micro_idx(m);
-  for (int i = 0; i < m; ++i) micro_idx[i] = core::BatchPlan::slice(step.indices, i, m);
-  auto micro_n = [&](int i) { return micro_idx[i].size(0); };
+  auto micro_n = [&](int i) { return micro.rows(i); };
 
   Inbox acts(act_in_, opt_.prefetch, timeout_), grads(grad_in_, opt_.prefetch, timeout_);
   int last_backward = -1;
@@ -518,29 +518,27 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
   if (grad_in_.comm) grads.start();
 
   std::vector<WorkPtr> sends;
-  double wait_s = 0, loss_sum = 0;
+  double wait_s = 0;
   const bool tracing = trace_->enabled();
   auto span = [&](int chunk, const std::string& what, Clock::time_point a, Clock::time_point b) {
     if (tracing) trace_->span("stage " + std::to_string(stage(chunk)), what, trace_->us_at(a), trace_->us_at(b));
   };
   auto load = [&](int i, Slot& s, int chunk) {
-    auto t0 = Clock::now();
-    core::Batch b = step.load(micro_idx[i]);
-    out.data_s += seconds(t0, Clock::now());
+    core::Batch b = micro.load(i);
     if (first(chunk)) s.input = b.inputs;
     s.targets = b.targets;
   };
   // A micro-batch's dropout draws by its rows' places in the global batch: its forward and
   // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
+  // The last stage's forward returns the micro-batch's mean loss (s.loss is it weighted).
   auto run_forward = [&](int i, int chunk, Slot& s) {
-    core::RandomContext::Scope random(step.random.offset(core::BatchPlan::slice_begin(n, i, m)));
+    core::RandomContext::Scope random(micro.random(i));
     core::compat::CpuAutocast autocast(step.bf16);
     s.output = chunks_[chunk]->forward(s.input);
-    if (last(chunk)) {
-      const double w = static_cast<double>(micro_n(i)) / static_cast<double>(n);
-      at::Tensor l = core::model_loss(s.output, s.targets);
-      s.loss = w == 1.0 ? l : l * w;
-    }
+    if (!last(chunk)) return at::Tensor();
+    at::Tensor l = core::model_loss(s.output, s.targets);
+    s.loss = micro.weighted(i, l);
+    return l;
   };
   auto send = [&](const Link& link, const at::Tensor& t) {
     collectives::SendOptions o;
@@ -578,21 +576,14 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
           if (s.input.is_floating_point()) s.input.requires_grad_(true);
         }
         auto t0 = Clock::now();
+        at::Tensor loss;
         if (checkpointed(in.micro)) {
           torch::NoGradGuard no_grad;
-          run_forward(in.micro, in.chunk, s);
+          loss = run_forward(in.micro, in.chunk, s);
         } else {
-          run_forward(in.micro, in.chunk, s);
+          loss = run_forward(in.micro, in.chunk, s);
         }
-        if (last(in.chunk)) {
-          const double l = s.loss.item<double>();
-          loss_sum += l;
-          // The first micro-batch whose loss is not finite (train.on_nonfinite names it).
-          if (!std::isfinite(l) && (out.nonfinite_micro_batch < 0 || in.micro < out.nonfinite_micro_batch)) {
-            out.nonfinite_micro_batch = in.micro;
-            out.nonfinite_loss = l;
-          }
-        }
+        if (loss.defined()) micro.add_loss(in.micro, loss.item<double>());
         auto t1 = Clock::now();
         out.forward_s += seconds(t0, t1);
         span(in.chunk, to_string(in), t0, t1);
@@ -649,13 +640,13 @@ core::StepOutput Pipeline::forward_backward(const core::StepInput& step) {
   stats_.wait_s += wait_s;
   stats_.wall_s += seconds(t_begin, t_end);
   // The loss lives on the last stage; every pipeline rank reports it.
-  at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
+  at::Tensor loss = at::full({1}, out.loss, at::kDouble);
   broadcast_from_last(loss);
   out.loss = loss.item<double>();
   return out;
 }
 
-std::optional<core::EvalSums> Pipeline::evaluate(const core::Batch& batch, bool bf16) {
+core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
   cut_chunks();
   // Forward only, through every stage in order; the batch goes in pieces so the stages
   // overlap (and no piece is larger than a training micro-batch needs to be).

@@ -121,7 +121,6 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
     }
   }
   std::string name() const override { return "zero"; }
-  std::string gradient_axis() const override { return "data"; }
 
   void attach(core::TrainState& state) override;
   void before_backward(bool last) override { sync_ = last; }
@@ -132,7 +131,6 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
     comm_->allreduce(t, sum_opts())->wait();
     return t.item<double>();
   }
-  double wait_seconds() const override { return wait_s_; }
 
   // ModelStateOwner
   void zero_grad() override;
@@ -226,7 +224,6 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   std::vector<at::Tensor> gather_free_;
   int64_t gather_buffers_ = 0;
   int64_t steps_ = 0;
-  double wait_s_ = 0;
 };
 
 at::Tensor GatheredLayerImpl::forward(at::Tensor x) { return owner_->run_layer(unit_, inner_, x); }
@@ -399,9 +396,7 @@ void Zero::gather(int u) {
   Unit& un = units_[u];
   if (un.held == Held::kFree) issue_gather(u);
   if (un.held == Held::kGathering) {
-    const auto t0 = std::chrono::steady_clock::now();
     un.work->wait();
-    wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     un.work.reset();
     un.held = Held::kGathered;
   }
@@ -449,9 +444,7 @@ int Zero::borrow(Pool& pool) {
 
 void Zero::settle(Pool& pool, int i) {
   if (pool.works[i]) {
-    const auto t0 = std::chrono::steady_clock::now();
     pool.works[i]->wait();
-    wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     pool.works[i].reset();
   }
   if (pool.after[i]) {
@@ -604,9 +597,7 @@ void Zero::step(double lr) {
     o.timeout = timeout_;
     gathers.push_back(comm_->allgather(p, un.full, o));
   }
-  const auto t0 = std::chrono::steady_clock::now();
   for (auto& w : gathers) w->wait();
-  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // ---- checkpoints -----------------------------------------------------------------------

@@ -1,0 +1,270 @@
+#include "core/records.h"
+
+#include <algorithm>
+#include <ctime>
+#include <filesystem>
+
+#include "collectives/build_config.h"
+#include "collectives/error.h"
+#include "collectives/topology_gather.h"
+#include "core/safetensors.h"
+#include "core/trace_merge.h"
+#include "hardware/host.h"
+
+namespace tetra::core {
+
+namespace fs = std::filesystem;
+
+// Note [Run folder]
+// log.dir (runs/<name> by default) is where a run leaves what a person or a tool reads
+// afterwards (`report RUN_DIR` renders it as one page):
+//   job.yaml      the job as parsed, --set applied, every default written out; written
+//                 by the writer when the run starts (a run killed later still has it).
+//   summary.json  written by the writer when the run ends: the result, where the metrics
+//                 and traces are, and one entry per rank (RankCounter below): its model
+//                 state and peak RSS, its mean step split into phases, its seconds of
+//                 communication per mesh axis, its pipeline bubble. Gathering the ranks'
+//                 entries is one collective at the end; a run that failed or was
+//                 preempted has no summary.json, which says it did not finish.
+//   metrics.jsonl, trace.rank<N>.json, flight/, ckpt/, model.safetensors and its
+//                 config.json: the job's relative paths are taken inside log.dir (Note
+//                 [One run folder] in job_spec.h; the trace and the export are off unless
+//                 named).
+//
+// Note [Per-rank records]
+// A train record carries what differs between ranks, gathered to the writer by one
+// allgather of a few doubles per record (every rank logs at the same steps, so every
+// rank joins): each rank's model state and peak RSS, and over the interval since the
+// last record its pipeline bubble (the seconds it waited on its neighbours out of the
+// seconds its schedules ran) and its communication time per mesh axis (the axis
+// communicator's busy_seconds(), Note [Traffic counters]). The record's `comm_ms` (per
+// step) and `pipeline_bubble` are the means over the ranks; `ranks` lists each rank's
+// numbers, for worlds of up to kRanksInRecords ranks (a record of thousands would be
+// larger than the rest of the file); summary.json always has every rank. A job that keeps
+// no records (log.metrics and log.tensorboard both "") gathers nothing; one without a
+// run folder (log.dir "") skips the summary's gather.
+namespace {
+
+// The slots of a rank's counters: memory now, then times summed since the loop began.
+enum RankCounter {
+  kParameters, kGradients, kOptimizerState, kBuffers, kPeakRss,  // bytes, now
+  kData, kForward, kBackward, kGradientSync, kOptimizerStep,    // seconds, summed
+  kIdleWait, kIdleWall,                                          // the pipeline's bubble
+  kStepsTaken,
+  kAxisBusy  // then one per comm axis: seconds its communicator was in use
+};
+constexpr size_t kRanksInRecords = 256;
+
+// Times since `before`, memory as it is now.
+std::vector<double> since(std::vector<double> now, const std::vector<double>& before) {
+  for (size_t i = kData; i < now.size(); ++i) now[i] -= before[i];
+  return now;
+}
+
+double bubble_of(const std::vector<double>& c) { return c[kIdleWall] > 0 ? c[kIdleWait] / c[kIdleWall] : -1; }
+
+// The record's share of Note [Per-rank records]: `ranks` holds every rank's counters over
+// the interval (memory as it is now).
+void add_rank_fields(nlohmann::json& rec, const std::vector<std::vector<double>>& ranks,
+                     const std::vector<std::string>& axes) {
+  const double steps = std::max(1.0, ranks[0][kStepsTaken]);
+  if (!axes.empty()) {
+    nlohmann::json comm = nlohmann::json::object();
+    for (size_t a = 0; a < axes.size(); ++a) {
+      double sum = 0;
+      for (const auto& c : ranks) sum += c[kAxisBusy + a];
+      comm[axes[a]] = sum / static_cast<double>(ranks.size()) * 1e3 / steps;
+    }
+    rec["comm_ms"] = comm;
+  }
+  double bubble = 0;
+  int staged = 0;
+  for (const auto& c : ranks)
+    if (bubble_of(c) >= 0) bubble += bubble_of(c), ++staged;
+  if (staged > 0) rec["pipeline_bubble"] = bubble / staged;
+  if (ranks.size() < 2 || ranks.size() > kRanksInRecords) return;
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& c : ranks) {
+    nlohmann::json row = {{"model_state_bytes", static_cast<int64_t>(c[kParameters] + c[kGradients] + c[kOptimizerState] + c[kBuffers])},
+                          {"peak_rss_bytes", static_cast<int64_t>(c[kPeakRss])}};
+    if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
+    rows.push_back(row);
+  }
+  rec["ranks"] = rows;
+}
+
+}  // namespace
+
+std::string rank_trace_path(const std::string& trace, int rank, int world) {
+  return trace.empty() || world == 1 ? trace : rank_trace_file(trace, rank);
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+RunRecords::RunRecords(const JobSpec& spec, const Plan& plan, const Mesh* mesh, collectives::CommunicatorPtr ranks)
+    : spec_(spec), plan_(plan), mesh_(mesh), ranks_(std::move(ranks)) {
+  // Mesh::size counts replica threads in the data axis: a job of replicas alone syncs there.
+  for (const std::string& a : kAxisOrder)
+    if (mesh_ && mesh_->size(a) > 1) comm_axes_.push_back(a);
+}
+
+std::vector<double> RunRecords::counters(const RankState& s) const {
+  const ModelStateBytes& m = s.memory;
+  const TrainResult::Phases& p = s.phases;
+  std::vector<double> c = {static_cast<double>(m.parameters), static_cast<double>(m.gradients),
+                           static_cast<double>(m.optimizer), static_cast<double>(m.buffers),
+                           static_cast<double>(hardware::peak_rss_bytes()),
+                           p.data, p.forward, p.backward, p.gradients, p.optimizer,
+                           s.idle.wait_s, s.idle.wall_s, static_cast<double>(s.step)};
+  for (const std::string& a : comm_axes_) c.push_back(mesh_->axis(a)->busy_seconds());
+  return c;
+}
+
+std::vector<std::vector<double>> RunRecords::gather(const std::vector<double>& mine) {
+  if (!ranks_ || ranks_->size() == 1) return {mine};
+  const int64_t n = static_cast<int64_t>(mine.size());
+  at::Tensor in = at::tensor(mine, at::kDouble);
+  at::Tensor out = at::empty({ranks_->size() * n}, at::kDouble);
+  ranks_->allgather(in, out)->wait();
+  const double* p = out.data_ptr<double>();
+  std::vector<std::vector<double>> all;
+  for (int r = 0; r < ranks_->size(); ++r) all.emplace_back(p + r * n, p + (r + 1) * n);
+  return all;
+}
+
+void RunRecords::start(const RankState& now) {
+  start_ = counters(now);
+  logged_ = start_;
+}
+
+nlohmann::json RunRecords::train_record(const StepRecord& r, const RankState& state) {
+  const ModelStateBytes& m = state.memory;
+  nlohmann::json rec = {{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
+                        {"samples_per_s", r.samples_per_s}, {"time_s", r.time_s},
+                        {"skipped_steps", r.skipped_steps},
+                        {"model_state_bytes", {{"parameters", m.parameters}, {"gradients", m.gradients},
+                                               {"optimizer", m.optimizer}, {"buffers", m.buffers},
+                                               {"total", m.total()}}}};
+  if (r.skipped) rec["skipped"] = true;  // its loss is not finite: JSON null
+  if (r.grad_norm >= 0) rec["grad_norm"] = r.grad_norm;
+  rec["peak_rss_bytes"] = hardware::peak_rss_bytes();
+  // The interval since the last record, from this rank's counters.
+  const std::vector<double> now = counters(state);
+  const std::vector<double> interval = since(now, logged_);
+  logged_ = now;
+  // Where the interval's steps went, per step (this rank's clock).
+  const double steps = std::max(1.0, interval[kStepsTaken]);
+  auto per_step = [&](RankCounter k) { return interval[k] * 1e3 / steps; };
+  rec["step_ms"] = {{"data", per_step(kData)},
+                    {"forward", per_step(kForward)},
+                    {"backward", per_step(kBackward)},
+                    {"gradients", per_step(kGradientSync)},
+                    {"optimizer", per_step(kOptimizerStep)}};
+  // Note [Per-rank records]: every rank joins (the job's log settings are every rank's),
+  // when the records go somewhere; the writer adds what they sent.
+  if (!spec_.log.metrics.empty() || !spec_.log.tensorboard.empty()) {
+    const auto ranks = gather(interval);
+    if (!ranks_ || ranks_->rank() == 0) add_rank_fields(rec, ranks, comm_axes_);
+  }
+  return rec;
+}
+
+void RunRecords::write_run_start() const {
+  if (spec_.resolved.empty()) return;
+  try {
+    write_file_atomic((fs::path(spec_.log.dir) / "job.yaml").string(), spec_.resolved);
+  } catch (const Error& e) {
+    throw ConfigError(std::string("log.dir: ") + e.what() + " (set log.dir to a folder this run may write, or \"\" for none)");
+  }
+}
+
+void RunRecords::write_summary(const TrainResult& r, const RankState& now, const std::string& trace_path,
+                               const std::string& started_at) {
+  if (spec_.log.dir.empty()) return;
+  // Every rank's totals since the loop began (collective: every rank joins).
+  const auto ranks = gather(since(counters(now), start_));
+  std::vector<std::string> hosts;
+  if (ranks_ && ranks_->size() > 1) {
+    const collectives::HostMap map = collectives::gather_hosts(*ranks_);
+    for (int h : map.host_of) hosts.push_back(map.hosts.at(static_cast<size_t>(h)));
+  }
+  if (ranks_ && ranks_->rank() != 0) return;
+  auto absolute = [](const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); };
+  nlohmann::json j;
+  j["job"] = spec_.name;
+  j["tetra"] = TETRA_VERSION;
+  j["commit"] = TETRA_GIT_COMMIT;
+  j["started"] = started_at;
+  j["finished"] = utc_now();
+  j["world"] = ranks_ ? ranks_->size() : 1;  // ranks: processes x replica threads
+  j["processes"] = plan_.process_count();
+  j["replicas"] = plan_.replicas();
+  j["mesh"] = nlohmann::json::object();
+  for (const MeshAxis& a : spec_.mesh.axes) j["mesh"][a.name] = a.size;
+  j["metrics"] = absolute(spec_.log.metrics);
+  j["job_yaml"] = spec_.resolved.empty() ? "" : "job.yaml";
+  // The files Trace::write left: trace.json alone, else one per rank beside it.
+  nlohmann::json traces = nlohmann::json::array();
+  if (!trace_path.empty())
+    for (size_t i = 0; i < ranks.size(); ++i)
+      traces.push_back(absolute(rank_trace_path(spec_.log.trace, static_cast<int>(i), static_cast<int>(ranks.size()))));
+  j["traces"] = traces;
+  j["steps"] = r.steps;
+  j["final_step"] = r.final_step;
+  j["skipped_steps"] = r.skipped_steps;
+  j["train_seconds"] = r.train_seconds;
+  j["total_seconds"] = r.total_seconds;
+  j["samples_per_s"] = r.samples_per_s;
+  j["final_loss"] = r.final_loss;
+  j["resumed_from"] = r.resumed_from;
+  j["checkpoint"] = r.checkpoint;
+  j["final_eval"] = nullptr;
+  if (r.final_eval) {
+    j["final_eval"] = {{"test_loss", r.final_eval->test_loss}};
+    if (r.final_eval->accuracy) j["final_eval"]["test_accuracy"] = *r.final_eval->accuracy;
+    if (r.final_eval->perplexity) j["final_eval"]["perplexity"] = *r.final_eval->perplexity;
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const std::vector<double>& c = ranks[i];
+    const double steps = std::max(1.0, c[kStepsTaken]);
+    auto bytes = [&](RankCounter k) { return static_cast<int64_t>(c[k]); };
+    nlohmann::json row = {
+        {"rank", i},
+        {"host", i < hosts.size() ? hosts[i] : hardware::hostname()},
+        {"model_state_bytes",
+         {{"parameters", bytes(kParameters)}, {"gradients", bytes(kGradients)}, {"optimizer", bytes(kOptimizerState)},
+          {"buffers", bytes(kBuffers)},
+          {"total", bytes(kParameters) + bytes(kGradients) + bytes(kOptimizerState) + bytes(kBuffers)}}},
+        {"peak_rss_bytes", bytes(kPeakRss)},
+        {"step_ms",
+         {{"data", c[kData] * 1e3 / steps}, {"forward", c[kForward] * 1e3 / steps}, {"backward", c[kBackward] * 1e3 / steps},
+          {"gradients", c[kGradientSync] * 1e3 / steps}, {"optimizer", c[kOptimizerStep] * 1e3 / steps}}},
+        {"comm_s", nlohmann::json::object()}};
+    row["comm_ms"] = nlohmann::json::object();  // per step, as step_ms
+    for (size_t a = 0; a < comm_axes_.size(); ++a) {
+      row["comm_s"][comm_axes_[a]] = c[kAxisBusy + a];
+      row["comm_ms"][comm_axes_[a]] = c[kAxisBusy + a] * 1e3 / steps;
+    }
+    if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
+    rows.push_back(row);
+  }
+  j["ranks"] = rows;
+  // The run is done and its results are elsewhere: a summary that cannot be written
+  // (the disk filled up since job.yaml was) is a warning, not a failed run.
+  const std::string path = (fs::path(spec_.log.dir) / "summary.json").string();
+  try {
+    write_file_atomic(path, j.dump(2) + "\n");
+  } catch (const Error& e) {
+    std::fprintf(stderr, "warning: log.dir: the run's summary was not written: %s\n", e.what());
+  }
+}
+
+}  // namespace tetra::core
