@@ -145,6 +145,18 @@ std::string space_problem(const JobSpec& spec, int64_t parameters) {
 std::string run_folder_problem(const JobSpec& spec) {
   std::error_code ec;
   if (!spec.log.dir.empty()) {
+    // The run folder, or the nearest folder above it that exists, must take a new entry
+    // (tried: permission bits say nothing for root, nor of a read-only or virtual file
+    // system); else the run would fail at its first record.
+    fs::path at = fs::absolute(spec.log.dir, ec);
+    while (!at.empty() && !fs::exists(at, ec) && at != at.parent_path()) at = at.parent_path();
+    if (fs::is_directory(at, ec)) {
+      const fs::path probe = at / (".tetra-write-check-" + std::to_string(::getpid()));
+      if (!fs::create_directory(probe, ec) || ec)
+        return "log.dir: " + spec.log.dir + " cannot be written: nothing can be created in " + at.string() + " (" +
+               (ec ? ec.message() : std::string("it exists")) + "); set log.dir to a folder this run may write, or \"\" for none";
+      fs::remove(probe, ec);
+    }
     const fs::path job_yaml = fs::path(spec.log.dir) / "job.yaml";
     if (fs::is_regular_file(job_yaml, ec)) {
       std::string other;

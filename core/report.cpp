@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
 #include "collectives/error.h"
@@ -19,7 +21,10 @@ void MetricsWriter::open(const std::string& path, bool append) {
   std::error_code ec;
   if (!p.parent_path().empty()) fs::create_directories(p.parent_path(), ec);
   out_.open(path, append ? std::ios::app : std::ios::trunc);
-  if (!out_) throw Error("log.metrics: cannot write " + path);
+  // A path this run may not write is the job's to change (exit 2), not a failed run.
+  if (!out_)
+    throw ConfigError("log.metrics: cannot write " + path + ": " + std::strerror(errno) +
+                      " (set log.dir, or log.metrics, to a place this run may write)");
 }
 
 void MetricsWriter::open_tensorboard(const std::string& dir, int64_t resumed_at) { events_.open(dir, resumed_at); }

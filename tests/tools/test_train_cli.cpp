@@ -175,6 +175,26 @@ log: {progress: off, metrics: ""}
   EXPECT_NE(r.out.find("--set checkpoint.resume=never starts afresh"), std::string::npos) << r.out;
 }
 
+// Issue 28, item 9: a run folder that cannot be written is the job's to change: exit 2
+// naming log.dir, before anything trains (it was exit 1 from the metrics file), and
+// --check finds it too. /proc takes no new entry, even from root.
+TEST(TrainCli, AnUnwritableLogDirIsExit2NamingIt) {
+  const fs::path d = fresh_dir("unwritable");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [32]}
+data: {type: synthetic, batch_size: 16}
+train: {max_steps: 2, threads: 1}
+log: {progress: off, dir: /proc/tetra-no-such/run}
+checkpoint: {dir: ""}
+)").string();
+  for (const std::vector<std::string>& args : {std::vector<std::string>{job}, std::vector<std::string>{job, "--check"}}) {
+    const Outcome r = run(args);
+    EXPECT_EQ(r.status, 2) << r.out;
+    EXPECT_NE(r.out.find("train: error: log.dir: /proc/tetra-no-such/run cannot be written"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("step 1"), std::string::npos) << r.out;
+  }
+}
+
 // Issue 33, item 7: configs/zero.yaml promised "10 bytes per parameter instead of 16"
 // while its 25 MB units held the model's gradients whole (ZeRO-2 then saved nothing on
 // them). Its dry run, which equals the run to the byte, now keeps the promise as the
@@ -990,6 +1010,12 @@ TEST(TrainCli, VersionComesFromTheBuild) {
   EXPECT_EQ(v.out.rfind(std::string("train (tetra ") + TETRA_VERSION, 0), 0u) << v.out;
   if (*TETRA_GIT_COMMIT) {
     EXPECT_NE(v.out.find(std::string("commit ") + TETRA_GIT_COMMIT), std::string::npos) << v.out;
+    // The commit of the build, not of the last configure (issue 28, item 9): the tree's
+    // HEAD now, as the suite runs after its build.
+    const Outcome head = run_program("/bin/sh", {"-c", std::string("git -C '") + TETRA_SOURCE_DIR +
+                                                           "' rev-parse --short=12 HEAD 2>/dev/null"});
+    if (head.status == 0 && head.out.size() >= 12)
+      EXPECT_NE(v.out.find("commit " + head.out.substr(0, 12)), std::string::npos) << v.out << " at " << head.out;
   }
   EXPECT_NE(v.out.find("LibTorch "), std::string::npos) << v.out;
   EXPECT_NE(v.out.find("  mpi: Open MPI"), std::string::npos) << v.out;
