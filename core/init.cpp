@@ -120,7 +120,8 @@ at::Tensor meta_like(const at::Tensor& t) {
   return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
 }
 
-Materializer::Materializer(torch::nn::Module& model, uint64_t seed) : seed_(seed) {
+Materializer::Materializer(torch::nn::Module& model, uint64_t seed, torch::Device device)
+    : seed_(seed), device_(device) {
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     const torch::nn::Module& m = *item.value();
     auto full = [&](const std::string& key) {
@@ -154,7 +155,11 @@ const Init& Materializer::rule(const std::string& name) const {
 void Materializer::fill(const NamedParam& p, int64_t first, const at::Tensor& out) const {
   TETRA_CHECK(first >= 0 && first + out.numel() <= p.tensor.numel(), "fill: elements [", first,
               ", ", first + out.numel(), ") are outside ", p.name, " of ", p.tensor.numel());
-  if (p.tensor.is_meta()) {
+  if (p.tensor.is_meta() && !out.is_cpu()) {
+    at::Tensor host = at::empty({out.numel()}, out.options().device(at::kCPU));
+    draw(rule(p.name), seed_, p.name, first, host);
+    out.copy_(host.view(out.sizes()));
+  } else if (p.tensor.is_meta()) {
     draw(rule(p.name), seed_, p.name, first, out);
   } else {
     at::NoGradGuard no_grad;
@@ -166,7 +171,7 @@ void Materializer::create(const NamedParam& p) const {
   if (!p.tensor.is_meta()) return;
   at::Tensor data = at::empty(p.tensor.sizes(), at::TensorOptions().dtype(p.tensor.scalar_type()));
   draw(rule(p.name), seed_, p.name, 0, data);
-  place(p.tensor, data);
+  place(p.tensor, device_.is_cpu() ? data : data.to(device_));
 }
 
 void Materializer::create_all(torch::nn::Module& model) const {

@@ -88,7 +88,9 @@ at::Tensor meta_like(const at::Tensor& t);
 // module does not say (not an Initialized module) is a ConfigError naming it.
 class Materializer {
  public:
-  Materializer(torch::nn::Module& model, uint64_t seed);
+  // Tensors it creates are placed on `device` (Note [One device]); values are drawn on
+  // the CPU, so every device draws the same.
+  Materializer(torch::nn::Module& model, uint64_t seed, torch::Device device = torch::kCPU);
 
   uint64_t seed() const { return seed_; }
   // True when the model came with its values (no meta tensor at all): nothing is drawn,
@@ -110,6 +112,7 @@ class Materializer {
 
  private:
   uint64_t seed_;
+  torch::Device device_;
   std::map<std::string, Init> rules_;  // meta tensors only
 };
 

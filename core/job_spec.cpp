@@ -240,6 +240,7 @@ TrainSpec parse_train(Section& t) {
   spec.threads =
       static_cast<int>(t.integer("threads", def.threads, 0, std::numeric_limits<int>::max()));
   spec.precision = t.word("precision", def.precision, precision_names());
+  spec.device = t.word("device", def.device, device_names());
   // Bounded like pipeline.micro_batches: the plan multiplies it by the data ranks, and an
   // unbounded value overflowed that product (a division by zero in `train --check`).
   spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1, 1 << 20);
@@ -449,6 +450,12 @@ const std::vector<std::string>& precision_names() {
 }
 const std::string& to_string(Precision precision) { return precision_names().at(static_cast<size_t>(precision)); }
 
+const std::vector<std::string>& device_names() {
+  static const std::vector<std::string> names = {"cpu", "cuda"};
+  return names;
+}
+const std::string& to_string(DeviceKind device) { return device_names().at(static_cast<size_t>(device)); }
+
 const std::vector<std::string>& on_nonfinite_names() {
   static const std::vector<std::string> names = {"stop", "skip"};
   return names;
@@ -574,6 +581,7 @@ YAML::Node to_yaml(const TrainSpec& t) {
   put(n, "seed", t.seed, def.seed);
   put(n, "threads", t.threads, def.threads);
   if (t.precision != def.precision) n["precision"] = to_string(t.precision);
+  if (t.device != def.device) n["device"] = to_string(t.device);
   put(n, "accumulation_steps", t.accumulation_steps, def.accumulation_steps);
   if (t.on_nonfinite != def.on_nonfinite) n["on_nonfinite"] = to_string(t.on_nonfinite);
   return n;

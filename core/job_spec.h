@@ -72,10 +72,16 @@ struct ScheduleSpec {
   int64_t decay_steps = 0;        // steps of decay after warmup; 0 = until the last step
 };
 
-// train.precision: fp32, or bf16 under CPU autocast.
+// train.precision: fp32, or bf16 under autocast (on the job's device).
 enum class Precision { kFp32, kBf16 };
 const std::vector<std::string>& precision_names();  // fp32 bf16
 const std::string& to_string(Precision precision);
+
+// train.device: where every tensor the framework creates lives (Note [One device],
+// core/device.h): cpu, or cuda (a rank's GPU from its local rank).
+enum class DeviceKind { kCpu, kCuda };
+const std::vector<std::string>& device_names();  // cpu cuda
+const std::string& to_string(DeviceKind device);
 
 // train.on_nonfinite: what a step whose loss or gradients hold a NaN or an infinity does.
 // stop: the run fails naming the step, the micro-batch and the first such parameter;
@@ -91,6 +97,7 @@ struct TrainSpec {
   int64_t seed = 1;
   int threads = 0;                   // intra-op threads per process; 0 = cores / local ranks
   Precision precision = Precision::kFp32;
+  DeviceKind device = DeviceKind::kCpu;
   int64_t accumulation_steps = 1;    // micro-batches per optimizer step; divides batch_size
   OnNonfinite on_nonfinite = OnNonfinite::kStop;
 };

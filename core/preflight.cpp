@@ -12,6 +12,7 @@
 
 #include "collectives/error.h"
 #include "core/checkpoint.h"
+#include "core/device.h"
 #include "core/report.h"
 
 namespace tetra::core {
@@ -201,6 +202,7 @@ std::string run_folder_problem(const JobSpec& spec) {
 void check_paths(const JobSpec& spec, bool own_data) {
   std::vector<std::string> problems = path_problems(spec, own_data);
   if (const std::string p = run_folder_problem(spec); !p.empty()) problems.push_back(p);
+  if (const std::string p = device_problem(spec); !p.empty()) problems.push_back(p);
   if (problems.empty()) return;
   std::string msg;
   for (const std::string& p : problems) msg += (msg.empty() ? "" : "\n") + p;  // a line each

@@ -40,7 +40,8 @@ std::string space_problem(const JobSpec& spec, int64_t parameters);
 // The problem when log.dir already holds a run of another job ("" when it does not).
 std::string run_folder_problem(const JobSpec& spec);
 
-// Throws tetra::ConfigError carrying every problem of path_problems and run_folder_problem.
+// Throws tetra::ConfigError carrying every problem of path_problems, run_folder_problem
+// and device_problem (train.device on this machine, core/device.h).
 void check_paths(const JobSpec& spec, bool own_data = false);
 
 }  // namespace tetra::core

@@ -53,7 +53,7 @@ StepOutput LocalRunner::run(const StepInput& step) {
     torch::Tensor loss;
     {
       Trace::Scope s(trace_, "compute", "forward");
-      compat::CpuAutocast autocast(step.bf16);
+      compat::Autocast autocast(step.bf16, step.device.type());
       loss = model_loss(model_->forward(batch.inputs), batch.targets);
     }
     out.forward_s += t.lap();
@@ -71,7 +71,7 @@ StepOutput LocalRunner::run(const StepInput& step) {
 EvalSums LocalRunner::evaluate(const Batch& batch, bool bf16) {
   torch::Tensor out;
   {
-    compat::CpuAutocast autocast(bf16);
+    compat::Autocast autocast(bf16, batch.inputs.device().type());
     out = model_->forward(batch.inputs);
   }
   out = out.to(torch::kFloat32);

@@ -33,7 +33,8 @@ struct StepInput {
   // Runs the strategies' before_backward(last): call it before each backward, with
   // last = true before the step's last backward on this rank.
   std::function<void(bool last)> before_backward;
-  bool bf16 = false;  // CPU autocast for the forward
+  bool bf16 = false;  // bf16 autocast for the forward, on `device`
+  torch::Device device = torch::kCPU;  // where the batches `load` returns live (Note [One device])
   // The dropout key of row 0 of `indices` (Note [Layout-invariant dropout]): a forward of
   // the rows from r on runs under random.offset(r).
   RandomContext random;

@@ -71,6 +71,9 @@ struct TrainState {
   Trace& trace;
   const Dataset* data = nullptr;  // the job's data (the pipeline probes its shapes)
   const Materializer* weights = nullptr;  // the one place that creates the model's tensors
+  // Where this rank's tensors live (Note [One device], core/device.h): a strategy creates
+  // its buffers with options().device(device).
+  torch::Device device = torch::kCPU;
 };
 
 class Strategy {

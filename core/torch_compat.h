@@ -10,35 +10,43 @@
 
 namespace tetra::core::compat {
 
+// Autocast on the CPU or a GPU (`type` kCPU or kCUDA).
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-inline void set_cpu_autocast(bool enabled, at::ScalarType dtype) {
-  at::autocast::set_autocast_dtype(at::kCPU, dtype);
-  at::autocast::set_autocast_enabled(at::kCPU, enabled);
+inline void set_autocast(c10::DeviceType type, bool enabled, at::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(type, dtype);
+  at::autocast::set_autocast_enabled(type, enabled);
 }
 #else
-inline void set_cpu_autocast(bool enabled, at::ScalarType dtype) {
-  at::autocast::set_autocast_cpu_dtype(dtype);
-  at::autocast::set_cpu_enabled(enabled);
+inline void set_autocast(c10::DeviceType type, bool enabled, at::ScalarType dtype) {
+  if (type == c10::DeviceType::CUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(enabled);
+  }
 }
 #endif
 
-// Autocast on the CPU for the lifetime of the guard (bf16 training); a no-op when off.
-class CpuAutocast {
+// bf16 autocast on the job's device (Note [One device]) for the lifetime of the guard; a
+// no-op when off.
+class Autocast {
  public:
-  explicit CpuAutocast(bool on) : on_(on) {
-    if (on_) set_cpu_autocast(true, at::kBFloat16);
+  explicit Autocast(bool on, c10::DeviceType type = c10::DeviceType::CPU) : on_(on), type_(type) {
+    if (on_) set_autocast(type_, true, at::kBFloat16);
   }
-  ~CpuAutocast() {
+  ~Autocast() {
     if (on_) {
-      set_cpu_autocast(false, at::kBFloat16);
+      set_autocast(type_, false, at::kBFloat16);
       at::autocast::clear_cache();
     }
   }
-  CpuAutocast(const CpuAutocast&) = delete;
-  CpuAutocast& operator=(const CpuAutocast&) = delete;
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
 
  private:
   bool on_;
+  c10::DeviceType type_;
 };
 
 // A c10::Allocator written once for LibTorch 1.13 and 2.x: allocate() is const in 1.13 and

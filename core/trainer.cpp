@@ -8,6 +8,8 @@
 
 #include "collectives/error.h"
 #include "collectives/hierarchical.h"
+#include "collectives/launch.h"
+#include "core/device.h"
 #include "core/preflight.h"
 #include "core/random.h"
 #include "core/resume.h"
@@ -44,6 +46,13 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     throw ConfigError("the trainer got a replica group of " + std::to_string(options_.replica->size()) +
                       " but no world; replicas need the process world (a communicator of 1 for one process)");
   }
+  // Note [One device]: a device this machine cannot give is exit 2 before anything is
+  // built (a dry run plans for another machine, and builds nothing on a device).
+  if (!options_.dry_run) {
+    if (const std::string problem = device_problem(spec_); !problem.empty()) throw ConfigError(problem);
+    device_ = rank_device(spec_, collectives::detect_launch().local_rank, options_.replica ? options_.replica->rank() : 0,
+                          plan_.replicas());
+  }
   if (options_.data) {
     data_ = options_.data;
   } else {
@@ -58,6 +67,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     std::lock_guard<std::mutex> lock(global_rng_mutex());
     torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
     model_ = options_.model(data_->info());
+    if (!device_.is_cpu()) model_->to(device_);  // a program's own model, built with its values
   } else {
     model_ = model_shapes(spec_.model, data_->info());  // no storage: strategies decide what is created
   }
@@ -79,7 +89,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   }
   identity_ = std::make_unique<RunIdentity>(
       RunIdentity{spec_, data_->info(), static_cast<bool>(options_.model), std::move(layers), model_parameters_});
-  weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed));
+  weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed), device_);
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
@@ -91,7 +101,8 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   if (!options_.dry_run)
     for (const auto& cfg : plan_.strategies())
       if (auto s = cfg->build()) strategies_.push_back(std::move(s));
-  state_ = std::make_unique<TrainState>(TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get(), weights_.get()});
+  state_ = std::make_unique<TrainState>(
+      TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get(), weights_.get(), device_});
   for (auto& s : strategies_) s->attach(*state_);
   // Note [Capabilities]: looked for once. A job has at most one runner and one owner
   // besides core's (the plan admits one pipeline and one ZeRO section).
@@ -122,6 +133,11 @@ Trainer::~Trainer() = default;
 
 ModelStateBytes Trainer::memory() const { return owner_->memory(); }
 
+Batch Trainer::on_device(Batch b) const {
+  if (device_.is_cpu()) return b;
+  return {b.inputs.to(device_, /*non_blocking=*/true), b.targets.to(device_, /*non_blocking=*/true)};
+}
+
 RankState Trainer::rank_state(const ModelStateBytes& m) const { return {m, phases_, runner_->idle(), step_}; }
 
 TensorMap Trainer::weights() {
@@ -134,7 +150,7 @@ TensorMap Trainer::weights() {
 
 const LayerProbe& Trainer::probe() const {
   if (!probe_) {
-    compat::CpuAutocast autocast(spec_.train.precision == Precision::kBf16);
+    compat::Autocast autocast(spec_.train.precision == Precision::kBf16);
     probe_ = probe_layers(const_cast<torch::nn::Sequential&>(model_), data_->range(Split::kTrain, 0, 1).inputs);
   }
   return *probe_;
@@ -167,11 +183,12 @@ double Trainer::data_average(double v) {
 Trainer::StepOutcome Trainer::train_step(const torch::Tensor& global_indices) {
   StepInput in;
   in.indices = data_size_ == 1 ? global_indices : BatchPlan::slice(global_indices, data_rank_, data_size_);
-  in.load = [this](const torch::Tensor& idx) { return data_->get(Split::kTrain, idx); };
+  in.load = [this](const torch::Tensor& idx) { return on_device(data_->get(Split::kTrain, idx)); };
   in.before_backward = [this](bool last) {
     for (auto& s : strategies_) s->before_backward(last);
   };
   in.bf16 = spec_.train.precision == Precision::kBf16;
+  in.device = device_;
   // Dropout draws by each row's place in the global batch, so every split draws what one
   // process draws (Note [Layout-invariant dropout]).
   in.random.seed = static_cast<uint64_t>(spec_.train.seed);
@@ -252,10 +269,10 @@ EvalResult Trainer::evaluate() {
     const int64_t b = begin + i * eb;
     if (b >= end) {
       const int64_t k = std::min(begin, std::max<int64_t>(0, data_->size(Split::kTest) - 1));
-      runner_->evaluate(data_->range(Split::kTest, k, k + 1), bf16);
+      runner_->evaluate(on_device(data_->range(Split::kTest, k, k + 1)), bf16);
       continue;
     }
-    const EvalSums s = runner_->evaluate(data_->range(Split::kTest, b, std::min(end, b + eb)), bf16);
+    const EvalSums s = runner_->evaluate(on_device(data_->range(Split::kTest, b, std::min(end, b + eb))), bf16);
     sums.loss_sum += s.loss_sum;
     sums.correct += s.correct;
     sums.predictions += s.predictions;

@@ -84,6 +84,8 @@ class Trainer {
   // The whole model's parameter count, whatever this rank keeps of it.
   int64_t model_parameters() const { return model_parameters_; }
   const Dataset& dataset() const { return *data_; }
+  // Where this rank's tensors live (train.device; Note [One device], core/device.h).
+  torch::Device device() const { return device_; }
   const JobSpec& spec() const { return spec_; }
   const Plan& job_plan() const { return plan_; }
   int64_t total_steps() const { return total_steps_; }
@@ -129,6 +131,8 @@ class Trainer {
   double data_average(double v);
   // This rank's counters for the records, with `m` its memory() now (the caller has it).
   RankState rank_state(const ModelStateBytes& m) const;
+  // A batch on this rank's device (Note [One device]): the one place batches move.
+  Batch on_device(Batch b) const;
 
   Plan plan_;  // validated on construction: a broken composition never starts
   const JobSpec& spec_;  // plan_'s
@@ -141,6 +145,7 @@ class Trainer {
   std::vector<std::string> param_names_;
   std::map<std::string, int64_t> param_index_;
   int64_t model_parameters_ = 0;
+  torch::Device device_ = torch::kCPU;  // this rank's (Note [One device], core/device.h)
   std::unique_ptr<RunIdentity> identity_;  // what checkpoints and exports say of the run
   std::string resume_changes_;             // the settings that differ from the resumed checkpoint's
   int64_t skipped_steps_ = 0;  // this run's

@@ -68,7 +68,7 @@ class DataParallel final : public core::Strategy {
     std::vector<at::Tensor> buffers;
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const auto& gb = grads_.buckets()[b];
-      buckets_[b].buffer = at::zeros({gb.padded}, at::TensorOptions().dtype(gb.dtype));
+      buckets_[b].buffer = at::zeros({gb.padded}, at::TensorOptions().dtype(gb.dtype).device(state.device));
       buffers.push_back(buckets_[b].buffer);
     }
     grads_.bind_views(buffers);

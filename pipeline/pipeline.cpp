@@ -122,7 +122,7 @@ std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& d
   UntouchedModel untouched(model);
   core::LayerProbe whole;
   {
-    core::compat::CpuAutocast autocast(bf16);
+    core::compat::Autocast autocast(bf16);
     whole = core::probe_layers(model, data.range(core::Split::kTrain, 0, 1).inputs, /*max_tokens=*/0);
   }
   std::vector<Boundary> out;
@@ -190,6 +190,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     data_size_ = state.mesh ? state.mesh->size("data") : 1;
     data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
     bf16_ = state.spec.train.precision == core::Precision::kBf16;
+    device_ = state.device;
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
     sched_ = make_schedule(to_string(opt_.schedule), P, opt_.micro_batches, v);
     micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches;
@@ -268,6 +269,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
   const core::Dataset* data_ = nullptr;
   int rank_ = 0, data_size_ = 1, data_coord_ = 0;
   bool bf16_ = false;
+  at::Device device_ = at::kCPU;  // Note [One device]
   int64_t micro_size_ = 1;
   collectives::Duration timeout_ = collectives::kDefaultTimeout;
   Schedule sched_;
@@ -304,7 +306,7 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
   if (given) {
     probe = *given;
   } else {
-    core::compat::CpuAutocast autocast(bf16);
+    core::compat::Autocast autocast(bf16);
     probe = core::probe_layers(model, sample);
   }
   const double per_micro = static_cast<double>(micro_batch) * probe.scale;  // probe outputs per micro-batch
@@ -371,7 +373,7 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
     for (int rep = 0; rep < (scaled ? 2 : 20) && (scaled || rep < 4 || spent < 0.05); ++rep) {
       auto t0 = Clock::now();
       {
-        core::compat::CpuAutocast autocast(bf16);
+        core::compat::Autocast autocast(bf16);
         y = m.forward(in);
       }
       auto t1 = Clock::now();
@@ -448,7 +450,8 @@ void Pipeline::make_links(const core::Mesh& mesh) {
 // Receives posted ahead on one link, in the order the schedule consumes them.
 class Inbox {
  public:
-  Inbox(const Link& link, int ahead, collectives::Duration timeout) : ahead_(ahead), link_(link), timeout_(timeout) {}
+  Inbox(const Link& link, int ahead, collectives::Duration timeout, at::Device device)
+      : ahead_(ahead), link_(link), timeout_(timeout), device_(device) {}
   void expect(std::vector<int64_t> shape, at::ScalarType dtype) { pending_.push_back({std::move(shape), dtype}); }
   void start() {
     for (int k = 0; k < ahead_; ++k) post();
@@ -471,13 +474,14 @@ class Inbox {
   void post() {
     if (next_ >= pending_.size()) return;
     const auto& [shape, dtype] = pending_[next_++];
-    at::Tensor buf = at::empty(shape, at::TensorOptions().dtype(dtype));
+    at::Tensor buf = at::empty(shape, at::TensorOptions().dtype(dtype).device(device_));
     collectives::RecvOptions o;
     o.timeout = timeout_;
     posted_.push_back({buf, link_.comm->recv(buf, link_.peer(), o)});
   }
   const Link& link_;
   collectives::Duration timeout_;
+  at::Device device_;
   std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> pending_;
   size_t next_ = 0;
   std::vector<std::pair<at::Tensor, WorkPtr>> posted_;
@@ -505,7 +509,7 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
   std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
   auto micro_n = [&](int i) { return micro.rows(i); };
 
-  Inbox acts(act_in_, opt_.prefetch, timeout_), grads(grad_in_, opt_.prefetch, timeout_);
+  Inbox acts(act_in_, opt_.prefetch, timeout_, device_), grads(grad_in_, opt_.prefetch, timeout_, device_);
   int last_backward = -1;
   for (size_t k = 0; k < prog.size(); ++k) {
     const Instr& in = prog[k];
@@ -533,7 +537,7 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
   // The last stage's forward returns the micro-batch's mean loss (s.loss is it weighted).
   auto run_forward = [&](int i, int chunk, Slot& s) {
     core::RandomContext::Scope random(micro.random(i));
-    core::compat::CpuAutocast autocast(step.bf16);
+    core::compat::Autocast autocast(step.bf16, step.device.type());
     s.output = chunks_[chunk]->forward(s.input);
     if (!last(chunk)) return at::Tensor();
     at::Tensor l = core::model_loss(s.output, s.targets);
@@ -665,7 +669,7 @@ core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
       if (first(c)) {
         x = batch.inputs.slice(0, b, e);
       } else if (opt_.stages > 1) {
-        x = at::empty(input_of(c).shape(e - b), at::TensorOptions().dtype(input_of(c).dtype));
+        x = at::empty(input_of(c).shape(e - b), at::TensorOptions().dtype(input_of(c).dtype).device(device_));
         collectives::RecvOptions o;
         o.timeout = timeout_;
         act_in_.comm->recv(x, act_in_.peer(), o)->wait();
@@ -674,7 +678,7 @@ core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
       }
       at::Tensor y;
       {
-        core::compat::CpuAutocast autocast(bf16);
+        core::compat::Autocast autocast(bf16, x.device().type());
         y = chunks_[c]->forward(x);
       }
       if (last(c)) {

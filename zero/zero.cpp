@@ -282,7 +282,7 @@ void Zero::attach(core::TrainState& state) {
     if (b.dtype != dtype)
       throw ConfigError("zero: the parameters have several dtypes; ZeRO shards one dtype (they are " +
                         std::string(c10::toString(dtype)) + " and " + c10::toString(b.dtype) + ")");
-  const auto options = at::TensorOptions().dtype(dtype);
+  const auto options = at::TensorOptions().dtype(dtype).device(state.device);  // Note [One device]
 
   // The flat layout: every unit a flat buffer the unit's parameters are views of, this
   // rank's chunks back to back in the shard buffers. The parameters arrive as shapes (Note

@@ -195,6 +195,46 @@ checkpoint: {dir: ""}
   }
 }
 
+// Issue 28, item 7: train.device: cuda on a machine without CUDA (this one) is exit 2
+// naming the device and what is missing, before anything trains, in a run and in --check;
+// --schema and --list-keys know the key and its words. Skipped where a GPU is usable.
+TEST(TrainCli, CudaWithoutAGpuIsExit2NamingWhatIsMissing) {
+  const fs::path d = fresh_dir("cuda");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [32]}
+data: {type: synthetic, batch_size: 16}
+train: {max_steps: 2, threads: 1, device: cuda}
+log: {progress: off}
+)").string();
+  const Outcome r = run({job, "--set", "log.dir=" + (d / "run").string()});
+  if (r.status == 0) GTEST_SKIP() << "a GPU is usable here: " << r.out;
+  EXPECT_EQ(r.status, 2) << r.out;
+  const bool no_cuda = r.out.find("train: error: train.device: cuda, but this tetra is built against a LibTorch "
+                                  "without CUDA") != std::string::npos;
+  const bool no_gpu = r.out.find("train: error: train.device: cuda, but no GPU is visible") != std::string::npos;
+  EXPECT_TRUE(no_cuda || no_gpu) << r.out;
+  EXPECT_NE(r.out.find("set train.device=cpu"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("step 1"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
+  const Outcome check = run({job, "--check", "--set", "log.dir=" + (d / "run").string()});
+  EXPECT_EQ(check.status, 2) << check.out;
+  EXPECT_NE(check.out.find("train.device: cuda, but"), std::string::npos) << check.out;
+  // The CPU is the default, and a word that is not a device is a config error with the choices.
+  const Outcome typo = run({job, "--check", "--set", "train.device=gpu"});
+  EXPECT_EQ(typo.status, 2) << typo.out;
+  EXPECT_NE(typo.out.find("cpu"), std::string::npos) << typo.out;
+  EXPECT_NE(typo.out.find("cuda"), std::string::npos) << typo.out;
+  const Outcome schema = run({"--schema"});
+  ASSERT_EQ(schema.status, 0) << schema.out;
+  const nlohmann::json j = nlohmann::json::parse(schema.out);
+  const nlohmann::json device = j["properties"]["train"]["properties"]["device"];
+  // The words, and null (a key left empty takes the default), as every word-valued key.
+  EXPECT_EQ(device["enum"], nlohmann::json({"cpu", "cuda", nullptr})) << device.dump();
+  EXPECT_EQ(device["default"], "cpu") << device.dump();
+  const Outcome keys = run({"--list-keys"});
+  EXPECT_NE(keys.out.find("train.device"), std::string::npos) << keys.out;
+}
+
 // Issue 33, item 7: configs/zero.yaml promised "10 bytes per parameter instead of 16"
 // while its 25 MB units held the model's gradients whole (ZeRO-2 then saved nothing on
 // them). Its dry run, which equals the run to the byte, now keeps the promise as the

@@ -397,9 +397,9 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
     const std::string where =
         (n_hosts == 1 ? "1 host (" + hardware::hostname() + ")" : std::to_string(n_hosts) + " hosts (" + hosts.describe() + ")") +
         (world ? ", rank 0 on cpus " + hardware::affinity_cpus() : "");
-    std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device cpu | %d thread%s | %s | %s\n", TETRA_VERSION,
-                 spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), where.c_str(),
-                 world ? world->backend().c_str() : "none", threads, threads == 1 ? "" : "s",
+    std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device %s | %d thread%s | %s | %s\n",
+                 TETRA_VERSION, spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), where.c_str(),
+                 world ? world->backend().c_str() : "none", trainer.device().str().c_str(), threads, threads == 1 ? "" : "s",
                  to_string(spec.train.precision).c_str(), blas_description().c_str());
     std::fprintf(options.out, "%s; model %s, %lld parameters; %lld steps\n", trainer.dataset().info().description.c_str(),
                  options.model ? "the program's own" : spec.model.type.c_str(),

@@ -1,0 +1,35 @@
+#include "core/device.h"
+
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+
+#include <cstdlib>
+
+namespace tetra::core {
+
+std::string device_problem(const JobSpec& spec) {
+  if (spec.train.device != DeviceKind::kCuda) return "";
+  if (!at::hasCUDA())
+    return "train.device: cuda, but this tetra is built against a LibTorch without CUDA (a CPU build); "
+           "set train.device=cpu, or build tetra against PyTorch's CUDA LibTorch";
+  if (torch::cuda::device_count() == 0) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    return std::string("train.device: cuda, but no GPU is visible to this process") +
+           (visible ? " (CUDA_VISIBLE_DEVICES=\"" + std::string(visible) + "\")" : std::string("")) +
+           "; set train.device=cpu, or run it where a GPU is";
+  }
+  // Each GPU rank's tensors travel between processes by NCCL: MPI and Gloo here take CPU tensors.
+  if (spec.mesh.world_size() > 1 && spec.collectives.backend != "nccl")
+    return "train.device: cuda over " + std::to_string(spec.mesh.world_size()) + " processes needs collectives.backend: "
+           "nccl (" + spec.collectives.backend + " takes CPU tensors); set collectives.backend=nccl";
+  return "";
+}
+
+torch::Device rank_device(const JobSpec& spec, int local_rank, int replica, int replicas) {
+  if (spec.train.device != DeviceKind::kCuda) return torch::Device(torch::kCPU);
+  const int count = static_cast<int>(torch::cuda::device_count());
+  const int index = count > 0 ? (local_rank * replicas + replica) % count : 0;
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+}  // namespace tetra::core
