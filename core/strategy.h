@@ -138,6 +138,10 @@ struct RankEstimate {
   int64_t activations = 0;  // saved for backward at the peak (an estimate: not measured)
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis, one step
   std::vector<std::string> notes;                       // what an estimate assumed
+  // What the cost model reads of the plan beside bytes (set by the strategies' estimate,
+  // so that no tool looks into a plugin's options):
+  bool hierarchical_data = false;  // the data axis may reduce inside each host first
+  int virtual_stages = 1;          // pipeline chunks per rank
   // Parameters, gradients and optimizer slots of `params` held whole, as the trainer's
   // own optimizer holds them (buffers untouched).
   void replicated_state(const JobSpec& spec);

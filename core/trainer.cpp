@@ -549,4 +549,13 @@ TrainResult Trainer::run() {
   return result;
 }
 
+TrainResult train(const JobSpec& spec, TrainerOptions options, const RankMaker::AfterRun& after) {
+  for (const auto& cfg : Plan(spec).strategies())  // composition order: the outermost maker
+    if (const auto* maker = dynamic_cast<const RankMaker*>(cfg.get())) return maker->train(spec, std::move(options), after);
+  Trainer trainer(spec, std::move(options));
+  TrainResult result = trainer.run();
+  if (after) after(0, trainer, result);
+  return result;
+}
+
 }  // namespace tetra::core

@@ -174,4 +174,25 @@ class Trainer {
   TrainResult::Phases phases_;
 };
 
+// Note [Ranks a plan makes]
+// Replication is a step of the plan like the others, applied in composition order: its
+// section (a StrategyConfig that is also a RankMaker) makes the ranks the job trains as,
+// beside those the launcher made (replicate: R threads in each process, each a Trainer
+// over its replica group), and core::train asks the plan for one rather than a tool
+// branching on which section is there.
+class RankMaker {
+ public:
+  virtual ~RankMaker() = default;
+  // Runs on each rank once its run ended (collective calls such as Trainer::weights()
+  // are allowed).
+  using AfterRun = std::function<void(int rank, Trainer& trainer, const TrainResult& result)>;
+  // Trains `spec` on the ranks it makes, each a Trainer with its own options (its world,
+  // its replica group) made from `options`. Returns its first rank's result.
+  virtual TrainResult train(const JobSpec& spec, TrainerOptions options, const AfterRun& after) const = 0;
+};
+
+// Trains the job on this process: on the ranks the plan's RankMaker makes when it has an
+// active one, else as one Trainer. Collective over options.world.
+TrainResult train(const JobSpec& spec, TrainerOptions options, const RankMaker::AfterRun& after = {});
+
 }  // namespace tetra::core

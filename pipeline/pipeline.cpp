@@ -813,6 +813,7 @@ std::string Options::plan(const core::PlanInput& input) const {
 // broadcast from the last stage (and the gradient norm's part, when clipping).
 void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
   const int P = stages, v = virtual_stages;
+  rank.virtual_stages = v;
   const int64_t micro = input.plan.micro_batch_size();
   const bool bf16 = input.spec.train.precision == core::Precision::kBf16;
   const auto it = rank.coord.find("pipeline");

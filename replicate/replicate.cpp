@@ -216,6 +216,10 @@ void ReplicaSet::run(const std::function<void(int replica)>& fn) {
   if (error_) std::rethrow_exception(error_);
 }
 
+core::TrainResult Options::train(const core::JobSpec& spec, core::TrainerOptions options, const AfterRun& after) const {
+  return replicate::train(spec, std::move(options), after);
+}
+
 core::TrainResult train(const core::JobSpec& spec, core::TrainerOptions options, const AfterRun& after) {
   auto cfg = spec.plugin<Options>("replicate");
   const int R = cfg ? cfg->replicas : 1;

@@ -40,10 +40,12 @@
 namespace tetra::replicate {
 
 // The `replicate` section.
-struct Options : core::StrategyConfig {
+// It makes the ranks the job trains as (core::RankMaker, Note [Ranks a plan makes]).
+struct Options : core::StrategyConfig, core::RankMaker {
   int replicas = 2;  // replica threads per process; each is a data rank
   // Replicas set up the launch, not a phase of the step: no Strategy to attach.
   std::unique_ptr<core::Strategy> build() const override { return nullptr; }
+  core::TrainResult train(const core::JobSpec& spec, core::TrainerOptions options, const AfterRun& after) const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
   YAML::Node to_yaml() const override;
@@ -112,7 +114,7 @@ class ReplicaSet {
 // own Trainer; they follow one process's loss. `after` (optional) runs on each replica's
 // thread once its run ended (collective calls such as Trainer::weights() are allowed).
 // Returns replica 0's result.
-using AfterRun = std::function<void(int replica, core::Trainer& trainer, const core::TrainResult& result)>;
+using AfterRun = core::RankMaker::AfterRun;
 core::TrainResult train(const core::JobSpec& spec, core::TrainerOptions options, const AfterRun& after = {});
 
 // ---- the Replicator: TF-Replicator's API for loops of your own --------------------------

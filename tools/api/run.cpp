@@ -22,7 +22,6 @@
 #include "core/preflight.h"
 #include "core/report.h"
 #include "core/runtime.h"
-#include "data_parallel/data_parallel.h"
 #include "hardware/host.h"
 #include "hardware/topology.h"
 #include "pipeline/pipeline.h"
@@ -118,12 +117,11 @@ std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows, int p
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
 // traffic per step from the per-rank estimate, and where each axis's groups lie when
 // `per_host` consecutive processes share a host.
-StepPrediction predict(const Trainer& trainer, const std::vector<RankEstimate>& estimates, int per_host,
+StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estimates, int per_host,
                        const Calibration& cal) {
-  Trainer& t = const_cast<Trainer&>(trainer);
   const Plan& plan = trainer.job_plan();
   const int R = plan.replicas();
-  const std::vector<double> fwd = forward_flops(t.model(), trainer.probe());
+  const std::vector<double> fwd = forward_flops(trainer.model(), trainer.probe());
   const int64_t batch = plan.spec().data.batch_size;
   const double per_rank = double(batch) / std::max(1, plan.data_ranks());
   std::map<int, StageWork> stages;  // by pipeline coordinate: its first rank's work
@@ -135,13 +133,9 @@ StepPrediction predict(const Trainer& trainer, const std::vector<RankEstimate>& 
     for (int l : r.layers) w.flops += 3 * fwd[static_cast<size_t>(l)] * per_rank;  // backward = 2 forwards
     w.traffic = r.traffic;
   }
-  bool hierarchical = R > 1;  // replicas compose the data group hierarchically (collectives/hierarchical.h)
-  int virtual_stages = 1;
-  for (const auto& cfg : plan.strategies()) {
-    if (auto* dp = dynamic_cast<const data_parallel::Options*>(cfg.get()))
-      hierarchical = hierarchical || dp->hierarchical != data_parallel::Hierarchy::kOff;
-    if (auto* pp = dynamic_cast<const pipeline::Options*>(cfg.get())) virtual_stages = pp->virtual_stages;
-  }
+  // Replicas compose the data group hierarchically (collectives/hierarchical.h).
+  const bool hierarchical = R > 1 || (!estimates.empty() && estimates.front().hierarchical_data);
+  const int virtual_stages = estimates.empty() ? 1 : estimates.front().virtual_stages;
   std::vector<AxisLinks> links;
   bool data_seen = false;
   for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(per_host)) {
@@ -177,17 +171,16 @@ StepPrediction predict(const Trainer& trainer, const std::vector<RankEstimate>& 
 //            --ranks-per-host), the GPU-cluster defaults, named as assumed.
 // `--calibration gpu-cluster` asks for the GPU-cluster defaults throughout (what
 // tools/predict_scale.sh plans with); a calibration file measures a real cluster.
-Calibration this_machine(const Trainer& trainer, bool spans_hosts) {
-  Trainer& t = const_cast<Trainer&>(trainer);
+Calibration this_machine(Trainer& trainer, bool spans_hosts) {
   const Plan& plan = trainer.job_plan();
   const bool bf16 = plan.spec().train.precision == Precision::kBf16;
   const int64_t micro = std::max<int64_t>(1, plan.micro_batch_size());
   const std::vector<pipeline::LayerCost> costs =
-      pipeline::measure_layers(t.model(), trainer.dataset(), micro, bf16, /*time=*/true, pipeline::kDryRunTimedFlops,
+      pipeline::measure_layers(trainer.model(), trainer.dataset(), micro, bf16, /*time=*/true, pipeline::kDryRunTimedFlops,
                                &trainer.probe());
   double seconds = 0, flops = 0;
   for (const auto& c : costs) seconds += c.forward_s + c.backward_s;
-  for (double f : forward_flops(t.model(), trainer.probe())) flops += 3 * f * double(micro);
+  for (double f : forward_flops(trainer.model(), trainer.probe())) flops += 3 * f * double(micro);
   Calibration c;
   if (seconds > 0 && flops > 0) c.flops_per_s = flops / seconds;
   // The pair: two thread-ranks measuring each other.
@@ -207,7 +200,7 @@ Calibration this_machine(const Trainer& trainer, bool spans_hosts) {
   return c;
 }
 
-Calibration calibration_of(const DryRunOptions& how, const Trainer& trainer, bool spans_hosts) {
+Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool spans_hosts) {
   std::string file = how.calibration;
   if (file.empty())
     if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) file = env;
@@ -221,7 +214,7 @@ Calibration calibration_of(const DryRunOptions& how, const Trainer& trainer, boo
   return this_machine(trainer, spans_hosts);
 }
 
-nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankEstimate>& estimates,
+nlohmann::json plan_json(Trainer& trainer, const std::vector<RankEstimate>& estimates,
                          const std::vector<RankRow>& rows, int per_host, const Calibration& cal) {
   const Plan& plan = trainer.job_plan();
   nlohmann::json j;
@@ -256,13 +249,12 @@ nlohmann::json plan_json(const Trainer& trainer, const std::vector<RankEstimate>
   return j;
 }
 
-std::string plan_text(const Trainer& trainer, const std::vector<RankEstimate>& estimates, int threads,
+std::string plan_text(Trainer& trainer, const std::vector<RankEstimate>& estimates, int threads,
                       bool custom_model) {
-  Trainer& t = const_cast<Trainer&>(trainer);
   const Plan& plan = trainer.job_plan();
   const JobSpec& spec = plan.spec();
   const auto& info = trainer.dataset().info();
-  const int64_t params = parameter_count(*t.model());
+  const int64_t params = parameter_count(*trainer.model());
   std::string out;
   appendf(out, "job        %s (%s)\n", spec.name.c_str(), spec.source.empty() ? "built in C++" : spec.source.c_str());
   const int world = plan.process_count(), R = plan.replicas();
@@ -280,9 +272,9 @@ std::string plan_text(const Trainer& trainer, const std::vector<RankEstimate>& e
           spec.train.max_steps ? "train.max_steps" : "train.epochs x steps per epoch");
   appendf(out, "model      %s, %lld parameters\n", custom_model ? "the program's own" : spec.model.type.c_str(),
           static_cast<long long>(params));
-  out += describe(t.model());
+  out += describe(trainer.model());
   out += plan.describe_composition();
-  out += t.plan();
+  out += trainer.plan();
   out += estimate_table(plan, estimates);  // per rank: memory, and bytes per axis per step
   return out;
 }
@@ -408,9 +400,7 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
       if (const std::string d = strategy->decision(); !d.empty()) std::fprintf(options.out, "%s\n", d.c_str());
     std::fflush(options.out);
   };
-  if (plan.replicas() > 1) return replicate::train(spec, topts);
-  Trainer trainer(spec, topts);
-  return trainer.run();
+  return core::train(spec, topts);  // on the ranks the plan makes (Note [Ranks a plan makes])
 }
 
 }  // namespace
