@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "collectives/hierarchical.h"
 #include "collectives/topology_gather.h"
 #include "core/bucketer.h"
 
@@ -57,6 +58,7 @@ class DataParallel final : public core::Strategy {
     if (!state.mesh || state.mesh->size("data") == 1) return;  // one rank: nothing to do
     comm_ = state.mesh->axis("data");
     trace_ = &state.trace;
+    timeout_ = collectives::Duration(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
     core::check_same_job(*comm_, state, "data_parallel");
     state.weights->create_all(*state.model);  // every rank holds the whole model
     core::broadcast_from_first(*comm_, state);
@@ -87,17 +89,15 @@ class DataParallel final : public core::Strategy {
       for (int s : grads_.buckets()[i].slots) grads_.bind(s);
       launch(buckets_[i]);
     }
-    complete_hierarchy();
     for (size_t i = 0; i < buckets_.size(); ++i) {
       Bucket& b = buckets_[i];
       for (auto& w : b.works) w->wait();
-      trace_works(b, i, hier_ ? "allgather (host)" : "allreduce");
+      trace_works(b, i, hier_ ? "allreduce (hierarchical)" : "allreduce");
     }
     // Each .grad is a view of its bucket: the average is in place already, unless it
-    // travelled compressed or the hierarchy summed it.
+    // travelled compressed.
     for (auto& b : buckets_) {
       if (b.wire.defined()) b.buffer.copy_(b.wire);
-      if (hier_) b.buffer.div_(comm_->size());
       b.launched = false;
       b.works.clear();
     }
@@ -108,7 +108,7 @@ class DataParallel final : public core::Strategy {
  private:
   // What a bucket of the shared layout (grads_) needs for its communication.
   struct Bucket {
-    at::Tensor buffer, wire, chunk;  // buffer: the gradients (their .grad are views of it)
+    at::Tensor buffer, wire;  // buffer: the gradients (their .grad are views of it)
     bool launched = false;
     double issued_us = 0;
     std::vector<WorkPtr> works;
@@ -138,7 +138,17 @@ class DataParallel final : public core::Strategy {
     per_host_ = per_host;
     // Every rank splits (collective), even when the mode stays flat.
     intra_ = comm_->split(static_cast<int>(color), comm_->rank(), comm_->name() + " / host");
-    inter_ = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
+    CommunicatorPtr inter = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
+    // Hierarchy lives in collectives: one allreduce per bucket over a communicator that
+    // reduce-scatters inside each host, allreduces across hosts and allgathers inside
+    // (collectives/hierarchical.h), every sum by those phases (split_min_bytes 0).
+    over_ = comm_;
+    if (hier_) {
+      collectives::HierarchicalOptions o;
+      o.split_min_bytes = 0;
+      o.timeout = timeout_;
+      over_ = collectives::make_hierarchical(intra_, inter, comm_->name() + " (hierarchical)", o);
+    }
   }
 
   // After autograd accumulated slot i's gradient (hooked only with overlap).
@@ -159,18 +169,9 @@ class DataParallel final : public core::Strategy {
       b.wire = b.buffer.to(opt_.compression == Compression::kFp16 ? at::kHalf : at::kBFloat16);
       t = b.wire;
     }
-    if (!hier_) {
-      AllreduceOptions o;
-      o.op = ReduceOp::kAvg;
-      b.works.push_back(comm_->allreduce(t, o));
-      return;
-    }
-    // Phase 1 of the hierarchy now; the rest in complete_hierarchy().
-    // (Separate chunk buffer: MPI forbids overlapping input and output.)
-    const int64_t chunk = t.numel() / intra_->size();
-    if (!b.chunk.defined() || b.chunk.numel() != chunk || b.chunk.scalar_type() != t.scalar_type())
-      b.chunk = at::empty({chunk}, t.options());
-    b.works.push_back(intra_->reduce_scatter(t, b.chunk));
+    AllreduceOptions o;
+    o.op = ReduceOp::kAvg;
+    b.works.push_back(over_->allreduce(t, o));
   }
 
   // The "comm data" track: each op of bucket i from the moment the communicator's
@@ -186,30 +187,12 @@ class DataParallel final : public core::Strategy {
     }
   }
 
-  void complete_hierarchy() {
-    if (!hier_) return;
-    // Each phase is issued for every bucket before the next phase waits, so the phases
-    // of different buckets overlap.
-    for (size_t i = 0; i < buckets_.size(); ++i) {
-      Bucket& b = buckets_[i];
-      for (auto& w : b.works) w->wait();
-      trace_works(b, i, "reduce_scatter (host)");
-      b.works.clear();
-      b.works.push_back(inter_->allreduce(b.chunk));
-    }
-    for (size_t i = 0; i < buckets_.size(); ++i) {
-      Bucket& b = buckets_[i];
-      for (auto& w : b.works) w->wait();
-      trace_works(b, i, "allreduce (across hosts)");
-      b.works.clear();
-      b.works.push_back(intra_->allgather(b.chunk, b.wire.defined() ? b.wire : b.buffer));
-    }
-  }
-
   Options opt_;
   int ranks_per_host_;   // TETRA_RANKS_PER_HOST (tests); 0 = ask the launcher
   bool skip_allreduce_;  // TETRA_BENCH_SKIP_ALLREDUCE (benchmarks)
-  CommunicatorPtr comm_, intra_, inter_;
+  CommunicatorPtr comm_, intra_;
+  CommunicatorPtr over_;  // what each bucket's allreduce goes over: comm_, or hierarchical
+  collectives::Duration timeout_ = collectives::kDefaultTimeout;
   core::Trace* trace_ = nullptr;
   bool hier_ = false;
   int hosts_ = 1, per_host_ = 0;  // the data group's hosts, and ranks on each (<= 0: uneven)

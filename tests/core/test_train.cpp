@@ -117,6 +117,24 @@ TEST(Trainer, AccumulationFollowsTheFullBatch) {
   ASSERT_EQ(one.losses.size(), four.losses.size());
   for (size_t i = 0; i < one.losses.size(); ++i)
     EXPECT_NEAR(four.losses[i], one.losses[i], 1e-5 * std::abs(one.losses[i])) << "step " << i + 1;
+  // Plain SGD without clipping, parameters as well as losses: a gradient summed over the
+  // micro-batches instead of averaged is a 4x step, which AdamW's normalisation hides
+  // (with AdamW alone this test stayed green when MicroBatches stopped weighting).
+  auto sgd = base;
+  sgd.insert(sgd.end(), {"optimizer.type=sgd", "optimizer.lr=0.05", "optimizer.weight_decay=0"});
+  auto sgd4 = sgd;
+  sgd4.push_back("train.accumulation_steps=4");
+  Trainer whole(job(kMlp, sgd)), split(job(kMlp, sgd4));
+  const TrainResult w = whole.run(), s = split.run();
+  ASSERT_EQ(w.losses.size(), s.losses.size());
+  for (size_t i = 0; i < w.losses.size(); ++i)
+    EXPECT_NEAR(s.losses[i], w.losses[i], 1e-5 * std::abs(w.losses[i])) << "sgd: step " << i + 1;
+  const TensorMap wa = whole.weights(), wb = split.weights();
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) {
+    const double diff = (wb.at(name) - t).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-5 * std::max(1.0, t.abs().max().item<double>())) << "sgd: parameter " << name;
+  }
 }
 
 TEST(Trainer, Bf16TrainsToo) {
