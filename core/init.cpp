@@ -155,12 +155,11 @@ const Init& Materializer::rule(const std::string& name) const {
 void Materializer::fill(const NamedParam& p, int64_t first, const at::Tensor& out) const {
   TETRA_CHECK(first >= 0 && first + out.numel() <= p.tensor.numel(), "fill: elements [", first,
               ", ", first + out.numel(), ") are outside ", p.name, " of ", p.tensor.numel());
-  if (p.tensor.is_meta() && !out.is_cpu()) {
-    at::Tensor host = at::empty({out.numel()}, out.options().device(at::kCPU));
+  if (p.tensor.is_meta()) {
+    // Drawn on the CPU (Note [One device]): into `out` itself there, else through a copy.
+    const at::Tensor host = out.is_cpu() ? out : at::empty(out.sizes(), out.options().device(at::kCPU));
     draw(rule(p.name), seed_, p.name, first, host);
-    out.copy_(host.view(out.sizes()));
-  } else if (p.tensor.is_meta()) {
-    draw(rule(p.name), seed_, p.name, first, out);
+    if (!out.is_cpu()) out.copy_(host);
   } else {
     at::NoGradGuard no_grad;
     out.copy_(p.tensor.detach().reshape({-1}).narrow(0, first, out.numel()));

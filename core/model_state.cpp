@@ -19,31 +19,31 @@ std::vector<std::string> nonfinite_gradients(const std::vector<NamedParam>& para
 }
 
 ReplicatedState::ReplicatedState(const OptimizerSpec& spec, std::vector<NamedParam> params)
-    : params_(params), optimizer_(spec, std::move(params)) {}
+    : optimizer_(spec, std::move(params)) {}
 
-double ReplicatedState::grad_norm_sq() { return core::grad_norm_sq(params_); }
+double ReplicatedState::grad_norm_sq() { return core::grad_norm_sq(params()); }
 
-void ReplicatedState::scale_gradients(double factor) { core::scale_gradients(params_, factor); }
+void ReplicatedState::scale_gradients(double factor) { core::scale_gradients(params(), factor); }
 
-std::vector<std::string> ReplicatedState::nonfinite_gradients() { return core::nonfinite_gradients(params_); }
+std::vector<std::string> ReplicatedState::nonfinite_gradients() { return core::nonfinite_gradients(params()); }
 
 void ReplicatedState::save_state(Checkpoint& ckpt) {
-  for (const auto& p : params_) ckpt.tensors["model/" + p.name] = p.tensor;
+  for (const auto& p : params()) ckpt.tensors["model/" + p.name] = p.tensor;
   for (const auto& [k, v] : optimizer_.state_dict()) ckpt.tensors["optim/" + k] = v;
 }
 
 void ReplicatedState::load_state(const CheckpointReader& reader) {
   torch::NoGradGuard no_grad;
-  for (const auto& p : params_) reader.expect_shape("model/" + p.name, p.tensor.sizes(), "model tensor " + p.name);
+  for (const auto& p : params()) reader.expect_shape("model/" + p.name, p.tensor.sizes(), "model tensor " + p.name);
   std::map<std::string, torch::Tensor> opt;
   for (const auto& name : reader.names())
     if (name.rfind("optim/", 0) == 0) opt[name.substr(6)] = reader.read(name);
-  for (const auto& p : params_) p.tensor.copy_(reader.read("model/" + p.name).view(p.tensor.sizes()));
+  for (const auto& p : params()) p.tensor.copy_(reader.read("model/" + p.name).view(p.tensor.sizes()));
   optimizer_.load_state_dict(opt);
 }
 
 void ReplicatedState::gather_parameters(TensorMap& out) {
-  for (const auto& p : params_) out[p.name] = p.tensor;
+  for (const auto& p : params()) out[p.name] = p.tensor;
 }
 
 ModelStateBytes ReplicatedState::memory() const {
@@ -54,8 +54,8 @@ ModelStateBytes ReplicatedState::memory() const {
     return static_cast<int64_t>(t.storage().nbytes());
   };
   ModelStateBytes m;
-  for (const auto& p : params_) m.parameters += bytes(p.tensor);
-  for (const auto& p : params_) m.gradients += bytes(p.tensor.grad());
+  for (const auto& p : params()) m.parameters += bytes(p.tensor);
+  for (const auto& p : params()) m.gradients += bytes(p.tensor.grad());
   for (const auto& [k, v] : optimizer_.state_dict())
     if (k != "__step__") m.optimizer += bytes(v);
   return m;

@@ -76,7 +76,7 @@ class ReplicatedState final : public ModelStateOwner {
   ModelStateBytes memory() const override;
 
  private:
-  std::vector<NamedParam> params_;
+  const std::vector<NamedParam>& params() const { return optimizer_.params(); }
   Optimizer optimizer_;
 };
 

@@ -107,14 +107,15 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   // Note [Capabilities]: looked for once. A job has at most one runner and one owner
   // besides core's (the plan admits one pipeline and one ZeRO section).
   StepRunner* runner = nullptr;
+  std::string runner_name;
   ModelStateOwner* owner = nullptr;
   for (auto& s : strategies_) {
     if (auto* r = dynamic_cast<StepRunner*>(s.get())) {
       if (runner)
-        throw ConfigError("strategies " + runner_name_ + " and " + s->name() +
+        throw ConfigError("strategies " + runner_name + " and " + s->name() +
                           " both run the forward and backward; a job can have one of them");
       runner = r;
-      runner_name_ = s->name();
+      runner_name = s->name();
     }
     if (auto* o = dynamic_cast<ModelStateOwner*>(s.get())) owner = o;
     if (auto* g = dynamic_cast<StateGatherer*>(s.get())) gatherers_.push_back(g);

@@ -166,7 +166,6 @@ class Trainer {
   std::unique_ptr<TrainState> state_;
   // Note [Capabilities]: exactly one runner and one owner, a strategy's or core's.
   StepRunner* runner_ = nullptr;
-  std::string runner_name_;
   std::unique_ptr<LocalRunner> local_runner_;
   ModelStateOwner* owner_ = nullptr;
   std::unique_ptr<ReplicatedState> replicated_;

@@ -507,14 +507,13 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
   core::MicroBatches micro(step, m);
   core::StepOutput& out = micro.out();
   std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
-  auto micro_n = [&](int i) { return micro.rows(i); };
 
   Inbox acts(act_in_, opt_.prefetch, timeout_, device_), grads(grad_in_, opt_.prefetch, timeout_, device_);
   int last_backward = -1;
   for (size_t k = 0; k < prog.size(); ++k) {
     const Instr& in = prog[k];
-    if (in.op == Op::kRecvAct) acts.expect(input_of(in.chunk).shape(micro_n(in.micro)), input_of(in.chunk).dtype);
-    if (in.op == Op::kRecvGrad) grads.expect(output_of(in.chunk).shape(micro_n(in.micro)), output_of(in.chunk).dtype);
+    if (in.op == Op::kRecvAct) acts.expect(input_of(in.chunk).shape(micro.rows(in.micro)), input_of(in.chunk).dtype);
+    if (in.op == Op::kRecvGrad) grads.expect(output_of(in.chunk).shape(micro.rows(in.micro)), output_of(in.chunk).dtype);
     if (in.op == Op::kBackward) last_backward = static_cast<int>(k);
   }
   const auto t_begin = Clock::now();
