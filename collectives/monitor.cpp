@@ -800,7 +800,7 @@ std::string advertised_address(int port) {
   if (const char* host = std::getenv("TETRA_MONITOR_ADDR"); host && *host) {
     names.emplace_back(host);
   } else {
-    names.push_back(hardware::hostname());
+    names.push_back(hardware::network_name());
     for (const std::string& a : hardware::ipv4_addresses()) names.push_back(a);
   }
   const std::string tail = ":" + std::to_string(port);

@@ -210,4 +210,22 @@ collectives::CommunicatorPtr Mesh::axis(const std::string& name) const {
   throw Error("mesh has no axis \"" + name + "\"");
 }
 
+collectives::HostMap Mesh::hosts(const std::string& name) const { return collectives::gather_hosts(*axis(name)); }
+
+collectives::CommunicatorPtr Mesh::hierarchical(const std::string& name, const collectives::HostMap& hosts,
+                                                collectives::Duration timeout) const {
+  const collectives::CommunicatorPtr group = axis(name);
+  const int per_host = hosts.ranks_per_host();
+  if (hosts.hosts.size() < 2 || per_host < 2)
+    throw ConfigError("a hierarchical " + name + " group needs the same number (> 1) of its ranks on each of "
+                      "more than one host; it runs " + hosts.describe());
+  const int host = hosts.host_of[static_cast<size_t>(group->rank())];
+  collectives::CommunicatorPtr inside = group->split(host, group->rank(), group->name() + " / host");
+  collectives::CommunicatorPtr across = group->split(inside->rank(), host, group->name() + " / across hosts");
+  collectives::HierarchicalOptions o;
+  o.split_min_bytes = 0;
+  o.timeout = timeout;
+  return collectives::make_hierarchical(inside, across, group->name() + " (hierarchical)", o);
+}
+
 }  // namespace tetra::core

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "collectives/topology_gather.h"
 
 namespace tetra::core {
 
@@ -92,6 +93,18 @@ class Mesh {
   collectives::CommunicatorPtr axis(const std::string& name) const;
   const collectives::CommunicatorPtr& world() const { return world_; }
   int replicas() const { return replica_ ? replica_->size() : 1; }
+
+  // Where the ranks of the group along `axis` run (hardware::hostname on each: the one
+  // notion of a host). Collective over that group; every rank gets the same map.
+  collectives::HostMap hosts(const std::string& axis) const;
+  // The group along `axis` as one hierarchical communicator (collectives/hierarchical.h):
+  // every collective reduce-scatters inside each host, crosses the hosts once per
+  // host-rank and allgathers inside, whatever the size (split_min_bytes 0). Collective
+  // over the group; `hosts` is what hosts(axis) returned, and must hold the same number
+  // (> 1) of the group's ranks on each of more than one host (a tetra::ConfigError
+  // otherwise, naming the placement).
+  collectives::CommunicatorPtr hierarchical(const std::string& axis, const collectives::HostMap& hosts,
+                                            collectives::Duration timeout) const;
 
  private:
   collectives::CommunicatorPtr world_;

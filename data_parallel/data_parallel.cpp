@@ -5,28 +5,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <functional>
 #include <sstream>
 
 #include "collectives/error.h"
-#include "collectives/hierarchical.h"
 #include "collectives/topology_gather.h"
 #include "core/bucketer.h"
 
 namespace tetra::data_parallel {
 
 namespace {
-
-// A switch from the environment: 0 when unset; a value that is not a number is an error.
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return 0;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 0) throw ConfigError(std::string(name) + "=" + v + ": expected a whole number >= 0");
-  return static_cast<int>(n);
-}
 
 using collectives::AllreduceOptions;
 using collectives::Communicator;
@@ -36,21 +24,20 @@ using collectives::WorkPtr;
 
 class DataParallel final : public core::Strategy {
  public:
-  explicit DataParallel(Options o)
-      : opt_(std::move(o)), ranks_per_host_(env_int("TETRA_RANKS_PER_HOST")),
-        skip_allreduce_(env_int("TETRA_BENCH_SKIP_ALLREDUCE") != 0) {}
+  explicit DataParallel(Options o) : opt_(std::move(o)) {}
   std::string name() const override { return "data_parallel"; }
 
   std::string decision() const override {
-    if (!comm_ || hosts_ <= 1) return "";
-    const std::string where = std::to_string(comm_->size()) + " data ranks on " + std::to_string(hosts_) + " hosts";
-    if (hier_)
-      return "data_parallel: hierarchical allreduce over " + where + " (" + std::to_string(intra_->size()) +
+    if (!comm_ || hosts_.hosts.size() <= 1) return "";
+    const std::string where =
+        std::to_string(comm_->size()) + " data ranks on " + std::to_string(hosts_.hosts.size()) + " hosts";
+    if (over_ != comm_)
+      return "data_parallel: hierarchical allreduce over " + where + " (" + std::to_string(hosts_.ranks_per_host()) +
              " per host): reduce-scatter inside each host, allreduce across hosts, allgather inside" +
              (opt_.hierarchical == Hierarchy::kAuto ? "; on by itself because the data group spans hosts" : "");
     return "data_parallel: flat allreduce over " + where +
            (opt_.hierarchical == Hierarchy::kOff ? " (data_parallel.hierarchical: off)"
-                                                  : per_host_ <= 0 ? " (hierarchical needs the same number of ranks on every host)"
+                                                  : hosts_.ranks_per_host() <= 0 ? " (hierarchical needs the same number of ranks on every host)"
                                                                    : " (one rank per host: nothing to reduce inside a host)");
   }
 
@@ -62,10 +49,14 @@ class DataParallel final : public core::Strategy {
     core::check_same_job(*comm_, state, "data_parallel");
     state.weights->create_all(*state.model);  // every rank holds the whole model
     core::broadcast_from_first(*comm_, state);
-    setup_hierarchy();
+    // Hierarchy lives in collectives, and hosts in the mesh: one allreduce per bucket, over
+    // the data group or, when it spans hosts, over the mesh's hierarchical communicator.
+    hosts_ = state.mesh->hosts("data");
+    over_ = comm_;
+    if (hierarchical(opt_.hierarchical, hosts_)) over_ = state.mesh->hierarchical("data", hosts_, timeout_);
     // reduce_scatter (hierarchical) needs equal chunks: pad each bucket to the host size.
     grads_ = core::GradientBuckets::by_size(state.params, static_cast<int64_t>(opt_.bucket_mb * 1024 * 1024),
-                                            hier_ ? intra_->size() : 1);
+                                            over_ != comm_ ? hosts_.ranks_per_host() : 1);
     buckets_.resize(grads_.buckets().size());
     std::vector<at::Tensor> buffers;
     for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -80,7 +71,7 @@ class DataParallel final : public core::Strategy {
   void before_backward(bool last) override { sync_ = last; }
 
   void finish_gradients() override {
-    if (!comm_ || skip_allreduce_) return;
+    if (!comm_ || opt_.compute_only) return;
     sync_ = false;
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < buckets_.size(); ++i) {
@@ -92,7 +83,7 @@ class DataParallel final : public core::Strategy {
     for (size_t i = 0; i < buckets_.size(); ++i) {
       Bucket& b = buckets_[i];
       for (auto& w : b.works) w->wait();
-      trace_works(b, i, hier_ ? "allreduce (hierarchical)" : "allreduce");
+      trace_works(b, i, over_ != comm_ ? "allreduce (hierarchical)" : "allreduce");
     }
     // Each .grad is a view of its bucket: the average is in place already, unless it
     // travelled compressed.
@@ -114,46 +105,20 @@ class DataParallel final : public core::Strategy {
     std::vector<WorkPtr> works;
   };
 
-  void setup_hierarchy() {
-    const int n = comm_->size();
-    int per_host = ranks_per_host_;
-    int64_t color = 0;
-    if (per_host > 0) {
-      color = comm_->rank() / per_host;
-    } else {
-      const collectives::HostMap hosts = collectives::gather_hosts(*comm_);
-      color = hosts.host_of[static_cast<size_t>(comm_->rank())];
-      per_host = hosts.ranks_per_host() > 0 ? hosts.ranks_per_host() : -1;  // uneven: flat only
-      if (opt_.hierarchical == Hierarchy::kAuto) hier_ = hosts.hosts.size() > 1 && per_host > 1;
-      hosts_ = static_cast<int>(hosts.hosts.size());
-    }
-    if (opt_.hierarchical == Hierarchy::kOn) {
-      if (per_host <= 1 || n % per_host != 0)
-        throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on every host");
-      hier_ = true;
-    }
-    if (opt_.hierarchical == Hierarchy::kOff) hier_ = false;
-    if (opt_.hierarchical == Hierarchy::kAuto && ranks_per_host_ > 0) hier_ = n / per_host > 1 && per_host > 1;
-    if (ranks_per_host_ > 0) hosts_ = (n + per_host - 1) / per_host;
-    per_host_ = per_host;
-    // Every rank splits (collective), even when the mode stays flat.
-    intra_ = comm_->split(static_cast<int>(color), comm_->rank(), comm_->name() + " / host");
-    CommunicatorPtr inter = comm_->split(intra_->rank(), static_cast<int>(color), comm_->name() + " / across hosts");
-    // Hierarchy lives in collectives: one allreduce per bucket over a communicator that
-    // reduce-scatters inside each host, allreduces across hosts and allgathers inside
-    // (collectives/hierarchical.h), every sum by those phases (split_min_bytes 0).
-    over_ = comm_;
-    if (hier_) {
-      collectives::HierarchicalOptions o;
-      o.split_min_bytes = 0;
-      o.timeout = timeout_;
-      over_ = collectives::make_hierarchical(intra_, inter, comm_->name() + " (hierarchical)", o);
-    }
+  // Whether the data group's allreduce goes through its hosts, by data_parallel.hierarchical
+  // (auto: when it spans hosts with several of its ranks on each). Every rank decides alike:
+  // the host map is the same on all.
+  static bool hierarchical(Hierarchy mode, const collectives::HostMap& hosts) {
+    const bool fits = hosts.hosts.size() > 1 && hosts.ranks_per_host() > 1;
+    if (mode == Hierarchy::kOn && !fits)
+      throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on each of more "
+                        "than one host; the data group runs " + hosts.describe());
+    return mode == Hierarchy::kOn || (mode == Hierarchy::kAuto && fits);
   }
 
   // After autograd accumulated slot i's gradient (hooked only with overlap).
   void on_ready(int i) {
-    if (!sync_ || skip_allreduce_) return;  // accumulate-only micro-batch: no communication
+    if (!sync_ || opt_.compute_only) return;  // accumulate-only micro-batch: no communication
     at::NoGradGuard no_grad;
     Bucket& b = buckets_[grads_.slots()[i].bucket];
     if (b.launched) return;
@@ -188,14 +153,11 @@ class DataParallel final : public core::Strategy {
   }
 
   Options opt_;
-  int ranks_per_host_;   // TETRA_RANKS_PER_HOST (tests); 0 = ask the launcher
-  bool skip_allreduce_;  // TETRA_BENCH_SKIP_ALLREDUCE (benchmarks)
-  CommunicatorPtr comm_, intra_;
+  CommunicatorPtr comm_;
   CommunicatorPtr over_;  // what each bucket's allreduce goes over: comm_, or hierarchical
+  collectives::HostMap hosts_;  // where the data group runs
   collectives::Duration timeout_ = collectives::kDefaultTimeout;
   core::Trace* trace_ = nullptr;
-  bool hier_ = false;
-  int hosts_ = 1, per_host_ = 0;  // the data group's hosts, and ranks on each (<= 0: uneven)
   bool sync_ = false;
   core::GradientBuckets grads_;  // the layout, the hooks, the .grad views (core's bucketer)
   std::vector<Bucket> buckets_;

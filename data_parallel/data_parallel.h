@@ -50,18 +50,19 @@ struct Options : core::StrategyConfig {
   bool overlap = true;             // allreduce during backward
   Compression compression = Compression::kNone;
   Hierarchy hierarchical = Hierarchy::kAuto;
+  // Not a job-spec key (never parsed or written): a benchmark's switch through the C++ API
+  // (tools/bench_train.cpp) that skips the gradient allreduce, for the compute-only ceiling
+  // of a run. The ranks drift apart.
+  bool compute_only = false;
   std::unique_ptr<core::Strategy> build() const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
   void estimate(const core::PlanInput& input, core::RankEstimate& rank) const override;
   YAML::Node to_yaml() const override;
 };
 
-// Registers the `data_parallel` section (owner of the `data` mesh axis).
-//
-// Two switches are not the user's and stay out of the job spec, in the environment:
-//   TETRA_RANKS_PER_HOST=N        (tests) count N consecutive data ranks as one host
-//   TETRA_BENCH_SKIP_ALLREDUCE=1  (benchmarks) skip the gradient allreduce: the
-//                                 compute-only ceiling of a run (the replicas drift apart)
+// Registers the `data_parallel` section (owner of the `data` mesh axis). Hosts are the
+// mesh's (core::Mesh::hosts: hardware::hostname, TETRA_HOSTNAME where the launcher or the
+// user names them).
 void register_data_parallel(core::SectionRegistry& registry);
 
 }  // namespace tetra::data_parallel

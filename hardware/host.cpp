@@ -1,5 +1,7 @@
 #include "hardware/host.h"
 
+#include <cstdlib>
+
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -21,11 +23,16 @@ std::string network_namespace_id() {
   const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
   // Without either (not Linux, /proc not mounted), the host's name and the pid: unique, so
   // nothing is taken to share a namespace that might not.
-  if (boot.empty() || n <= 0) return hostname() + "/" + std::to_string(::getpid());
+  if (boot.empty() || n <= 0) return network_name() + "/" + std::to_string(::getpid());
   return boot + "/" + std::string(ns, static_cast<size_t>(n));
 }
 
 std::string hostname() {
+  if (const char* name = std::getenv("TETRA_HOSTNAME"); name && *name) return name;
+  return network_name();
+}
+
+std::string network_name() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
   return buf;

@@ -7,7 +7,14 @@
 
 namespace tetra::hardware {
 
+// The name of this host as the job knows it: TETRA_HOSTNAME when set (the launcher's or
+// the user's name for it, as Horovod's HOROVOD_HOSTNAME: containers that share a machine,
+// or several "hosts" on one machine for a test), else the kernel's hostname. The one
+// notion of a host: topo, the gathered topology, the hosts of a mesh axis (hierarchical
+// allreduce), the banner and the flight recorder all take it from here.
 std::string hostname();
+// The kernel's hostname (gethostname), what other hosts may resolve: for addresses only.
+std::string network_name();
 // This host's IPv4 addresses on interfaces that are up, loopback excluded, in the kernel's
 // interface order ("10.213.0.1"). What another host may reach this one at when its name
 // does not resolve there (test hosts, containers, clusters without DNS for compute nodes).

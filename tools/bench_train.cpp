@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
     if (base.mesh.size("data") > 1)
       modes = {{"overlap", {"data_parallel.overlap=true"}},
                {"no-overlap", {"data_parallel.overlap=false"}},
-               {"no-comm", {}},  // TETRA_BENCH_SKIP_ALLREDUCE=1 while it builds its trainer
+               {"no-comm", {}},  // data_parallel::Options::compute_only
                {"checked", {"data_parallel.overlap=true"}}};  // the fingerprints' cost
     else
       modes = {{"single", {}}};
@@ -109,13 +109,17 @@ int main(int argc, char** argv) {
       for (const auto& [mode, extra] : modes) {
         TrainerOptions o;
         o.world = world;
-        // The compute-only ceiling: a benchmark's switch, from the environment.
-        if (mode == "no-comm") setenv("TETRA_BENCH_SKIP_ALLREDUCE", "1", 1);
         collectives::HealthOptions health = collectives::health_options();
         health.check = mode == "checked";  // the trainer's groups take it when they are made
         collectives::set_health_options(health);
-        Trainer t(parse(extra), o);
-        unsetenv("TETRA_BENCH_SKIP_ALLREDUCE");
+        JobSpec spec = parse(extra);
+        // The compute-only ceiling: a switch of the C++ API, not of the job spec.
+        if (auto on = spec.plugin<data_parallel::Options>("data_parallel"); on && mode == "no-comm") {
+          auto dp = std::make_shared<data_parallel::Options>(*on);
+          dp->compute_only = true;
+          spec.plugins["data_parallel"] = dp;
+        }
+        Trainer t(spec, o);
         if (r == 0 && mode == modes.front().first && rank0 && !json)
           std::printf("model: %lld parameters\n", static_cast<long long>(parameter_count(*t.model())));
         TrainResult res = t.run();

@@ -3,6 +3,7 @@
 // every step within float reduction-order error, whatever the buckets, overlap,
 // accumulation or hierarchy; compression follows within its documented tolerance.
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -88,11 +89,21 @@ TEST(DataParallel, AccumulationCommunicatesOnceAndFollows) {
   expect_follows(single(), parallel(2, {"train.accumulation_steps=2", "data_parallel.bucket_mb=0.05"}), 1e-5);
 }
 
-TEST(DataParallel, HierarchicalOverTwoPretendHosts) {
-  TrainResult ref = single();
-  setenv("TETRA_RANKS_PER_HOST", "2", 1);  // a test switch, not the user's: the environment
-  expect_follows(ref, parallel(4, {"data_parallel.hierarchical=on", "data_parallel.bucket_mb=0.05"}), 1e-5);
-  unsetenv("TETRA_RANKS_PER_HOST");
+// Hierarchy needs hosts: on one host, `hierarchical: on` is a ConfigError saying where the
+// data group runs, not a silently flat allreduce. (Over two named hosts it follows one
+// process: tests/tools/test_multihost.cpp, NamedHosts; over two test hosts, MultiHost.)
+TEST(DataParallel, HierarchicalOnOneHostSaysWhereTheRanksRun) {
+  try {
+    parallel(2, {"data_parallel.hierarchical=on"});
+    ADD_FAILURE() << "hierarchical: on over one host ran";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on each of more "
+                        "than one host; the data group runs "),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("ranks 0-1"), std::string::npos) << what;
+  }
 }
 
 TEST(DataParallel, CompressionFollowsWithinItsTolerance) {

@@ -205,6 +205,29 @@ TEST_F(MultiHost, ReplicasAcrossTwoHostsFollowOneProcess) {
   expect_follows_one_process("replicas", "{type: sgd, lr: 0.05}", {"mesh.data=4", "replicate.replicas=2"});
 }
 
+// Two hosts on one machine by name (hardware::hostname: TETRA_HOSTNAME, as Horovod's
+// HOROVOD_HOSTNAME): mpirun's MPMD form gives each pair of ranks its own. Data parallelism
+// with `hierarchical: on` and small buckets (every bucket through reduce-scatter inside a
+// host, allreduce across, allgather inside) follows one process with plain SGD, parameters
+// too; the plan names both hosts. No namespaces: this runs wherever mpirun does.
+TEST(NamedHosts, HierarchicalDataParallelOverTwoNamedHostsFollowsOneProcess) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const Launch named = [](const fs::path& dir, const std::vector<std::string>& args) {
+    std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none"};
+    for (const std::string host : {"named-a", "named-b"}) {
+      if (all.size() > 3) all.push_back(":");
+      all.insert(all.end(), {"-np", "2", "-x", "TETRA_HOSTNAME=" + host, kTrain});
+      all.insert(all.end(), args.begin(), args.end());
+    }
+    return run(TETRA_MPIEXEC, all, dir / "named.log");
+  };
+  const std::string out = expect_follows_one_process(
+      "named_hosts", "{type: sgd, lr: 0.05}", {"mesh.data=4", "data_parallel.hierarchical=on"}, named);
+  EXPECT_TRUE(has(out, "4 data ranks on 2 hosts")) << out;
+  EXPECT_TRUE(has(out, "hierarchical allreduce")) << out;
+}
+
 // Note [Monitor handshake], on the test hosts: a job of 2 ranks on tetra-host1 while a
 // hostile peer (tests/tools/hostile_peer.py) on tetra-host2, and then one on tetra-host1
 // itself, connects to rank 0's monitor and tries a hello claiming rank 1 then a close
