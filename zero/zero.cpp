@@ -111,7 +111,7 @@ TORCH_MODULE(GatheredLayer);
 
 class Zero final : public core::Strategy, public core::ModelStateOwner {
  public:
-  explicit Zero(Options o) : opt_(std::move(o)) {}
+  explicit Zero(Options o) : opt_(std::move(o)), parts_(Parts::of(opt_.stage)) {}
   ~Zero() override {
     try {
       drain();
@@ -174,12 +174,12 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   }
   at::Tensor param_chunk(int u) {
     Unit& un = units_[u];
-    return opt_.stage == 3 ? param_shard_.narrow(0, un.shard_offset, un.chunk)
+    return parts_.parameters ? param_shard_.narrow(0, un.shard_offset, un.chunk)
                            : un.full.narrow(0, rank_ * un.chunk, un.chunk);
   }
   at::Tensor grad_chunk(int u) {
     Unit& un = units_[u];
-    return opt_.stage == 1 ? un.full_grad.narrow(0, rank_ * un.chunk, un.chunk)
+    return !parts_.gradients ? un.full_grad.narrow(0, rank_ * un.chunk, un.chunk)
                            : grad_shard_.narrow(0, un.shard_offset, un.chunk);
   }
   // Borrows buffer i of `pool` (waiting for the op that last used it).
@@ -206,6 +206,7 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   }
 
   Options opt_;
+  Parts parts_;  // what is sharded (Note [ZeRO's parts]): the code asks these, not the stage
   const core::JobSpec* spec_ = nullptr;
   core::Trace* trace_ = nullptr;
   CommunicatorPtr comm_, gather_comm_;
@@ -249,12 +250,12 @@ void Zero::attach(core::TrainState& state) {
     core::broadcast_from_first(*comm_, state);
     // Stage 3's gathers get a communicator (and progress thread) of their own, so a
     // prefetch never queues behind a gradient reduce-scatter.
-    if (opt_.stage == 3) gather_comm_ = comm_->split(0, rank_, comm_->name() + " / zero gathers");
+    if (parts_.parameters) gather_comm_ = comm_->split(0, rank_, comm_->name() + " / zero gathers");
   }
   at::NoGradGuard no_grad;
   const int64_t pad = size_ * kAlign;
   std::vector<int> unit_layer;
-  if (opt_.stage == 3) {
+  if (parts_.parameters) {
     // One unit per layer of the sequence that has parameters, in forward order.
     std::unordered_map<const void*, const core::NamedParam*> by_impl;
     for (const auto& p : state.params) by_impl[p.tensor.unsafeGetTensorImpl()] = &p;
@@ -296,10 +297,10 @@ void Zero::attach(core::TrainState& state) {
     units_[u].shard_offset = shard_numel_;
     shard_numel_ += units_[u].chunk;
   }
-  if (opt_.stage == 3) param_shard_ = at::zeros({shard_numel_}, options);  // the padding stays zero
+  if (parts_.parameters) param_shard_ = at::zeros({shard_numel_}, options);  // the padding stays zero
   for (size_t u = 0; u < bks.size(); ++u) {
     Unit& un = units_[u];
-    if (opt_.stage == 3) {
+    if (parts_.parameters) {
       un.full = unallocated(bks[u].padded, options);
       at::Tensor chunk = param_chunk(static_cast<int>(u));
       for (const Piece& pc : pieces(static_cast<int>(u)))
@@ -318,7 +319,7 @@ void Zero::attach(core::TrainState& state) {
     }
     if (un.held == Held::kFree) point_storage(un.full, nullptr);  // the views are cut: no bytes until gathered
   }
-  if (opt_.stage == 1) {
+  if (!parts_.gradients) {
     std::vector<at::Tensor> buffers;
     for (auto& un : units_) {
       un.full_grad = at::zeros_like(un.full);
@@ -330,7 +331,7 @@ void Zero::attach(core::TrainState& state) {
     for (auto& sl : buckets_.slots()) sl.param.tensor.mutable_grad() = at::Tensor();
     for (int i = 0; i < kGradPool; ++i) grad_pool_.buffers.push_back(at::empty({buckets_.max_padded()}, options));
   }
-  if (opt_.stage == 1 && size_ > 1) {
+  if (!parts_.gradients && size_ > 1) {
     int64_t max_chunk = 0;
     for (auto& un : units_) max_chunk = std::max(max_chunk, un.chunk);
     for (int i = 0; i < kPoolSize; ++i) staging_pool_.buffers.push_back(at::empty({max_chunk}, options));
@@ -347,7 +348,7 @@ void Zero::attach(core::TrainState& state) {
     momentum_ = at::zeros({shard_numel_}, options);
   }
   buckets_.hook([this](int s) { on_ready(s); });
-  if (opt_.stage == 3) wrap_layers(state, unit_layer);
+  if (parts_.parameters) wrap_layers(state, unit_layer);
 }
 
 void Zero::wrap_layers(core::TrainState& state, const std::vector<int>& unit_layer) {
@@ -404,7 +405,7 @@ void Zero::gather(int u) {
 
 void Zero::release(int u) {
   Unit& un = units_[u];
-  if (opt_.stage != 3 || un.held == Held::kFree) return;
+  if (!parts_.parameters || un.held == Held::kFree) return;
   if (un.work) {  // never free bytes an op is still writing
     un.work->wait();
     un.work.reset();
@@ -463,13 +464,13 @@ void Zero::on_ready(int slot) {
   const int u = buckets_.slots()[slot].bucket;
   // Stages 1 and 2 act only on the step's last backward (the others accumulate); stage 3
   // also frees a layer after each backward.
-  if (opt_.stage < 3 && (!sync_ || !opt_.overlap)) return;
-  if (opt_.stage == 1) buckets_.bind(slot);
+  if (!parts_.parameters && (!sync_ || !opt_.overlap)) return;
+  if (!parts_.gradients) buckets_.bind(slot);
   if (!buckets_.mark(slot)) return;
   // The unit's gradients are complete for this backward.
   at::NoGradGuard no_grad;
-  if (sync_ && (opt_.overlap || opt_.stage == 3)) reduce(u);
-  if (opt_.stage == 3 && !sync_) {
+  if (sync_ && (opt_.overlap || parts_.parameters)) reduce(u);
+  if (parts_.parameters && !sync_) {
     buckets_.reset_bucket(u);
     release(u);
   }
@@ -483,7 +484,7 @@ void Zero::reduce(int u) {
   ReduceScatterOptions o;
   o.op = ReduceOp::kAvg;
   o.timeout = timeout_;
-  if (opt_.stage == 1) {
+  if (!parts_.gradients) {
     if (!comm_) return;  // one rank: the whole gradient is the chunk
     // Into a staging buffer (a reduce-scatter cannot write inside its own input), then
     // into the chunk of the unit's gradient that this rank steps.
@@ -497,7 +498,7 @@ void Zero::reduce(int u) {
   const auto& b = buckets_.buckets()[u];
   at::Tensor flat = grad_pool_.buffers[i].narrow(0, 0, b.padded);
   buckets_.take_gradients(u, flat);
-  if (opt_.stage == 3) release(u);  // its backward is over
+  if (parts_.parameters) release(u);  // its backward is over
   if (!comm_) {
     grad_chunk(u).copy_(flat);
     return;
@@ -511,7 +512,7 @@ void Zero::finish_gradients() {
   // Units not yet on their way: overlap off, or parameters that got no gradient.
   for (size_t u = 0; u < units_.size(); ++u) {
     if (units_[u].launched) continue;
-    if (opt_.stage == 1)
+    if (!parts_.gradients)
       for (int s : buckets_.buckets()[u].slots) buckets_.bind(s);
     reduce(static_cast<int>(u));
   }
@@ -525,7 +526,7 @@ void Zero::finish_gradients() {
 
 void Zero::zero_grad() {
   at::NoGradGuard no_grad;
-  if (opt_.stage == 1) {
+  if (!parts_.gradients) {
     for (auto& un : units_) un.full_grad.zero_();
     for (size_t s = 0; s < buckets_.slots().size(); ++s) buckets_.bind(static_cast<int>(s));
   } else {
@@ -553,7 +554,7 @@ std::vector<std::string> Zero::nonfinite_gradients() {
   // One sum over the gradients this rank owns first: a NaN or an infinity anywhere makes
   // it non-finite (so may finite values that overflow it; the exact pass clears those).
   double total = 0;
-  if (opt_.stage == 1) {
+  if (!parts_.gradients) {
     std::vector<at::Tensor> sums;
     for (size_t u = 0; u < units_.size(); ++u) sums.push_back(grad_chunk(static_cast<int>(u)).sum());
     if (!sums.empty()) total = at::stack(sums).sum().item<double>();
@@ -590,7 +591,7 @@ void Zero::step(double lr) {
     }
     at::Tensor p = param_chunk(u);
     core::fused_update(spec_->optimizer, lr, steps_, p, grad_chunk(u), slots);
-    if (opt_.stage == 3 || !comm_) continue;
+    if (parts_.parameters || !comm_) continue;
     // Every rank's updated chunk into every rank's whole parameters, in place (the chunk
     // is this rank's part of the unit), while the next unit steps.
     AllgatherOptions o;
@@ -665,7 +666,7 @@ void Zero::load_state(const core::CheckpointReader& reader) {
           dst.zero_();
       }
     }
-    if (opt_.stage < 3) {
+    if (!parts_.parameters) {
       // Stages 1 and 2 keep the whole parameters: read the rest of them too.
       for (int s : buckets_.buckets()[u].slots) {
         const auto& sl = buckets_.slots()[s];
@@ -680,8 +681,8 @@ void Zero::gather_parameters(core::TensorMap& out) {
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < units_.size(); ++k) {
     const int u = static_cast<int>(k);
-    const bool was_free = opt_.stage == 3 && units_[u].held == Held::kFree;
-    if (opt_.stage == 3) gather(u);
+    const bool was_free = parts_.parameters && units_[u].held == Held::kFree;
+    if (parts_.parameters) gather(u);
     if (rank_ == 0)
       for (int s : buckets_.buckets()[u].slots) {
         const auto& sl = buckets_.slots()[s];
@@ -694,7 +695,7 @@ void Zero::gather_parameters(core::TensorMap& out) {
 core::ModelStateBytes Zero::memory() const {
   core::ModelStateBytes m;
   for (const auto& un : units_) {
-    if (opt_.stage < 3) m.parameters += storage_bytes(un.full);  // stage 3: the gather pool's bytes, below
+    if (!parts_.parameters) m.parameters += storage_bytes(un.full);  // stage 3: the gather pool's bytes, below
     m.gradients += storage_bytes(un.full_grad);
   }
   m.parameters += storage_bytes(param_shard_);
@@ -710,14 +711,13 @@ core::ModelStateBytes Zero::memory() const {
 
 // ---- the job spec ----------------------------------------------------------------------
 
-core::ModelStateBytes estimate_memory(const core::JobSpec& spec, int stage, int data_ranks, int64_t params) {
-  const int64_t slots = core::optimizer_slots(spec.optimizer);
-  const int64_t psi = params * 4, n = std::max(1, data_ranks);  // fp32
-  core::ModelStateBytes m;
-  m.parameters = stage >= 3 ? psi / n : psi;
-  m.gradients = stage >= 2 ? psi / n : psi;
-  m.optimizer = stage >= 1 ? slots * psi / n : slots * psi;
-  return m;
+Parts Parts::of(int stage) { return {stage >= 1, stage >= 2, stage >= 3}; }
+
+std::string Parts::what() const {
+  std::string s = optimizer ? "the optimizer state" : "nothing";
+  if (gradients) s += ", the gradients";
+  if (parameters) s += ", the parameters";
+  return s;
 }
 
 std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<Zero>(*this); }
@@ -756,14 +756,40 @@ int64_t simulate_gather_buffers(int units, int prefetch, int64_t micro) {
   return buffers;
 }
 
+// Note [One memory model]: the bytes of a rank's model state as attach() lays it out
+// (units of `padded` elements, each split over n ranks) and Zero::memory() counts them;
+// what --dry-run prints and the memory tests hold a run to, to the byte. With nothing
+// sharded it is what the rank would hold without ZeRO.
+core::ModelStateBytes state_bytes(const std::vector<int64_t>& padded, int n, Parts parts, int64_t slots,
+                                  int64_t element, int64_t micro, int prefetch) {
+  int64_t whole = 0, shard = 0, max_padded = 0, max_chunk = 0;
+  for (const int64_t u : padded) {
+    whole += u;
+    shard += u / n;
+    max_padded = std::max(max_padded, u);
+    max_chunk = std::max(max_chunk, u / n);
+  }
+  core::ModelStateBytes m;
+  m.parameters = (parts.parameters ? shard : whole) * element;
+  m.gradients = (parts.gradients ? shard : whole) * element;
+  m.optimizer = slots * (parts.optimizer ? shard : whole) * element;
+  if (!parts.optimizer) return m;  // no ZeRO: no buffers of its own
+  if (parts.gradients) m.buffers += kGradPool * max_padded * element;      // gradients on their way
+  else if (n > 1) m.buffers += kPoolSize * max_chunk * element;            // reduce-scatters' chunks
+  if (parts.parameters)
+    m.buffers += simulate_gather_buffers(static_cast<int>(padded.size()), prefetch, micro) * max_padded * element;
+  return m;
+}
+
 }  // namespace
 
 // The layout attach() builds, from the same bucketer, and what memory() then counts.
 void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
+  const Parts parts = Parts::of(stage);
   const int n = input.plan.data_ranks();
   const int64_t pad = n * kAlign;
   GradientBuckets layout;
-  if (stage == 3) {  // a unit per layer
+  if (parts.parameters) {  // a unit per layer
     std::vector<std::vector<core::NamedParam>> groups;
     for (int l : rank.layers) groups.push_back(rank.layer_params[static_cast<size_t>(l)]);
     layout = GradientBuckets::by_groups(groups, pad);
@@ -773,34 +799,20 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const auto& units = layout.buckets();
   if (units.empty()) return;
   const int64_t e = static_cast<int64_t>(c10::elementSize(units.front().dtype));
-  int64_t whole = 0, shard = 0, max_chunk = 0;
-  for (const auto& u : units) {
-    whole += u.padded;
-    shard += u.padded / n;
-    max_chunk = std::max(max_chunk, u.padded / n);
-  }
-  const int64_t max_padded = layout.max_padded();
+  std::vector<int64_t> padded;
+  for (const auto& u : units) padded.push_back(u.padded);
   const auto& o = input.spec.optimizer;
-  const int64_t slots = core::optimizer_slots(o);
-  core::ModelStateBytes& m = rank.state;
-  m.parameters = (stage == 3 ? shard : whole) * e;
-  m.gradients = (stage == 1 ? whole : shard) * e;
-  m.optimizer = slots * shard * e;
-  if (stage >= 2) m.buffers += kGradPool * max_padded * e;          // gradients on their way
-  if (stage == 1 && n > 1) m.buffers += kPoolSize * max_chunk * e;  // reduce-scatters' chunks
   const int64_t micro = input.plan.micro_batches();
-  if (stage == 3) {
-    m.buffers += simulate_gather_buffers(static_cast<int>(units.size()), prefetch, micro) * max_padded * e;
-    if (input.plan.pipeline_stages() > 1)
-      rank.notes.push_back("zero stage 3 under a pipeline: gathers and their buffers counted as if the micro-batches ran one after another");
-  }
+  rank.state = state_bytes(padded, n, parts, core::optimizer_slots(o), e, micro, prefetch);
+  if (parts.parameters && input.plan.pipeline_stages() > 1)
+    rank.notes.push_back("zero stage 3 under a pipeline: gathers and their buffers counted as if the micro-batches ran one after another");
   if (n == 1) return;  // nothing travels
   collectives::Traffic& t = rank.traffic["data"];
   for (const auto& u : units) t.record(collectives::Traffic::kReduceScatter, u.padded * e, n);
   // Stage 3 gathers each layer for its forward and again for its backward, but the last,
   // which stays from its forward to its backward; stages 1 and 2 once, after the step.
   for (size_t k = 0; k < units.size(); ++k) {
-    const int64_t gathers = stage < 3 ? 1 : k + 1 == units.size() ? micro : 2 * micro;
+    const int64_t gathers = !parts.parameters ? 1 : k + 1 == units.size() ? micro : 2 * micro;
     for (int64_t g = 0; g < gathers; ++g) t.record(collectives::Traffic::kAllgather, units[k].padded * e, n);
   }
   if (o.clip_grad_norm > 0) t.record(collectives::Traffic::kAllreduce, 8, n);  // the gradient norm's part
@@ -810,28 +822,30 @@ std::string Options::plan(const core::PlanInput& input) const {
   const int n = input.plan.data_ranks();
   const int pp = input.plan.pipeline_stages();
   const int64_t psi = core::parameter_count(*input.model);
+  const Parts parts = Parts::of(stage);
   std::ostringstream os;
   os << "zero: stage " << stage << " over " << n << " data rank" << (n == 1 ? "" : "s");
   if (n == 1) os << " (one data rank: nothing to shard, every rank holds the whole state)";
-  if (stage <= 2) os << ", reduce-scatter units of " << bucket_mb << " MiB" << (overlap ? " during backward" : " after backward");
-  if (stage == 3) os << ", a unit per layer, " << prefetch << " layer" << (prefetch == 1 ? "" : "s") << " prefetched";
+  if (!parts.parameters)
+    os << ", reduce-scatter units of " << bucket_mb << " MiB" << (overlap ? " during backward" : " after backward");
+  else
+    os << ", a unit per layer, " << prefetch << " layer" << (prefetch == 1 ? "" : "s") << " prefetched";
   os << "\n";
   // The exact bytes, units padded as the run pads them, are the estimate's (below); this
   // line is what sharding saves, at a glance.
-  const core::ModelStateBytes whole = estimate_memory(input.spec, 0, n, psi / pp);
+  const core::ModelStateBytes whole = state_bytes({psi / pp}, n, Parts{}, core::optimizer_slots(input.spec.optimizer), 4, 1, 0);
   os << "  model state per rank: in the estimate below; without ZeRO each rank would hold parameters "
      << core::human_bytes(whole.parameters) << " + gradients " << core::human_bytes(whole.gradients)
      << " + optimizer state " << core::human_bytes(whole.optimizer) << (pp > 1 ? " (a stage's share)" : "") << "\n";
-  os << "  communication buffers: " << (stage == 1 ? "2 chunks of a unit" : "a unit (gradients on their way)")
-     << (stage == 3 ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
+  os << "  communication buffers: " << (parts.gradients ? "a unit (gradients on their way)" : "2 chunks of a unit")
+     << (parts.parameters ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
   return os.str();
 }
 
 core::StrategyRole Options::role(const core::JobSpec&) const {
   core::StrategyRole r;
   r.axis = "data";
-  r.why = std::string("shards the optimizer state") + (stage >= 2 ? ", the gradients" : "") +
-          (stage >= 3 ? ", the parameters" : "") + " over the data group (stage " + std::to_string(stage) + ")";
+  r.why = "shards " + Parts::of(stage).what() + " over the data group (stage " + std::to_string(stage) + ")";
   r.syncs_gradients = true;
   r.owns_model_state = true;
   r.needs_group = true;

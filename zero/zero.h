@@ -64,9 +64,20 @@ struct Options : core::StrategyConfig {
 // stage is >= 1 it, not the data_parallel allreduce, synchronises that axis's gradients.
 void register_zero(core::SectionRegistry& registry);
 
-// The model-state bytes one rank holds at the job's stage, before anything runs (the
-// figures --dry-run prints and the test checks a real run against). `params` is the
-// rank's parameter count (its pipeline stage's), `units` the unit sizes in elements.
-core::ModelStateBytes estimate_memory(const core::JobSpec& spec, int stage, int data_ranks, int64_t params);
+// Note [ZeRO's parts]
+// A stage names which parts of the model state are sharded over the one flat-unit layout:
+// the optimizer state (stage 1), the gradients too (2: reduce-scattered into a pooled
+// shard as backward produces them, instead of kept whole and sliced), the parameters too
+// (3: each layer's unit gathered around its forward and its backward). Everything below
+// the parse asks the parts, never the stage's number; the estimate (Note [One memory
+// model] in zero.cpp) is the same function of the parts and the layout for every stage.
+struct Parts {
+  bool optimizer = false;
+  bool gradients = false;
+  bool parameters = false;
+  static Parts of(int stage);
+  // "the optimizer state, the gradients, the parameters"
+  std::string what() const;
+};
 
 }  // namespace tetra::zero
