@@ -1,5 +1,8 @@
 #include "core/bucketer.h"
 
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 

@@ -18,7 +18,7 @@
 // instead of writing into it is noticed by bind() (by data pointer) and copied back.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <functional>

@@ -1,5 +1,7 @@
 #include "core/checkpoint.h"
 
+#include <torch/types.h>
+
 #include <fcntl.h>
 #include <unistd.h>
 

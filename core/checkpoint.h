@@ -39,7 +39,7 @@ namespace tetra::core {
 struct Slice {
   std::vector<int64_t> shape;  // the whole tensor's shape
   int64_t begin = 0;           // first element, in the whole tensor's row-major flattened order
-  torch::Tensor data;          // 1-D contiguous: elements [begin, begin + data.numel())
+  at::Tensor data;          // 1-D contiguous: elements [begin, begin + data.numel())
 };
 
 // A save failed (a full disk, a read-only or unwritable folder, a rank that could not
@@ -136,10 +136,10 @@ class CheckpointReader {
   void expect_shape(const std::string& name, at::IntArrayRef shape, const std::string& what) const;
   int64_t numel(const std::string& name) const;
 
-  torch::Tensor read(const std::string& name) const;  // the whole tensor, assembled from its parts
+  at::Tensor read(const std::string& name) const;  // the whole tensor, assembled from its parts
   // Elements [begin, begin + count) of the flattened tensor, assembled from whatever files
   // hold them (1-D).
-  torch::Tensor read_flat(const std::string& name, int64_t begin, int64_t count) const;
+  at::Tensor read_flat(const std::string& name, int64_t begin, int64_t count) const;
 
   struct Part {
     std::string file;    // in folder()
@@ -156,7 +156,7 @@ class CheckpointReader {
   };
   const Entry& find(const std::string& name) const;
   // Elements [begin, begin + count) of tensor `name` as a tensor of `shape`.
-  torch::Tensor read_range(const std::string& name, const Entry& e, int64_t begin, int64_t count,
+  at::Tensor read_range(const std::string& name, const Entry& e, int64_t begin, int64_t count,
                            at::IntArrayRef shape) const;
   const SafetensorsFile& file(const std::string& name) const;
 

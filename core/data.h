@@ -9,7 +9,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
@@ -35,8 +35,8 @@ struct DataInfo {
 };
 
 struct Batch {
-  torch::Tensor inputs;   // float [n, ...] for images/synthetic; int64 [n, seq_len] for text
-  torch::Tensor targets;  // int64 [n] labels, or int64 [n, seq_len] next tokens
+  at::Tensor inputs;   // float [n, ...] for images/synthetic; int64 [n, seq_len] for text
+  at::Tensor targets;  // int64 [n] labels, or int64 [n, seq_len] next tokens
   int64_t size() const { return inputs.defined() ? inputs.size(0) : 0; }
 };
 
@@ -46,7 +46,7 @@ class Dataset {
   virtual const DataInfo& info() const = 0;
   virtual int64_t size(Split split) const = 0;
   // The examples at `indices` (int64, 1-D), in that order.
-  virtual Batch get(Split split, const torch::Tensor& indices) const = 0;
+  virtual Batch get(Split split, const at::Tensor& indices) const = 0;
   // A contiguous range [begin, end) of a split (evaluation reads in order).
   virtual Batch range(Split split, int64_t begin, int64_t end) const;
 };
@@ -57,7 +57,7 @@ std::unique_ptr<Dataset> make_dataset(const DataSpec& spec, int64_t seed);
 
 // Reads a gzipped IDX file (magic 0x0000 08 NDIM, big-endian dims, uint8 data) into a
 // uint8 tensor of its dims. Truncated or corrupt files are DataErrors naming the path.
-torch::Tensor read_idx_gz(const std::string& path);
+at::Tensor read_idx_gz(const std::string& path);
 
 // The deterministic reading order of the training split.
 class BatchPlan {
@@ -68,9 +68,9 @@ class BatchPlan {
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
   // The indices of global batch `step` (0-based within the epoch) of `epoch`: the same
   // on every rank. Cached per epoch.
-  torch::Tensor global_batch(int64_t epoch, int64_t step);
+  at::Tensor global_batch(int64_t epoch, int64_t step);
   // Slice [part * n / parts, (part + 1) * n / parts) of a batch's indices.
-  static torch::Tensor slice(const torch::Tensor& indices, int64_t part, int64_t parts);
+  static at::Tensor slice(const at::Tensor& indices, int64_t part, int64_t parts);
   // Where that slice of n rows begins: its offset in the sliced batch (the dropout key of
   // its first row, Note [Layout-invariant dropout]).
   static int64_t slice_begin(int64_t n, int64_t part, int64_t parts);
@@ -79,7 +79,7 @@ class BatchPlan {
   int64_t examples_, global_batch_, seed_, steps_per_epoch_;
   bool shuffle_;
   int64_t cached_epoch_ = -1;
-  torch::Tensor order_;
+  at::Tensor order_;
 };
 
 }  // namespace tetra::core

@@ -14,7 +14,7 @@
 // before anything trains.
 #pragma once
 
-#include <torch/torch.h>
+#include <c10/core/Device.h>
 
 #include <string>
 
@@ -27,6 +27,6 @@ std::string device_problem(const JobSpec& spec);
 
 // This rank's device: kCPU, or the GPU of Note [One device]. `local_rank` is the
 // process's rank on its host, `replica` its replica thread of `replicas`.
-torch::Device rank_device(const JobSpec& spec, int local_rank, int replica = 0, int replicas = 1);
+c10::Device rank_device(const JobSpec& spec, int local_rank, int replica = 0, int replicas = 1);
 
 }  // namespace tetra::core

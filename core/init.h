@@ -34,7 +34,7 @@
 // like the zoo's.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <map>

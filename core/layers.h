@@ -9,7 +9,7 @@
 // device); a clone of a shape is a shape.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/cloneable.h>
 
 #include <optional>
 #include <vector>

@@ -1,5 +1,8 @@
 #include "core/model_state.h"
 
+#include <torch/types.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
 #include <cmath>
 #include <map>
 #include <set>

@@ -8,7 +8,7 @@
 // the one interface and never asks which owner it has.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>

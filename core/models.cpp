@@ -1,5 +1,7 @@
 #include "core/models.h"
 
+#include <torch/torch.h>
+
 #include <cmath>
 #include <iomanip>
 #include <limits>

@@ -3,7 +3,7 @@
 // Sequential; these are the ones a job spec names.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <string>
 

@@ -1,5 +1,8 @@
 #include "core/optim.h"
 
+#include <torch/types.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 

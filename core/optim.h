@@ -6,7 +6,7 @@
 // (same formulas, same order of operations), so results match a bare LibTorch loop.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>
@@ -20,7 +20,7 @@ namespace tetra::core {
 
 struct NamedParam {
   std::string name;  // "3.weight": the model's own parameter name
-  torch::Tensor tensor;
+  at::Tensor tensor;
 };
 
 // How many slots of a parameter's size `spec` keeps per parameter: adam and adamw 2
@@ -30,8 +30,8 @@ int64_t optimizer_slots(const OptimizerSpec& spec);
 // The optimizer's state slots for one contiguous range of elements (a parameter, or a
 // ZeRO shard): each defined slot has the range's length and dtype.
 struct UpdateSlots {
-  torch::Tensor exp_avg, exp_avg_sq;  // adam, adamw
-  torch::Tensor momentum;             // sgd with momentum > 0
+  at::Tensor exp_avg, exp_avg_sq;  // adam, adamw
+  at::Tensor momentum;             // sgd with momentum > 0
   bool fresh_momentum = false;        // sgd: first update of `momentum` (torch sets buf = d, not m*buf + d)
 };
 
@@ -54,11 +54,11 @@ struct UpdateSlots {
 // float, as ATen does, so the result is ATen's bit for bit where ATen's kernels round
 // every operation (ATEN_CPU_CAPABILITY=default); its AVX2/AVX-512 kernels fuse some
 // multiply-adds (add with alpha) that this loop rounds twice: a last-bit difference.
-void fused_update(const OptimizerSpec& spec, double lr, int64_t step, const torch::Tensor& param,
-                  const torch::Tensor& grad, UpdateSlots& slots);
+void fused_update(const OptimizerSpec& spec, double lr, int64_t step, const at::Tensor& param,
+                  const at::Tensor& grad, UpdateSlots& slots);
 // The same update as today's ATen ops (kept as the reference for tests and bench-optim).
-void reference_update(const OptimizerSpec& spec, double lr, int64_t step, const torch::Tensor& param,
-                      const torch::Tensor& grad, UpdateSlots& slots);
+void reference_update(const OptimizerSpec& spec, double lr, int64_t step, const at::Tensor& param,
+                      const at::Tensor& grad, UpdateSlots& slots);
 
 class Optimizer {
  public:
@@ -75,13 +75,13 @@ class Optimizer {
   const OptimizerSpec& spec() const { return spec_; }
 
   // "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.momentum" and "__step__".
-  std::map<std::string, torch::Tensor> state_dict() const;
+  std::map<std::string, at::Tensor> state_dict() const;
   // Restores what state_dict() saved; a missing or misshapen entry is a tetra::Error.
-  void load_state_dict(const std::map<std::string, torch::Tensor>& state);
+  void load_state_dict(const std::map<std::string, at::Tensor>& state);
 
  private:
   struct State {
-    torch::Tensor exp_avg, exp_avg_sq, momentum;
+    at::Tensor exp_avg, exp_avg_sq, momentum;
   };
   OptimizerSpec spec_;
   std::vector<NamedParam> params_;

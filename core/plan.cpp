@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "core/config.h"
-#include "core/strategy.h"
+#include "core/strategy_config.h"
 
 namespace tetra::core {
 

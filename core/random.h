@@ -35,7 +35,7 @@
 // the contract silently. Eval mode and p = 0 need no context (they draw nothing).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/cloneable.h>
 
 #include <cstdint>
 #include <ostream>

@@ -1,7 +1,7 @@
 // Where a run starts from, and how it ends when it is asked to stop.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <optional>
@@ -26,8 +26,8 @@ std::string broadcast_string(collectives::Communicator& group, const std::string
 
 // The CPU generator's state, taken and put back with a checkpoint (not while another
 // thread-rank seeds it and draws its model).
-torch::Tensor cpu_rng_state();
-void set_cpu_rng_state(const torch::Tensor& state);
+at::Tensor cpu_rng_state();
+void set_cpu_rng_state(const at::Tensor& state);
 
 // Note [Stop requests]: every rank agreed to stop after `step`. save_for_stop writes that
 // step's checkpoint through `save` (collective; nullopt when checkpoint.dir is "") and

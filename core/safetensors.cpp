@@ -1,5 +1,7 @@
 #include "core/safetensors.h"
 
+#include <torch/types.h>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>

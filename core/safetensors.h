@@ -5,7 +5,7 @@
 // with any safetensors reader.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
@@ -14,7 +14,7 @@
 
 namespace tetra::core {
 
-using TensorMap = std::map<std::string, torch::Tensor>;
+using TensorMap = std::map<std::string, at::Tensor>;
 
 // Serialises tensors (any of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL) to bytes.
 std::string safetensors_bytes(const TensorMap& tensors,
@@ -36,9 +36,9 @@ void write_file_atomic(const std::string& path, const std::string& bytes);
 void fsync_dir(const std::string& dir);
 
 // The safetensors names of dtypes ("F32", "BF16", ...); an unsupported dtype is a tetra::Error.
-const char* safetensors_dtype_name(torch::ScalarType type);
+const char* safetensors_dtype_name(at::ScalarType type);
 // The dtype of a safetensors name; false when it is not one tetra reads.
-bool safetensors_dtype_from_name(const std::string& name, torch::ScalarType* type);
+bool safetensors_dtype_from_name(const std::string& name, at::ScalarType* type);
 
 // One safetensors file opened for reading pieces of it: the header is parsed once (and
 // checked as load_safetensors checks it), then any byte range of a tensor is read with
@@ -47,7 +47,7 @@ bool safetensors_dtype_from_name(const std::string& name, torch::ScalarType* typ
 class SafetensorsFile {
  public:
   struct Entry {
-    torch::ScalarType dtype = torch::kFloat32;
+    at::ScalarType dtype = at::kFloat;
     std::vector<int64_t> shape;
     uint64_t begin = 0, end = 0;  // its bytes, relative to the start of the data section
     int64_t numel() const;
@@ -70,7 +70,7 @@ class SafetensorsFile {
   // Reads bytes [offset, offset + length) of tensor `name`'s data into `dst`.
   void read(const std::string& name, uint64_t offset, uint64_t length, void* dst) const;
   // The whole tensor `name`.
-  torch::Tensor tensor(const std::string& name) const;
+  at::Tensor tensor(const std::string& name) const;
 
  private:
   std::string path_;

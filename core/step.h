@@ -12,7 +12,7 @@
 // evaluation forward (it is the one that knows where the model's layers are).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <chrono>
 #include <cstdint>

@@ -26,7 +26,7 @@
 // pipeline kept.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
 #include <map>
@@ -47,6 +47,7 @@
 #include "core/models.h"
 #include "core/optim.h"
 #include "core/plan.h"
+#include "core/strategy_config.h"
 #include "core/random.h"
 #include "core/report.h"
 #include "core/safetensors.h"
@@ -113,40 +114,6 @@ class StateGatherer {
   virtual void gather_state(TensorMap& tensors) = 0;
 };
 
-// Note [Per-rank estimate]
-// What one rank of the plan will hold and send, worked out on one process without
-// communicating (train --dry-run, and the test that holds it to a real run). Core starts
-// every rank as the whole model on one rank: fp32 parameters, their gradients, the
-// optimizer's slots (sgd 0, or 1 with momentum; adamw 2), no buffers, the activations of
-// one micro-batch, and the trainer's own traffic (the step's loss averaged over the data
-// axis). Then each active strategy refines it in composition order
-// (StrategyConfig::estimate): the pipeline keeps its stage's layers and parameters and
-// sets the activations by schedule and checkpointing, ZeRO shards and adds its buffers,
-// data parallelism adds its allreduce. Model state counts what ModelStateBytes counts,
-// by the same layout code the strategies run, so the two agree to the byte; traffic is
-// one step's, per mesh axis, in the convention of Note [Traffic counters].
-struct RankEstimate {
-  int rank = 0;                      // the process (its replica threads, if any, estimate alike)
-  std::map<std::string, int> coord;  // its coordinate on each axis of the plan's processes
-  std::vector<int> layers;           // the model's layers this rank runs, in its order
-  // Every layer's parameters (the whole model's tensors, named as one process names them),
-  // by layer index; a rank trains those of `layers`.
-  std::vector<std::vector<NamedParam>> layer_params;
-  // The parameters this rank trains: those of `layers`, in order.
-  std::vector<NamedParam> params() const;
-  ModelStateBytes state;
-  int64_t activations = 0;  // saved for backward at the peak (an estimate: not measured)
-  std::map<std::string, collectives::Traffic> traffic;  // per mesh axis, one step
-  std::vector<std::string> notes;                       // what an estimate assumed
-  // What the cost model reads of the plan beside bytes (set by the strategies' estimate,
-  // so that no tool looks into a plugin's options):
-  bool hierarchical_data = false;  // the data axis may reduce inside each host first
-  int virtual_stages = 1;          // pipeline chunks per rank
-  // Parameters, gradients and optimizer slots of `params` held whole, as the trainer's
-  // own optimizer holds them (buffers untouched).
-  void replicated_state(const JobSpec& spec);
-};
-
 // For strategies that replicate or shard the model over a group (data parallelism, ZeRO):
 // every rank of `group` must train the same model on the same job — a cheap fingerprint
 // of the parameter shapes and of the settings that change the arithmetic, compared
@@ -158,42 +125,5 @@ void check_same_job(collectives::Communicator& group, const TrainState& state, c
 // every rank's already (Note [Layout-invariant initialisation]): then it does nothing.
 // Collective.
 void broadcast_from_first(collectives::Communicator& group, TrainState& state);
-
-// What `train --dry-run` shows a strategy.
-struct PlanInput {
-  const Plan& plan;
-  const JobSpec& spec;
-  torch::nn::Sequential& model;  // the whole model, as shapes (nothing created)
-  const Dataset& data;
-  // One training sample run through the model at the job's precision (probe_layers), taken
-  // once for everything the plan works out.
-  const LayerProbe& probe;
-};
-
-// A plugin section that builds a strategy.
-struct StrategyConfig : PluginConfig {
-  virtual std::unique_ptr<Strategy> build() const = 0;
-  // What the section does to the plan: its axis, its place, the ranks and batch pieces
-  // it adds (core/plan.h). `job` is the spec the section was parsed with.
-  virtual StrategyRole role(const JobSpec& job) const = 0;
-  // Lines `train --dry-run` prints for this strategy ("" for none), computed on one
-  // process without communicating.
-  virtual std::string plan(const PlanInput& input) const { return ""; }
-  // Refines this rank's estimate (Note [Per-rank estimate]), on one process without
-  // communicating. A strategy that changes nothing a rank holds or sends leaves it.
-  virtual void estimate(const PlanInput& input, RankEstimate& rank) const {}
-  // The section as the keys its parser reads, leaving out those at their defaults: the C++
-  // Plan builder writes it and parses it back, so a job built in code passes the same
-  // checks, with the same messages, as a file.
-  virtual YAML::Node to_yaml() const = 0;
-};
-
-// Every process rank's estimate: core's start, refined by the active strategies in
-// composition order.
-std::vector<RankEstimate> estimate_ranks(const PlanInput& input);
-// The --dry-run table (one row per rank) with the convention it counts bytes in.
-std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ranks);
-// The same for --json: an array of per-rank objects.
-nlohmann::json estimate_json(const std::vector<RankEstimate>& ranks);
 
 }  // namespace tetra::core

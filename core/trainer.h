@@ -7,7 +7,7 @@
 // strategy is attached (Note [Capabilities], core/strategy.h).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <cstdio>
 #include <functional>

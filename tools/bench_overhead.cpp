@@ -9,6 +9,7 @@
 //
 //   bench-overhead [JOB.yaml] [--steps 300] [--repeats 5] [--threads 1] [--set k=v]...
 #include <CLI/CLI.hpp>
+#include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>

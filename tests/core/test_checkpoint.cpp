@@ -1114,8 +1114,9 @@ TEST(CheckpointFromElsewhere, ACraftedMetaJsonIsAClearErrorNamingIt) {
     EXPECT_NE(e.find(step.string()), std::string::npos) << e;
     EXPECT_NE(e.find(c.needle), std::string::npos) << e;
     EXPECT_TRUE(is_utf8(e)) << e;
-    if (!c.on_read && std::string(c.what) != "format 2^32 + 2")  // a version, not damage: names the folder
+    if (!c.on_read && std::string(c.what) != "format 2^32 + 2") {  // a version, not damage: names the folder
       EXPECT_NE(e.find(meta_path.string()), std::string::npos) << e;
+    }
   }
   // Still a good checkpoint once meta.json is back.
   write_all(meta_path, saved.dump(1));

@@ -1,6 +1,7 @@
 #include "core/data.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 #include <unistd.h>
 #include <zlib.h>
 

@@ -4,6 +4,7 @@
 // no storage until the Materializer creates it, and a layer run as a probe goes back to
 // being a shape.
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
 

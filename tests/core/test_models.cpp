@@ -1,6 +1,7 @@
 #include "core/models.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
 #include <string>

@@ -5,6 +5,7 @@
 #include "core/random.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
 #include <string>

@@ -12,6 +12,7 @@
 //   rank), and not while it trains, beyond the activations the step keeps.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <atomic>
 #include <cstdlib>
