@@ -1,5 +1,7 @@
 #include "core/device.h"
 
+#include <torch/types.h>
+
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 
@@ -18,10 +20,18 @@ std::string device_problem(const JobSpec& spec) {
            (visible ? " (CUDA_VISIBLE_DEVICES=\"" + std::string(visible) + "\")" : std::string("")) +
            "; set train.device=cpu, or run it where a GPU is";
   }
-  // Each GPU rank's tensors travel between processes by NCCL: MPI and Gloo here take CPU tensors.
-  if (spec.mesh.world_size() > 1 && spec.collectives.backend != "nccl")
-    return "train.device: cuda over " + std::to_string(spec.mesh.world_size()) + " processes needs collectives.backend: "
-           "nccl (" + spec.collectives.backend + " takes CPU tensors); set collectives.backend=nccl";
+  // A GPU rank's tensors travel between processes by NCCL, or by Gloo (c10d's Gloo takes
+  // CUDA tensors in its collectives, not in its sends: no pipeline over it); MPI here
+  // takes CPU tensors only.
+  const int world = spec.mesh.world_size();
+  const std::string& backend = spec.collectives.backend;
+  if (world > 1 && backend != "nccl" && backend != "gloo")
+    return "train.device: cuda over " + std::to_string(world) + " processes needs collectives.backend: nccl (or gloo; " +
+           backend + " takes CPU tensors); set collectives.backend=nccl";
+  if (world > 1 && backend == "gloo" && spec.mesh.size("pipeline") > 1)
+    return "train.device: cuda with mesh.pipeline " + std::to_string(spec.mesh.size("pipeline")) +
+           " needs collectives.backend: nccl (gloo sends CPU tensors only, and pipeline stages send activations); "
+           "set collectives.backend=nccl";
   return "";
 }
 
