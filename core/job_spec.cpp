@@ -1,5 +1,6 @@
-// The job spec's schema: one function per section, each reading its keys through
-// Section getters (Note [Config diagnostics] in config.h), then the cross-field rules.
+// The job spec's schema: each section's keys declared once (Note [Fields declared once],
+// core/fields.h), read through Section getters (Note [Config diagnostics] in config.h)
+// and written by the same declaration, then the cross-field rules.
 #include "core/job_spec.h"
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <set>
 
 #include "collectives/error.h"
+#include "core/fields.h"
 #include "core/plan.h"
 #include "core/text.h"
 
@@ -63,14 +65,6 @@ void finish_typed(Section& s, const std::string& kind, const std::string& type, 
   s.finish(handled);
 }
 
-// Runs `read` and tells whether it added a diagnostic.
-template <typename F>
-bool clean(Section& s, F&& read) {
-  size_t before = s.diagnostics().entries().size();
-  read();
-  return s.diagnostics().entries().size() == before;
-}
-
 double fraction(Section& s, const std::string& key, double def, bool open_low) {
   double v = s.number(key, def, 0.0, 1.0);
   if ((open_low && v <= 0.0) || v >= 1.0) {
@@ -80,201 +74,258 @@ double fraction(Section& s, const std::string& key, double def, bool open_low) {
   return v;
 }
 
-ModelSpec parse_model(Section& m) {
-  ModelSpec spec;
-  const ModelSpec def;
-  bool type_ok = clean(m, [&] { spec.type = m.choice("type", def.type, {"mlp", "cnn", "gpt"}); });
+// ---- the sections' keys, each declared once (Note [Fields declared once]) -----------------
+
+// fraction() for a visitor: a number in [0, 1) (or (0, 1)), read with its own message.
+template <class V>
+void fraction_field(V& v, const std::string& key, double& f, bool open_low) {
+  if constexpr (V::kReads)
+    f = fraction(v.section(), key, f, open_low);
+  else
+    v.number(key, f, 0.0, 1.0);
+}
+
+template <class V>
+void model_fields(V& v, ModelSpec& m) {
+  v.choice("type", m.type, {"mlp", "cnn", "gpt"}, fields::kAlways);
   const std::vector<std::string> activations = {"relu", "gelu", "tanh"};
-  if (spec.type == "mlp") {
-    spec.hidden = m.integers("hidden", def.hidden, 1);
-    spec.activation = m.choice("activation", def.activation, activations);
-    spec.dropout = fraction(m, "dropout", def.dropout, false);
-  } else if (spec.type == "cnn") {
-    spec.channels = m.integers("channels", def.channels, 1);
-    if (spec.channels.empty()) {
-      m.error("channels", "must not be empty (a cnn needs at least one conv block)");
-      spec.channels = def.channels;
+  if (m.type == "mlp") {
+    v.integers("hidden", m.hidden, 1);
+    v.choice("activation", m.activation, activations);
+    fraction_field(v, "dropout", m.dropout, false);
+  } else if (m.type == "cnn") {
+    v.integers("channels", m.channels, 1);
+    if constexpr (V::kReads) {
+      if (m.channels.empty()) {
+        v.section().error("channels", "must not be empty (a cnn needs at least one conv block)");
+        m.channels = ModelSpec().channels;
+      }
+      m.hidden = {128};  // a cnn's dense layers, unless given
     }
-    spec.hidden = m.integers("hidden", {128}, 1);
-    spec.activation = m.choice("activation", def.activation, activations);
-    spec.dropout = fraction(m, "dropout", def.dropout, false);
+    v.integers("hidden", m.hidden, 1);
+    v.choice("activation", m.activation, activations);
+    fraction_field(v, "dropout", m.dropout, false);
   } else {  // gpt
-    spec.layers = m.integer("layers", def.layers, 1);
-    spec.heads = m.integer("heads", def.heads, 1);
-    spec.d_model = m.integer("d_model", def.d_model, 1);
-    spec.d_ff = m.integer("d_ff", def.d_ff, 0);
-    if (spec.d_ff == 0) spec.d_ff = 4 * spec.d_model;
-    spec.dropout = fraction(m, "dropout", def.dropout, false);
-    if (spec.d_model % spec.heads != 0)
-      m.error("heads", std::to_string(spec.heads) + " heads do not divide model.d_model " +
-                           std::to_string(spec.d_model) + " (d_model must be a multiple of heads)");
+    v.integer("layers", m.layers, 1);
+    v.integer("heads", m.heads, 1);
+    v.integer("d_model", m.d_model, 1);
+    v.integer("d_ff", m.d_ff, 0);
+    fraction_field(v, "dropout", m.dropout, false);
+    if constexpr (V::kReads) {
+      if (m.d_ff == 0) m.d_ff = 4 * m.d_model;
+      if (m.d_model % m.heads != 0)
+        v.section().error("heads", std::to_string(m.heads) + " heads do not divide model.d_model " +
+                                       std::to_string(m.d_model) + " (d_model must be a multiple of heads)");
+    }
   }
-  finish_typed(m, "model type", spec.type, type_ok,
-               {{"mlp", {"type", "hidden", "activation", "dropout"}},
-                {"cnn", {"type", "channels", "hidden", "activation", "dropout"}},
-                {"gpt", {"type", "layers", "heads", "d_model", "d_ff", "dropout"}}});
-  return spec;
 }
 
-DataSpec parse_data(Section& d) {
-  DataSpec spec;
-  const DataSpec def;
-  bool type_ok = clean(d, [&] {
-    spec.type = d.choice("type", def.type, {"fashion-mnist", "text", "synthetic"});
-  });
-  spec.batch_size = d.integer("batch_size", def.batch_size, 1);
-  spec.eval_batch_size = d.integer("eval_batch_size", def.eval_batch_size, 1);
-  spec.eval_samples = d.integer("eval_samples", def.eval_samples, 0);
-  spec.shuffle = d.boolean("shuffle", def.shuffle);
-  if (spec.type == "fashion-mnist") {
-    spec.path = d.string("path", def.path);
-    if (spec.path.empty()) {
-      d.error("path", "must not be empty (the folder with the Fashion-MNIST IDX files)");
-      spec.path = def.path;
+template <class V>
+void data_fields(V& v, DataSpec& d) {
+  v.choice("type", d.type, {"fashion-mnist", "text", "synthetic"}, fields::kAlways);
+  v.integer("batch_size", d.batch_size, 1);
+  v.integer("eval_batch_size", d.eval_batch_size, 1);
+  v.integer("eval_samples", d.eval_samples, 0);
+  v.boolean("shuffle", d.shuffle);
+  if (d.type == "fashion-mnist") {
+    v.string("path", d.path);
+    if constexpr (V::kReads) {
+      if (d.path.empty()) {
+        v.section().error("path", "must not be empty (the folder with the Fashion-MNIST IDX files)");
+        d.path = DataSpec().path;
+      }
     }
-  } else if (spec.type == "text") {
-    bool given = d.has("path");
-    spec.path = d.string("path", "");
-    if (!given)
-      d.error("path", "required for data type text (the text file to train on)");
-    else if (spec.path.empty())
-      d.error("path", "must not be empty");
-    spec.seq_len = d.integer("seq_len", def.seq_len, 1);
-    spec.test_fraction = fraction(d, "test_fraction", def.test_fraction, true);
+  } else if (d.type == "text") {
+    bool given = true;
+    if constexpr (V::kReads) {
+      given = v.section().has("path");
+      d.path = "";
+    }
+    v.string("path", d.path, fields::kAlways);
+    if constexpr (V::kReads) {
+      if (!given)
+        v.section().error("path", "required for data type text (the text file to train on)");
+      else if (d.path.empty())
+        v.section().error("path", "must not be empty");
+    }
+    v.integer("seq_len", d.seq_len, 1);
+    fraction_field(v, "test_fraction", d.test_fraction, true);
   } else {  // synthetic
-    spec.shape = d.integers("shape", def.shape, 1);
-    if (spec.shape.empty()) {
-      d.error("shape", "must not be empty (the shape of one input, e.g. [784] or [1, 28, 28])");
-      spec.shape = def.shape;
+    v.integers("shape", d.shape, 1);
+    if constexpr (V::kReads) {
+      if (d.shape.empty()) {
+        v.section().error("shape", "must not be empty (the shape of one input, e.g. [784] or [1, 28, 28])");
+        d.shape = DataSpec().shape;
+      }
     }
-    spec.classes = d.integer("classes", def.classes, 2);
-    spec.train_samples = d.integer("train_samples", def.train_samples, 1);
-    spec.test_samples = d.integer("test_samples", def.test_samples, 1);
+    v.integer("classes", d.classes, 2);
+    v.integer("train_samples", d.train_samples, 1);
+    v.integer("test_samples", d.test_samples, 1);
   }
-  const std::vector<std::string> common = {"type", "batch_size", "eval_batch_size", "eval_samples",
-                                           "shuffle"};
-  auto with = [&](std::vector<std::string> extra) {
-    extra.insert(extra.begin(), common.begin(), common.end());
-    return extra;
-  };
-  finish_typed(d, "data type", spec.type, type_ok,
-               {{"fashion-mnist", with({"path"})},
-                {"text", with({"path", "seq_len", "test_fraction"})},
-                {"synthetic", with({"shape", "classes", "train_samples", "test_samples"})}});
-  return spec;
 }
 
-OptimizerSpec parse_optimizer(Section& o) {
-  OptimizerSpec spec;
-  const OptimizerSpec def;
-  bool type_ok = clean(o, [&] {
-    spec.type = o.choice("type", def.type, {"sgd", "adam", "adamw"});
-  });
-  spec.lr = o.positive_number("lr", def.lr);
-  spec.weight_decay = o.number("weight_decay", def.weight_decay, 0.0);
-  spec.clip_grad_norm = o.number("clip_grad_norm", def.clip_grad_norm, 0.0);
-  if (spec.type == "sgd") {
-    spec.momentum = fraction(o, "momentum", def.momentum, false);
-    spec.nesterov = o.boolean("nesterov", def.nesterov);
-    if (spec.nesterov && spec.momentum <= 0.0)
-      o.error("nesterov", "requires optimizer.momentum > 0, got momentum " + fmt(spec.momentum));
+template <class V>
+void optimizer_fields(V& v, OptimizerSpec& o) {
+  v.choice("type", o.type, {"sgd", "adam", "adamw"}, fields::kAlways);
+  v.positive("lr", o.lr);
+  v.number("weight_decay", o.weight_decay, 0.0);
+  v.number("clip_grad_norm", o.clip_grad_norm, 0.0);
+  if (o.type == "sgd") {
+    fraction_field(v, "momentum", o.momentum, false);
+    v.boolean("nesterov", o.nesterov);
+    if constexpr (V::kReads)
+      if (o.nesterov && o.momentum <= 0.0)
+        v.section().error("nesterov", "requires optimizer.momentum > 0, got momentum " + fmt(o.momentum));
   } else {
-    std::vector<double> betas = o.numbers("betas", {def.beta1, def.beta2});
-    if (betas.size() != 2) {
-      o.error("betas", "expected a list of 2 numbers [beta1, beta2], got " +
-                           std::to_string(betas.size()) +
-                           (betas.size() == 1 ? " number" : " numbers"));
-    } else {
-      bool ok = true;
-      for (size_t i = 0; i < 2; ++i) {
-        if (betas[i] < 0.0 || betas[i] >= 1.0) {
-          o.error("betas",
-                  "beta" + std::to_string(i + 1) + " must be in [0, 1), got " + fmt(betas[i]));
-          ok = false;
+    std::vector<double> betas = {o.beta1, o.beta2};
+    v.numbers("betas", betas);
+    if constexpr (V::kReads) {
+      if (betas.size() != 2) {
+        v.section().error("betas", "expected a list of 2 numbers [beta1, beta2], got " + std::to_string(betas.size()) +
+                                       (betas.size() == 1 ? " number" : " numbers"));
+      } else {
+        bool ok = true;
+        for (size_t i = 0; i < 2; ++i) {
+          if (betas[i] < 0.0 || betas[i] >= 1.0) {
+            v.section().error("betas", "beta" + std::to_string(i + 1) + " must be in [0, 1), got " + fmt(betas[i]));
+            ok = false;
+          }
+        }
+        if (ok) {
+          o.beta1 = betas[0];
+          o.beta2 = betas[1];
         }
       }
-      if (ok) {
-        spec.beta1 = betas[0];
-        spec.beta2 = betas[1];
-      }
     }
-    spec.eps = o.positive_number("eps", def.eps);
+    v.positive("eps", o.eps);
   }
-  const std::vector<std::string> common = {"type", "lr", "weight_decay", "clip_grad_norm"};
-  std::vector<std::string> sgd = common, adam = common;
-  sgd.insert(sgd.end(), {"momentum", "nesterov"});
-  adam.insert(adam.end(), {"betas", "eps"});
-  finish_typed(o, "optimizer type", spec.type, type_ok,
-               {{"sgd", sgd}, {"adam", adam}, {"adamw", adam}});
-  return spec;
 }
 
-ScheduleSpec parse_schedule(Section& s, const OptimizerSpec& opt) {
-  ScheduleSpec spec;
-  const ScheduleSpec def;
-  bool type_ok = clean(s, [&] {
-    spec.type = s.choice("type", def.type, {"constant", "cosine", "linear"});
-  });
-  spec.warmup_steps = s.integer("warmup_steps", def.warmup_steps, 0);
-  if (spec.type != "constant") {
-    spec.min_lr = s.number("min_lr", def.min_lr, 0.0);
-    if (spec.min_lr > opt.lr)
-      s.error("min_lr", fmt(spec.min_lr) + " is above optimizer.lr " + fmt(opt.lr) +
-                            " (the decay ends at min_lr, so it must be <= lr)");
-    spec.decay_steps = s.integer("decay_steps", def.decay_steps, 0);
+// `lr`: the optimizer's, which min_lr may not exceed (the reader's rule).
+template <class V>
+void schedule_fields(V& v, ScheduleSpec& s, double lr) {
+  v.choice("type", s.type, {"constant", "cosine", "linear"}, fields::kAlways);
+  v.integer("warmup_steps", s.warmup_steps, 0);
+  if (s.type != "constant") {
+    v.number("min_lr", s.min_lr, 0.0);
+    if constexpr (V::kReads)
+      if (s.min_lr > lr)
+        v.section().error("min_lr", fmt(s.min_lr) + " is above optimizer.lr " + fmt(lr) +
+                                        " (the decay ends at min_lr, so it must be <= lr)");
+    v.integer("decay_steps", s.decay_steps, 0);
   }
-  finish_typed(s, "schedule type", spec.type, type_ok,
-               {{"constant", {"type", "warmup_steps"}},
-                {"cosine", {"type", "warmup_steps", "min_lr", "decay_steps"}},
-                {"linear", {"type", "warmup_steps", "min_lr", "decay_steps"}}});
-  return spec;
 }
 
-TrainSpec parse_train(Section& t) {
-  TrainSpec spec;
-  const TrainSpec def;
-  spec.epochs = t.integer("epochs", def.epochs, 1);
-  spec.max_steps = t.optional_integer("max_steps", 1);
-  spec.eval_every = t.integer("eval_every", def.eval_every, 0);
-  spec.seed = t.integer("seed", def.seed);
-  spec.threads =
-      static_cast<int>(t.integer("threads", def.threads, 0, std::numeric_limits<int>::max()));
-  spec.precision = t.word("precision", def.precision, precision_names());
-  spec.device = t.word("device", def.device, device_names());
+template <class V>
+void train_fields(V& v, TrainSpec& t) {
+  v.integer("epochs", t.epochs, 1);
+  v.optional_integer("max_steps", t.max_steps, 1);
+  v.integer("eval_every", t.eval_every, 0);
+  v.integer("seed", t.seed);
+  v.integer("threads", t.threads, 0, std::numeric_limits<int>::max());
+  v.word("precision", t.precision, precision_names());
+  v.word("device", t.device, device_names());
   // Bounded like pipeline.micro_batches: the plan multiplies it by the data ranks, and an
   // unbounded value overflowed that product (a division by zero in `train --check`).
-  spec.accumulation_steps = t.integer("accumulation_steps", def.accumulation_steps, 1, 1 << 20);
-  spec.on_nonfinite = t.word("on_nonfinite", def.on_nonfinite, on_nonfinite_names());
-  t.finish();
+  v.integer("accumulation_steps", t.accumulation_steps, 1, 1 << 20);
+  v.word("on_nonfinite", t.on_nonfinite, on_nonfinite_names());
+}
+
+// The paths are written even when empty: "" turns checkpoints off, while an absent key
+// means the default in the run folder.
+template <class V>
+void checkpoint_fields(V& v, CheckpointSpec& c) {
+  v.string("dir", c.dir, fields::kAlways);  // in the run folder (Note [One run folder]); "" = off
+  v.integer("every_steps", c.every_steps, 0);
+  v.integer("keep", c.keep, 1);
+  v.string("resume", c.resume);
+  if constexpr (V::kReads) {
+    if (c.resume.empty()) {
+      v.section().error("resume", "must be auto, never or the path of a checkpoint, got \"\"");
+      c.resume = "auto";
+    }
+  }
+  v.string("safetensors", c.safetensors);
+  v.word("on_error", c.on_error, on_checkpoint_error_names());
+}
+
+template <class V>
+void log_fields(V& v, LogSpec& l) {
+  v.string("metrics", l.metrics, fields::kAlways);  // in the run folder; "" = off
+  v.integer("every", l.every, 1);
+  v.string("trace", l.trace);
+  v.choice("progress", l.progress, {"auto", "line", "plain", "off"});
+  v.string("dir", l.dir, fields::kAlways);
+  v.string("tensorboard", l.tensorboard);
+}
+
+template <class V>
+void collectives_fields(V& v, CollectivesSpec& c) {
+  v.choice("backend", c.backend, {"mpi", "gloo", "nccl"});
+  v.number("timeout_s", c.timeout_s, 0.001);
+  v.optional_boolean("check", c.check);
+  v.number("stall_warning_s", c.stall_warning_s, 0);
+  v.number("peer_silence_s", c.peer_silence_s, 1);
+}
+
+// A typed section read by its declaration: then the keys of the other variants are
+// errors that name the variant they belong to (finish_typed), listed by the same
+// declaration.
+template <typename S, typename Declare>
+S read_typed(Section& s, const std::string& kind, const std::vector<std::string>& types, Declare&& declare) {
+  S spec;
+  fields::Reader r(s);
+  declare(r, spec);
+  Variants variants;
+  for (const std::string& t : types) {
+    S variant;
+    variant.type = t;
+    variants.push_back({t, fields::keys(variant, declare)});
+  }
+  finish_typed(s, kind, spec.type, !r.failed("type"), variants);
   return spec;
 }
 
+template <typename S, typename Declare>
+S read_section(Section& s, S spec, Declare&& declare) {
+  fields::Reader r(s);
+  declare(r, spec);
+  s.finish();
+  return spec;
+}
+
+const auto kModel = [](auto& v, ModelSpec& m) { model_fields(v, m); };
+const auto kData = [](auto& v, DataSpec& d) { data_fields(v, d); };
+const auto kOptimizer = [](auto& v, OptimizerSpec& o) { optimizer_fields(v, o); };
+const auto kTrain = [](auto& v, TrainSpec& t) { train_fields(v, t); };
+const auto kCheckpoint = [](auto& v, CheckpointSpec& c) { checkpoint_fields(v, c); };
+const auto kLog = [](auto& v, LogSpec& l) { log_fields(v, l); };
+const auto kCollectives = [](auto& v, CollectivesSpec& c) { collectives_fields(v, c); };
+
+ModelSpec parse_model(Section& m) { return read_typed<ModelSpec>(m, "model type", {"mlp", "cnn", "gpt"}, kModel); }
+DataSpec parse_data(Section& d) {
+  return read_typed<DataSpec>(d, "data type", {"fashion-mnist", "text", "synthetic"}, kData);
+}
+OptimizerSpec parse_optimizer(Section& o) {
+  return read_typed<OptimizerSpec>(o, "optimizer type", {"sgd", "adam", "adamw"}, kOptimizer);
+}
+ScheduleSpec parse_schedule(Section& s, const OptimizerSpec& opt) {
+  return read_typed<ScheduleSpec>(s, "schedule type", {"constant", "cosine", "linear"},
+                                  [&](auto& v, ScheduleSpec& x) { schedule_fields(v, x, opt.lr); });
+}
+TrainSpec parse_train(Section& t) { return read_section(t, TrainSpec{}, kTrain); }
+// The paths' defaults when the key is absent (the structs' "" means off, as a program
+// that builds its spec in C++ leaves them).
 CheckpointSpec parse_checkpoint(Section& c) {
   CheckpointSpec spec;
-  spec.dir = c.string("dir", "ckpt");  // in the run folder (Note [One run folder]); "" = off
-  spec.every_steps = c.integer("every_steps", 0, 0);
-  spec.keep = c.integer("keep", 3, 1);
-  spec.resume = c.string("resume", "auto");
-  if (spec.resume.empty()) {
-    c.error("resume", "must be auto, never or the path of a checkpoint, got \"\"");
-    spec.resume = "auto";
-  }
-  spec.safetensors = c.string("safetensors", "");
-  spec.on_error = c.word("on_error", spec.on_error, on_checkpoint_error_names());
-  c.finish();
-  return spec;
+  spec.dir = "ckpt";
+  return read_section(c, spec, kCheckpoint);
 }
-
 LogSpec parse_log(Section& l, const std::string& name) {
   LogSpec spec;
-  spec.metrics = l.string("metrics", "metrics.jsonl");  // in the run folder; "" = off
-  spec.every = l.integer("every", 50, 1);
-  spec.trace = l.string("trace", "");
-  spec.progress = l.choice("progress", "auto", {"auto", "line", "plain", "off"});
-  spec.dir = l.string("dir", "runs/" + name);
-  spec.tensorboard = l.string("tensorboard", "");
-  l.finish();
-  return spec;
+  spec.metrics = "metrics.jsonl";
+  spec.dir = "runs/" + name;
+  return read_section(l, spec, kLog);
 }
 
 // mesh: {axis: size, ...}; axis names from kAxisOrder, in any order.
@@ -289,16 +340,7 @@ MeshSpec parse_mesh(Section& m) {
   return make_mesh_spec(axes);
 }
 
-CollectivesSpec parse_collectives(Section& c) {
-  CollectivesSpec spec;
-  spec.backend = c.choice("backend", spec.backend, {"mpi", "gloo", "nccl"});
-  spec.timeout_s = c.number("timeout_s", spec.timeout_s, 0.001);
-  if (c.has("check")) spec.check = c.boolean("check", false);
-  spec.stall_warning_s = c.number("stall_warning_s", spec.stall_warning_s, 0);
-  spec.peer_silence_s = c.number("peer_silence_s", spec.peer_silence_s, 1);
-  c.finish();
-  return spec;
-}
+CollectivesSpec parse_collectives(Section& c) { return read_section(c, CollectivesSpec{}, kCollectives); }
 
 // The rules that tie sections together. Each error points at the key to change.
 // The rules within core's sections; the rules across the composition (how the batch
@@ -484,145 +526,35 @@ YAML::Node yaml_number(double value) {
 }
 
 namespace {
-// Writes `key: value` unless value is the parser's default.
-template <typename T>
-void put(YAML::Node& node, const std::string& key, const T& value, const T& def) {
-  if (!(value == def)) node[key] = value;
+
+// The default of a typed section's variant, as the parser reads `{type: T}` (a cnn's
+// hidden layers differ from an mlp's): a key that reads back the same when absent is
+// left out of the YAML.
+template <typename S, typename Parse>
+S variant_default(const std::string& section, const std::string& type, Parse&& parse) {
+  Diagnostics diag;  // a text variant's missing path: not this purpose's concern
+  ConfigDocument doc = ConfigDocument::from_string(section + ": {type: " + type + "}", "defaults", diag);
+  Section root = doc.root(diag);
+  Section s = root.section(section);
+  return parse(s);
 }
-void put(YAML::Node& node, const std::string& key, double value, double def) {
-  if (value != def) node[key] = yaml_number(value);
-}
-void put(YAML::Node& node, const std::string& key, const std::vector<double>& value, const std::vector<double>& def) {
-  if (value == def) return;
-  YAML::Node list(YAML::NodeType::Sequence);
-  for (double v : value) list.push_back(yaml_number(v));
-  list.SetStyle(YAML::EmitterStyle::Flow);
-  node[key] = list;
-}
+
 }  // namespace
 
-YAML::Node to_yaml(const ModelSpec& m) {
-  YAML::Node n(YAML::NodeType::Map);
-  const ModelSpec def;
-  n["type"] = m.type;
-  put(n, "dropout", m.dropout, def.dropout);
-  if (m.type != "gpt") {
-    put(n, "hidden", m.hidden, def.hidden);
-    put(n, "activation", m.activation, def.activation);
-  }
-  if (m.type == "cnn") put(n, "channels", m.channels, def.channels);
-  if (m.type == "gpt") {
-    put(n, "layers", m.layers, def.layers);
-    put(n, "heads", m.heads, def.heads);
-    put(n, "d_model", m.d_model, def.d_model);
-    put(n, "d_ff", m.d_ff, m.d_ff == 4 * m.d_model ? m.d_ff : def.d_ff);
-  }
-  return n;
-}
-
-YAML::Node to_yaml(const DataSpec& d) {
-  YAML::Node n(YAML::NodeType::Map);
-  const DataSpec def;
-  n["type"] = d.type;
-  put(n, "batch_size", d.batch_size, def.batch_size);
-  put(n, "eval_batch_size", d.eval_batch_size, def.eval_batch_size);
-  put(n, "eval_samples", d.eval_samples, def.eval_samples);
-  put(n, "shuffle", d.shuffle, def.shuffle);
-  if (d.type == "fashion-mnist") put(n, "path", d.path, def.path);
-  if (d.type == "text") {
-    n["path"] = d.path;
-    put(n, "seq_len", d.seq_len, def.seq_len);
-    put(n, "test_fraction", d.test_fraction, def.test_fraction);
-  }
-  if (d.type == "synthetic") {
-    put(n, "shape", d.shape, def.shape);
-    put(n, "classes", d.classes, def.classes);
-    put(n, "train_samples", d.train_samples, def.train_samples);
-    put(n, "test_samples", d.test_samples, def.test_samples);
-  }
-  return n;
-}
-
+YAML::Node to_yaml(const ModelSpec& m) { return fields::write(m, variant_default<ModelSpec>("model", m.type, parse_model), kModel); }
+YAML::Node to_yaml(const DataSpec& d) { return fields::write(d, variant_default<DataSpec>("data", d.type, parse_data), kData); }
 YAML::Node to_yaml(const OptimizerSpec& o) {
-  YAML::Node n(YAML::NodeType::Map);
-  const OptimizerSpec def;
-  n["type"] = o.type;
-  put(n, "lr", o.lr, def.lr);
-  put(n, "weight_decay", o.weight_decay, def.weight_decay);
-  put(n, "clip_grad_norm", o.clip_grad_norm, def.clip_grad_norm);
-  if (o.type == "sgd") {
-    put(n, "momentum", o.momentum, def.momentum);
-    put(n, "nesterov", o.nesterov, def.nesterov);
-  } else {
-    put(n, "betas", std::vector<double>{o.beta1, o.beta2}, std::vector<double>{def.beta1, def.beta2});
-    put(n, "eps", o.eps, def.eps);
-  }
-  return n;
+  return fields::write(o, variant_default<OptimizerSpec>("optimizer", o.type, parse_optimizer), kOptimizer);
 }
-
 YAML::Node to_yaml(const ScheduleSpec& s) {
-  YAML::Node n(YAML::NodeType::Map);
-  const ScheduleSpec def;
-  n["type"] = s.type;
-  put(n, "warmup_steps", s.warmup_steps, def.warmup_steps);
-  if (s.type != "constant") {
-    put(n, "min_lr", s.min_lr, def.min_lr);
-    put(n, "decay_steps", s.decay_steps, def.decay_steps);
-  }
-  return n;
+  const auto parse = [](Section& x) { return parse_schedule(x, OptimizerSpec{}); };
+  return fields::write(s, variant_default<ScheduleSpec>("schedule", s.type, parse),
+                       [](auto& v, ScheduleSpec& x) { schedule_fields(v, x, 0.0); });
 }
-
-YAML::Node to_yaml(const TrainSpec& t) {
-  YAML::Node n(YAML::NodeType::Map);
-  const TrainSpec def;
-  put(n, "epochs", t.epochs, def.epochs);
-  if (t.max_steps) n["max_steps"] = *t.max_steps;
-  put(n, "eval_every", t.eval_every, def.eval_every);
-  put(n, "seed", t.seed, def.seed);
-  put(n, "threads", t.threads, def.threads);
-  if (t.precision != def.precision) n["precision"] = to_string(t.precision);
-  if (t.device != def.device) n["device"] = to_string(t.device);
-  put(n, "accumulation_steps", t.accumulation_steps, def.accumulation_steps);
-  if (t.on_nonfinite != def.on_nonfinite) n["on_nonfinite"] = to_string(t.on_nonfinite);
-  return n;
-}
-
-// The paths are written even when empty: "" turns checkpoints (metrics) off, while an
-// absent key means the default under runs/<name>/.
-YAML::Node to_yaml(const CheckpointSpec& c) {
-  YAML::Node n(YAML::NodeType::Map);
-  const CheckpointSpec def;
-  n["dir"] = c.dir;
-  put(n, "every_steps", c.every_steps, def.every_steps);
-  put(n, "keep", c.keep, def.keep);
-  put(n, "resume", c.resume, def.resume);
-  put(n, "safetensors", c.safetensors, def.safetensors);
-  if (c.on_error != def.on_error) n["on_error"] = to_string(c.on_error);
-  return n;
-}
-
-YAML::Node to_yaml(const LogSpec& l) {
-  YAML::Node n(YAML::NodeType::Map);
-  const LogSpec def;
-  n["metrics"] = l.metrics;
-  put(n, "every", l.every, def.every);
-  put(n, "trace", l.trace, def.trace);
-  put(n, "progress", l.progress, def.progress);
-  n["dir"] = l.dir;
-  put(n, "tensorboard", l.tensorboard, def.tensorboard);
-  return n;
-}
-
-YAML::Node to_yaml(const CollectivesSpec& c) {
-  YAML::Node n(YAML::NodeType::Map);
-  const CollectivesSpec def;
-  put(n, "backend", c.backend, def.backend);
-  put(n, "timeout_s", c.timeout_s, def.timeout_s);
-  if (c.check) n["check"] = *c.check;
-  put(n, "stall_warning_s", c.stall_warning_s, def.stall_warning_s);
-  put(n, "peer_silence_s", c.peer_silence_s, def.peer_silence_s);
-  return n;
-}
+YAML::Node to_yaml(const TrainSpec& t) { return fields::write(t, TrainSpec{}, kTrain); }
+YAML::Node to_yaml(const CheckpointSpec& c) { return fields::write(c, CheckpointSpec{}, kCheckpoint); }
+YAML::Node to_yaml(const LogSpec& l) { return fields::write(l, LogSpec{}, kLog); }
+YAML::Node to_yaml(const CollectivesSpec& c) { return fields::write(c, CollectivesSpec{}, kCollectives); }
 
 // ---- the registry ---------------------------------------------------------------------
 

@@ -11,6 +11,7 @@
 #include "collectives/error.h"
 #include "collectives/topology_gather.h"
 #include "core/bucketer.h"
+#include "core/fields.h"
 
 namespace tetra::data_parallel {
 
@@ -194,15 +195,21 @@ const std::vector<std::string>& hierarchy_names() {
   return names;
 }
 
-YAML::Node Options::to_yaml() const {
-  YAML::Node n(YAML::NodeType::Map);
-  const Options def;
-  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = core::yaml_number(bucket_mb);
-  if (overlap != def.overlap) n["overlap"] = overlap;
-  if (compression != def.compression) n["compression"] = compression_names()[static_cast<size_t>(compression)];
-  if (hierarchical != def.hierarchical) n["hierarchical"] = hierarchy_names()[static_cast<size_t>(hierarchical)];
-  return n;
+namespace {
+
+// The `data_parallel` section's keys, declared once (Note [Fields declared once]).
+template <class V>
+void data_parallel_fields(V& v, Options& o) {
+  v.positive("bucket_mb", o.bucket_mb);
+  v.boolean("overlap", o.overlap);
+  v.word("compression", o.compression, compression_names());
+  v.word("hierarchical", o.hierarchical, hierarchy_names());
 }
+const auto kFields = [](auto& v, Options& o) { data_parallel_fields(v, o); };
+
+}  // namespace
+
+YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 core::StrategyRole Options::role(const core::JobSpec&) const {
   core::StrategyRole r;
@@ -221,10 +228,8 @@ void register_data_parallel(core::SectionRegistry& registry) {
       "data_parallel",
       [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
         auto o = std::make_shared<Options>();
-        o->bucket_mb = s.positive_number("bucket_mb", o->bucket_mb);
-        o->overlap = s.boolean("overlap", o->overlap);
-        o->compression = s.word("compression", o->compression, compression_names());
-        o->hierarchical = s.word("hierarchical", o->hierarchical, hierarchy_names());
+        core::fields::Reader r(s);
+        data_parallel_fields(r, *o);
         s.finish();
         (void)job;
         return o;  // the plan leaves it out when the data group has one rank

@@ -16,6 +16,7 @@
 
 #include "collectives/error.h"
 #include "core/data.h"
+#include "core/fields.h"
 #include "core/init.h"
 #include "core/models.h"
 #include "core/random.h"
@@ -870,20 +871,43 @@ const std::string& to_string(ScheduleKind kind) { return schedule_kinds().at(sta
 const std::string& to_string(Balance balance) { return balance_names().at(static_cast<size_t>(balance)); }
 const std::string& to_string(Recompute recompute) { return recompute_names().at(static_cast<size_t>(recompute)); }
 
-YAML::Node Options::to_yaml() const {
-  YAML::Node n(YAML::NodeType::Map);
-  const Options def;
-  if (schedule != def.schedule) n["schedule"] = to_string(schedule);
-  if (micro_batches != 0) n["micro_batches"] = micro_batches;
-  if (virtual_stages != def.virtual_stages) n["virtual_stages"] = virtual_stages;
-  if (balance == Balance::kExplicit)
-    n["balance"] = balance_counts;
-  else if (balance != def.balance)
-    n["balance"] = to_string(balance);
-  if (checkpoint != def.checkpoint) n["checkpoint"] = to_string(checkpoint);
-  if (prefetch != def.prefetch) n["prefetch"] = prefetch;
-  return n;
+namespace {
+
+// The `pipeline` section's keys, declared once (Note [Fields declared once]). The reader
+// starts from o.stages = mesh.pipeline; micro_batches 0 reads as 4 x stages.
+template <class V>
+void pipeline_fields(V& v, Options& o) {
+  v.word("schedule", o.schedule, schedule_kinds());
+  if constexpr (V::kReads)
+    if (o.micro_batches == 0) o.micro_batches = 4 * o.stages;
+  v.integer("micro_batches", o.micro_batches, 1, 1 << 20);
+  v.integer("virtual_stages", o.virtual_stages, 1, 1024);
+  // balance: a word, or a list of layer counts.
+  bool counts = o.balance == Balance::kExplicit;
+  if constexpr (V::kReads) counts = v.section().is_list("balance");
+  if (counts) {
+    v.integers("balance", o.balance_counts, 1);
+    if constexpr (V::kReads) {
+      o.balance = Balance::kExplicit;
+      const size_t K = static_cast<size_t>(o.stages) * static_cast<size_t>(o.virtual_stages);
+      if (o.balance_counts.size() != K)
+        v.section().error("balance", "lists " + std::to_string(o.balance_counts.size()) + " layer counts, but there are " +
+                                         std::to_string(K) + " stages (pipeline " + std::to_string(o.stages) +
+                                         " x virtual_stages " + std::to_string(o.virtual_stages) + ")");
+    }
+  } else {
+    // A word: the three that are not a list.
+    const std::vector<std::string> words(balance_names().begin(), balance_names().end() - 1);
+    v.word("balance", o.balance, words);
+  }
+  v.word("checkpoint", o.checkpoint, recompute_names());
+  v.integer("prefetch", o.prefetch, 0, 64);
 }
+const auto kFields = [](auto& v, Options& o) { pipeline_fields(v, o); };
+
+}  // namespace
+
+YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 core::StrategyRole Options::role(const core::JobSpec&) const {
   core::StrategyRole r;
@@ -903,24 +927,8 @@ void register_pipeline(core::SectionRegistry& registry) {
         const bool given = !s.keys().empty();
         o->stages = job.mesh.size("pipeline");
         const int P = o->stages;
-        o->schedule = s.word("schedule", o->schedule, schedule_kinds());
-        o->micro_batches = static_cast<int>(s.integer("micro_batches", 4 * P, 1, 1 << 20));
-        o->virtual_stages = static_cast<int>(s.integer("virtual_stages", 1, 1, 1024));
-        if (s.is_list("balance")) {
-          o->balance = Balance::kExplicit;
-          o->balance_counts = s.integers("balance", {}, 1);
-          const size_t K = static_cast<size_t>(P) * static_cast<size_t>(o->virtual_stages);
-          if (o->balance_counts.size() != K)
-            s.error("balance", "lists " + std::to_string(o->balance_counts.size()) + " layer counts, but there are " +
-                                   std::to_string(K) + " stages (pipeline " + std::to_string(P) + " x virtual_stages " +
-                                   std::to_string(o->virtual_stages) + ")");
-        } else {
-          // A word: the three that are not a list.
-          const std::vector<std::string> words(balance_names().begin(), balance_names().end() - 1);
-          o->balance = s.word("balance", o->balance, words);
-        }
-        o->checkpoint = s.word("checkpoint", o->checkpoint, recompute_names());
-        o->prefetch = static_cast<int>(s.integer("prefetch", o->prefetch, 0, 64));
+        core::fields::Reader r(s);
+        pipeline_fields(r, *o);
         s.finish();
         if (!given && P == 1) return nullptr;  // off: no pipeline
         const std::string problem = schedule_problem(to_string(o->schedule), P, o->micro_batches, o->virtual_stages);

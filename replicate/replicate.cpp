@@ -11,6 +11,7 @@
 #include "collectives/hierarchical.h"
 #include "collectives/local.h"
 #include "core/config.h"
+#include "core/fields.h"
 #include "core/runtime.h"
 #include "hardware/host.h"
 #include "hardware/topology.h"
@@ -50,11 +51,18 @@ std::string Options::plan(const core::PlanInput& input) const {
   return os.str();
 }
 
-YAML::Node Options::to_yaml() const {
-  YAML::Node n(YAML::NodeType::Map);
-  n["replicas"] = replicas;
-  return n;
+namespace {
+
+// The `replicate` section's key, declared once (Note [Fields declared once]).
+template <class V>
+void replicate_fields(V& v, Options& o) {
+  v.integer("replicas", o.replicas, 1, 1024, core::fields::kAlways);
 }
+const auto kFields = [](auto& v, Options& o) { replicate_fields(v, o); };
+
+}  // namespace
+
+YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_replicate(core::SectionRegistry& registry) {
   registry.add(
@@ -62,7 +70,9 @@ void register_replicate(core::SectionRegistry& registry) {
       [](core::Section& s, const core::JobSpec&) -> std::shared_ptr<const core::PluginConfig> {
         auto o = std::make_shared<Options>();
         const bool given = !s.keys().empty();
-        o->replicas = static_cast<int>(s.integer("replicas", 1, 1, 1024));
+        o->replicas = 1;  // absent: one rank per process (the struct's 2 is for the C++ builder)
+        core::fields::Reader r(s);
+        replicate_fields(r, *o);
         s.finish();
         if (!given || o->replicas == 1) return nullptr;  // off: one rank per process
         return o;

@@ -11,6 +11,7 @@
 
 #include "collectives/error.h"
 #include "core/bucketer.h"
+#include "core/fields.h"
 #include "core/models.h"
 #include "core/report.h"
 
@@ -853,23 +854,27 @@ core::StrategyRole Options::role(const core::JobSpec&) const {
   return r;
 }
 
-YAML::Node Options::to_yaml() const {
-  YAML::Node n(YAML::NodeType::Map);
-  const Options def;
-  n["stage"] = stage;
-  if (bucket_mb != def.bucket_mb) n["bucket_mb"] = core::yaml_number(bucket_mb);
-  if (overlap != def.overlap) n["overlap"] = overlap;
-  if (prefetch != def.prefetch) n["prefetch"] = prefetch;
-  return n;
+namespace {
+
+// The `zero` section's keys, declared once (Note [Fields declared once], core/fields.h).
+template <class V>
+void zero_fields(V& v, Options& o) {
+  v.integer("stage", o.stage, 0, 3, core::fields::kAlways);
+  v.positive("bucket_mb", o.bucket_mb);
+  v.boolean("overlap", o.overlap);
+  v.integer("prefetch", o.prefetch, 0, 64);
 }
+const auto kFields = [](auto& v, Options& o) { zero_fields(v, o); };
+
+}  // namespace
+
+YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_zero(core::SectionRegistry& registry) {
   registry.add("zero", [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
     auto o = std::make_shared<Options>();
-    o->stage = static_cast<int>(s.integer("stage", 0, 0, 3));
-    o->bucket_mb = s.positive_number("bucket_mb", o->bucket_mb);
-    o->overlap = s.boolean("overlap", o->overlap);
-    o->prefetch = static_cast<int>(s.integer("prefetch", o->prefetch, 0, 64));
+    core::fields::Reader r(s);
+    zero_fields(r, *o);
     s.finish();
     if (o->stage == 0) return nullptr;  // off: the data_parallel plugin allreduces
     return o;
