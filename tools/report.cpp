@@ -17,7 +17,7 @@
 //   traces          per-rank Chrome traces (log.trace), merged onto one clock as
 //                   trace-merge does (core/trace_merge.h); a step is cut out of them for
 //                   the pipeline timeline (Note [Pipeline step]).
-// The charts are SVG drawn by core/chart.h: the page has no script and fetches nothing.
+// The charts are SVG drawn by tools/chart/chart.h: the page has no script and fetches nothing.
 // --png composes every chart into one SVG and converts it with rsvg-convert (Debian's
 // librsvg2-bin).
 //
@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "collectives/error.h"
-#include "core/chart.h"
+#include "tools/chart/chart.h"
 #include "core/job_spec.h"
 #include "core/safetensors.h"
 #include "core/text.h"
@@ -67,7 +67,7 @@ extern char** environ;
 namespace {
 
 namespace fs = std::filesystem;
-namespace chart = tetra::core::chart;
+namespace chart = tetra::chart;
 using chart::Unit;
 using nlohmann::json;
 using tetra::ConfigError;
@@ -656,10 +656,9 @@ Estimate estimate(const Run& run, bool wanted) {
       return e;
     }
     tetra::DryRunOptions how;
-    how.json = true;
     const double world = processes(run.summary);
     how.np = std::isfinite(world) ? static_cast<int>(world) : 0;
-    e.ranks = json::parse(tetra::dry_run(parsed.spec, {}, how)).at("estimate");
+    e.ranks = tetra::core::estimate_json(tetra::plan_report(parsed.spec, {}, how).estimates);
   } catch (const std::exception& ex) {
     std::string why = ex.what();
     while (!why.empty() && why.back() == '\n') why.pop_back();

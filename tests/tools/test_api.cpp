@@ -116,6 +116,26 @@ TEST(PlanBuilder, BuildsTheSameDryRunAsTheSameYaml) {
             "zero:\n  stage: 1\nreplicate:\n  replicas: 2\n");
 }
 
+// The dry run is a report (a struct) rendered as text or JSON: its parts are what the
+// renderings print, so a tool reads a part (report's memory chart: the estimates) without
+// parsing either.
+TEST(PlanBuilder, ThePlanReportIsWhatTheDryRunPrints) {
+  ::setenv("TETRA_CALIBRATION", "gpu-cluster", 1);
+  const core::JobSpec built = three_d().build();
+  DryRunOptions how;
+  how.np = 4;
+  const PlanReport report = plan_report(built, {}, how);
+  EXPECT_EQ(without_timings(report.text()), without_timings(dry_run(built, {}, how)));
+  ASSERT_EQ(report.estimates.size(), 4u);  // one per process
+  EXPECT_EQ(report.ranks.size(), 8u);      // 4 processes x 2 replicas
+  EXPECT_EQ(report.plan.data_ranks(), 4);
+  const nlohmann::json j = report.json();
+  EXPECT_EQ(j["estimate"], core::estimate_json(report.estimates));
+  EXPECT_EQ(j["ranks"].size(), 8u);
+  EXPECT_GT(report.parameters, 0);
+  EXPECT_EQ(j["parameters"], report.parameters);
+}
+
 // The YAML path's messages, each naming the call that wrote the setting.
 TEST(PlanBuilder, ErrorsNameTheBuilderCall) {
   try {

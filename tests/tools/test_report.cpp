@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "collectives/build_config.h"
-#include "core/chart.h"
+#include "tools/chart/chart.h"
 #include "tests/tools/spawn.h"
 
 namespace fs = std::filesystem;
@@ -636,9 +636,9 @@ TEST(Report, TenThousandStepsRenderFastAndKeepTheirSpikes) {
   EXPECT_LT(ys[0], ys[1] - 100) << "the spike at step 7777 was lost";
 }
 
-// The chart writer's pieces on their own (core/chart.h).
+// The chart writer's pieces on their own (tools/chart/chart.h).
 TEST(Chart, TicksAreNiceInHumanUnits) {
-  namespace chart = tetra::core::chart;
+  namespace chart = tetra::chart;
   using chart::Unit;
   auto texts = [](const chart::Ticks& t) {
     std::vector<std::string> out;
@@ -669,7 +669,7 @@ TEST(Chart, TicksAreNiceInHumanUnits) {
 }
 
 TEST(Chart, ManyPointsKeepEachBucketsExtremesAndGaps) {
-  namespace chart = tetra::core::chart;
+  namespace chart = tetra::chart;
   std::vector<double> y(100000, 1.0);
   y[12345] = 100;           // a spike
   y[54321] = -100;          // a dip
@@ -683,7 +683,7 @@ TEST(Chart, ManyPointsKeepEachBucketsExtremesAndGaps) {
 }
 
 TEST(Chart, TextIsEscapedAndTheComposedSvgIsOneDocument) {
-  namespace chart = tetra::core::chart;
+  namespace chart = tetra::chart;
   EXPECT_EQ(chart::escape("a<b & \"c\" 'd'>\x01"),
             "a&lt;b &amp; &quot;c&quot; &#39;d&#39;&gt;\xef\xbf\xbd");
   chart::Frame f;
@@ -703,7 +703,7 @@ TEST(Chart, TextIsEscapedAndTheComposedSvgIsOneDocument) {
 // Issue 33, item 7: a y-axis label longer than a short chart's plot ran up into its
 // legend; it now shrinks to the plot's height (down to 9 px).
 TEST(Chart, ALongYLabelStaysBesideItsPlot) {
-  namespace chart = tetra::core::chart;
+  namespace chart = tetra::chart;
   chart::Frame f;
   f.title = "Gradient norm";
   f.width = 430;

@@ -55,15 +55,7 @@ TrainerOptions trainer_options(const RunOptions& options) {
 // Rank -> (pipeline, data, replica) and where it runs, for --dry-run with a world size.
 // Every process is taken to run on this host (the one --dry-run runs on) unless a
 // launcher says how many share it.
-struct RankRow {
-  int rank, process, replica, host;
-  std::vector<int> coords;  // per axis of the process mesh
-  int threads;
-  std::string cpus;  // "" = not pinned
-  std::string why;
-};
-
-std::vector<RankRow> rank_rows(const Plan& plan, int local_processes) {
+std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes) {
   // local_processes consecutive processes share a host.
   const MeshLayout layout(plan.processes());
   const int R = plan.replicas();
@@ -75,7 +67,7 @@ std::vector<RankRow> rank_rows(const Plan& plan, int local_processes) {
                                                      : std::max(1, hardware::usable_cores() / local_processes);
     where[0].why = "one rank per process, placed by the launcher (mpirun --bind-to)";
   }
-  std::vector<RankRow> rows;
+  std::vector<RankPlace> rows;
   for (int p = 0; p < plan.process_count(); ++p)
     for (int r = 0; r < R; ++r) {
       const replicate::Placement& w = where[static_cast<size_t>(r)];
@@ -83,35 +75,6 @@ std::vector<RankRow> rank_rows(const Plan& plan, int local_processes) {
                       w.cpus.empty() ? "" : hardware::format_cpu_list(w.cpus), w.why});
     }
   return rows;
-}
-
-int host_count(const std::vector<RankRow>& rows) { return rows.empty() ? 1 : rows.back().host + 1; }
-
-std::string rank_table(const Plan& plan, const std::vector<RankRow>& rows, int per_host) {
-  const int hosts = host_count(rows);
-  std::string out;
-  if (hosts > 1) {
-    out = "hosts      " + std::to_string(hosts) + " x " + std::to_string(per_host) +
-          " processes (consecutive ranks share a host, as mpirun --map-by slot and srun place them)\n";
-    for (const std::string& line : MeshLayout(plan.processes()).host_placement(per_host)) out += "  " + line + "\n";
-  }
-  out += "ranks      " + std::to_string(rows.size()) + " (" + std::to_string(plan.process_count()) + " process" +
-         (plan.process_count() == 1 ? "" : "es") +
-         (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ")" +
-         (hosts == 1 ? " on " + hardware::hostname() : std::string()) + "\n";
-  appendf(out, "  %-5s %-8s %-5s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "host", "pipeline", "data", "replica",
-          "threads", "cpus");
-  const auto& axes = plan.processes().axes;
-  for (const RankRow& r : rows) {
-    auto coord = [&](const std::string& axis) {
-      for (size_t i = 0; i < axes.size(); ++i)
-        if (axes[i].name == axis) return r.coords[i];
-      return 0;
-    };
-    appendf(out, "  %-5d %-8d %-5d %-9d %-5d %-8d %-8d %s\n", r.rank, r.process, r.host, coord("pipeline"), coord("data"),
-            r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
-  }
-  return out;
 }
 
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
@@ -214,9 +177,53 @@ Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool span
   return this_machine(trainer, spans_hosts);
 }
 
-nlohmann::json plan_json(Trainer& trainer, const std::vector<RankEstimate>& estimates,
-                         const std::vector<RankRow>& rows, int per_host, const Calibration& cal) {
+}  // namespace
+
+std::string dry_run(const JobSpec& spec, const RunOptions& options, int np, bool json) {
+  DryRunOptions how;
+  how.np = np;
+  how.json = json;
+  return dry_run(spec, options, how);
+}
+
+PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const DryRunOptions& how) {
+  TrainerOptions topts = trainer_options(options);
+  topts.dry_run = true;
+  Trainer trainer(spec, topts);
   const Plan& plan = trainer.job_plan();
+  PlanReport r(plan);
+  r.threads = set_threads(spec.train.threads, plan.replicas());
+  // The world the plan is for: np, else the launch this runs in, else the mesh's.
+  const collectives::LaunchInfo launch = collectives::detect_launch();
+  const int np = how.np;
+  const int world_size = np > 0 ? np : launch.multi_process() ? launch.world_size : 0;
+  if (world_size > 0)
+    plan.check_world(world_size, np > 0 ? "--np " + std::to_string(np) : launch.launcher + ": " + launch.evidence);
+  int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
+  if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
+  r.per_host = local;
+  r.ranks = rank_rows(plan, local);
+  r.calibration = calibration_of(how, trainer, r.hosts() > 1);
+  // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
+  r.estimates = trainer.estimate();
+  r.prediction = predict(trainer, r.estimates, local, r.calibration);
+  r.data = trainer.dataset().info().description;
+  r.model = options.model ? "the program's own" : spec.model.type;
+  r.parameters = trainer.model_parameters();
+  r.model_text = describe(trainer.model());
+  r.strategies_text = trainer.plan();
+  r.steps = trainer.total_steps();
+  return r;
+}
+
+std::string dry_run(const JobSpec& spec, const RunOptions& options, const DryRunOptions& how) {
+  const PlanReport r = plan_report(spec, options, how);
+  return how.json ? r.json().dump(2) + "\n" : r.text();
+}
+
+int PlanReport::hosts() const { return ranks.empty() ? 1 : ranks.back().host + 1; }
+
+nlohmann::json PlanReport::json() const {
   nlohmann::json j;
   j["job"] = plan.spec().name;
   j["processes"] = plan.process_count();
@@ -226,19 +233,19 @@ nlohmann::json plan_json(Trainer& trainer, const std::vector<RankEstimate>& esti
   j["mesh"]["replica"] = plan.replicas();
   j["batch"] = {{"global", plan.spec().data.batch_size}, {"data_ranks", plan.data_ranks()},
                 {"micro_batches", plan.micro_batches()}, {"micro_batch_size", plan.micro_batch_size()}};
-  j["steps"] = trainer.total_steps();
-  j["parameters"] = trainer.model_parameters();
+  j["steps"] = steps;
+  j["parameters"] = parameters;
   j["composition"] = nlohmann::json::array();
   for (const PlanStep& s : plan.composition())
     j["composition"].push_back({{"section", s.section}, {"axis", s.role.axis}, {"active", s.active},
                                 {"what", s.active ? s.role.why : s.note}});
   j["estimate"] = estimate_json(estimates);  // per rank: memory, and bytes per axis per step
-  j["hosts"] = {{"count", host_count(rows)}, {"processes_per_host", per_host},
+  j["hosts"] = {{"count", hosts()}, {"processes_per_host", per_host},
                 {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
-  j["cost"] = prediction_json(predict(trainer, estimates, per_host, cal), cal);
+  j["cost"] = prediction_json(prediction, calibration);
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
-  for (const RankRow& r : rows) {
+  for (const RankPlace& r : ranks) {
     nlohmann::json row = {{"rank", r.rank},         {"process", r.process}, {"host", r.host},
                           {"replica", r.replica},   {"threads", r.threads}};
     for (size_t i = 0; i < axes.size(); ++i) row[axes[i].name] = r.coords[i];
@@ -249,12 +256,8 @@ nlohmann::json plan_json(Trainer& trainer, const std::vector<RankEstimate>& esti
   return j;
 }
 
-std::string plan_text(Trainer& trainer, const std::vector<RankEstimate>& estimates, int threads,
-                      bool custom_model) {
-  const Plan& plan = trainer.job_plan();
+std::string PlanReport::text() const {
   const JobSpec& spec = plan.spec();
-  const auto& info = trainer.dataset().info();
-  const int64_t params = parameter_count(*trainer.model());
   std::string out;
   appendf(out, "job        %s (%s)\n", spec.name.c_str(), spec.source.empty() ? "built in C++" : spec.source.c_str());
   const int world = plan.process_count(), R = plan.replicas();
@@ -266,49 +269,38 @@ std::string plan_text(Trainer& trainer, const std::vector<RankEstimate>& estimat
   else
     appendf(out, "world      mesh %s = %d processes (launch with mpirun -np %d)%s, %s each\n", spec.mesh.str().c_str(),
             world, world, R > 1 ? (" x " + std::to_string(R) + " replica threads").c_str() : "", per_rank.c_str());
-  appendf(out, "data       %s\n", info.description.c_str());
+  appendf(out, "data       %s\n", data.c_str());
   appendf(out, "batch      %s\n", plan.batch_equation().c_str());
-  appendf(out, "steps      %lld (%s)\n", static_cast<long long>(trainer.total_steps()),
+  appendf(out, "steps      %lld (%s)\n", static_cast<long long>(steps),
           spec.train.max_steps ? "train.max_steps" : "train.epochs x steps per epoch");
-  appendf(out, "model      %s, %lld parameters\n", custom_model ? "the program's own" : spec.model.type.c_str(),
-          static_cast<long long>(params));
-  out += describe(trainer.model());
+  appendf(out, "model      %s, %lld parameters\n", model.c_str(), static_cast<long long>(parameters));
+  out += model_text;
   out += plan.describe_composition();
-  out += trainer.plan();
+  out += strategies_text;
   out += estimate_table(plan, estimates);  // per rank: memory, and bytes per axis per step
-  return out;
-}
-
-}  // namespace
-
-std::string dry_run(const JobSpec& spec, const RunOptions& options, int np, bool json) {
-  DryRunOptions how;
-  how.np = np;
-  how.json = json;
-  return dry_run(spec, options, how);
-}
-
-std::string dry_run(const JobSpec& spec, const RunOptions& options, const DryRunOptions& how) {
-  TrainerOptions topts = trainer_options(options);
-  topts.dry_run = true;
-  Trainer trainer(spec, topts);
-  const Plan& plan = trainer.job_plan();
-  const int threads = set_threads(spec.train.threads, plan.replicas());
-  // The world the plan is for: np, else the launch this runs in, else the mesh's.
-  const collectives::LaunchInfo launch = collectives::detect_launch();
-  const int np = how.np;
-  const int world_size = np > 0 ? np : launch.multi_process() ? launch.world_size : 0;
-  if (world_size > 0)
-    plan.check_world(world_size, np > 0 ? "--np " + std::to_string(np) : launch.launcher + ": " + launch.evidence);
-  int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
-  if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
-  const std::vector<RankRow> rows = rank_rows(plan, local);
-  const Calibration cal = calibration_of(how, trainer, host_count(rows) > 1);
-  // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
-  const std::vector<RankEstimate> estimates = trainer.estimate();
-  if (how.json) return plan_json(trainer, estimates, rows, local, cal).dump(2) + "\n";
-  return plan_text(trainer, estimates, threads, static_cast<bool>(options.model)) + rank_table(plan, rows, local) +
-         prediction_text(predict(trainer, estimates, local, cal), cal);
+  const int hosts = this->hosts();
+  if (hosts > 1) {
+    out += "hosts      " + std::to_string(hosts) + " x " + std::to_string(per_host) +
+          " processes (consecutive ranks share a host, as mpirun --map-by slot and srun place them)\n";
+    for (const std::string& line : MeshLayout(plan.processes()).host_placement(per_host)) out += "  " + line + "\n";
+  }
+  out += "ranks      " + std::to_string(ranks.size()) + " (" + std::to_string(plan.process_count()) + " process" +
+         (plan.process_count() == 1 ? "" : "es") +
+         (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ")" +
+         (hosts == 1 ? " on " + hardware::hostname() : std::string()) + "\n";
+  appendf(out, "  %-5s %-8s %-5s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "host", "pipeline", "data", "replica",
+          "threads", "cpus");
+  const auto& axes = plan.processes().axes;
+  for (const RankPlace& r : ranks) {
+    auto coord = [&](const std::string& axis) {
+      for (size_t i = 0; i < axes.size(); ++i)
+        if (axes[i].name == axis) return r.coords[i];
+      return 0;
+    };
+    appendf(out, "  %-5d %-8d %-5d %-9d %-5d %-8d %-8d %s\n", r.rank, r.process, r.host, coord("pipeline"), coord("data"),
+            r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
+  }
+  return out + prediction_text(prediction, calibration);
 }
 
 namespace {

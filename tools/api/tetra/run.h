@@ -23,9 +23,15 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "core/cost_model.h"
 #include "core/data.h"
 #include "core/job_spec.h"
+#include "core/plan.h"
+#include "core/strategy_config.h"
 #include "core/trainer.h"
 
 namespace tetra {
@@ -64,6 +70,41 @@ struct DryRunOptions {
   std::string calibration;
 };
 std::string dry_run(const core::JobSpec& spec, const RunOptions& options, const DryRunOptions& how);
+
+// Where one rank of the plan runs: its process, replica thread and host (processes
+// numbered host by host), its coordinate on each axis of the process mesh, its threads
+// and the CPUs it is pinned to ("" = not pinned, and why).
+struct RankPlace {
+  int rank = 0, process = 0, replica = 0, host = 0;
+  std::vector<int> coords;
+  int threads = 1;
+  std::string cpus;
+  std::string why;
+};
+
+// What the dry run works out, as data: dry_run renders it as text (train --dry-run) or
+// JSON (--json), and a tool that needs a part of it (report's memory chart: `estimates`)
+// reads the part instead of parsing either.
+struct PlanReport {
+  explicit PlanReport(core::Plan p) : plan(std::move(p)) {}
+  core::Plan plan;              // the composition, the mesh, the batch equation
+  std::string data;             // the data's description
+  std::string model;            // the model's type, or "the program's own"
+  int64_t parameters = 0;
+  std::string model_text;       // its layers, one line each
+  std::string strategies_text;  // each active strategy's lines (StrategyConfig::plan)
+  int64_t steps = 0;
+  int threads = 1;              // intra-op threads per rank
+  int per_host = 1;             // processes per host
+  std::vector<RankPlace> ranks;
+  std::vector<core::RankEstimate> estimates;  // per process rank: memory, traffic
+  core::Calibration calibration;
+  core::StepPrediction prediction;            // the cost model's step (Note [Cost model])
+  int hosts() const;
+  std::string text() const;
+  nlohmann::json json() const;
+};
+PlanReport plan_report(const core::JobSpec& spec, const RunOptions& options = {}, const DryRunOptions& how = {});
 
 // Trains the job in the launch this process runs in and returns this process's result
 // (its first replica's). Collective over the launch: every process calls it with the same

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace tetra::core::chart {
+namespace tetra::chart {
 
 inline constexpr size_t kMaxPoints = 1000;
 
@@ -135,4 +135,4 @@ struct Row {
 };
 Chart timeline_chart(const Frame& f, const std::vector<Row>& rows, const std::vector<Kind>& kinds);
 
-}  // namespace tetra::core::chart
+}  // namespace tetra::chart

@@ -1,4 +1,4 @@
-#include "core/chart.h"
+#include "tools/chart/chart.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <limits>
 #include <utility>
 
-namespace tetra::core::chart {
+namespace tetra::chart {
 
 namespace {
 
@@ -677,4 +677,4 @@ Chart timeline_chart(const Frame& f, const std::vector<Row>& rows, const std::ve
   return c;
 }
 
-}  // namespace tetra::core::chart
+}  // namespace tetra::chart
