@@ -785,4 +785,15 @@ void finish_average(const at::Tensor& t, ReduceOp op, int size) {
   if (op == ReduceOp::kAvg && size > 1) t.div_(size);
 }
 
+std::string broadcast_string(Communicator& group, const std::string& text, const BroadcastOptions& options) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  group.broadcast(len, options)->wait();
+  const int64_t n = len.item<int64_t>();
+  if (n == 0) return "";
+  at::Tensor bytes = at::empty({n}, at::kByte);
+  if (group.rank() == options.root) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  group.broadcast(bytes, options)->wait();
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
+}
+
 }  // namespace tetra::collectives

@@ -345,6 +345,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 };
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 
+// Collective: `root`'s `text` on every rank of `group` (what a rank passes elsewhere is
+// ignored): its length, then its bytes (none when empty), as two broadcasts.
+std::string broadcast_string(Communicator& group, const std::string& text, const BroadcastOptions& options = {});
+
 // Elementwise reduction of `src` into `dst` (same dtype and numel, contiguous): the one
 // arithmetic kernel the shared-memory and user-op paths use. kAvg reduces as kSum (the
 // caller divides once at the end with finish_average).

@@ -372,13 +372,7 @@ std::string agree(collectives::Communicator* world, const std::string& error) {
   world->allreduce(first, {collectives::ReduceOp::kMin, kSaveTimeout})->wait();
   const int64_t root = first.item<int64_t>();
   if (root == world->size()) return "";
-  at::Tensor len = at::full({1}, static_cast<int64_t>(error.size()), at::kLong);
-  world->broadcast(len, {static_cast<int>(root), kSaveTimeout})->wait();
-  at::Tensor text = at::empty({len.item<int64_t>()}, at::kByte);
-  if (world->rank() == root) std::memcpy(text.data_ptr(), error.data(), error.size());
-  world->broadcast(text, {static_cast<int>(root), kSaveTimeout})->wait();
-  return std::string(reinterpret_cast<const char*>(text.data_ptr<uint8_t>()),
-                     static_cast<size_t>(text.numel()));
+  return collectives::broadcast_string(*world, error, {static_cast<int>(root), kSaveTimeout});
 }
 
 // This rank's whole tensors and slices as one safetensors file; returns its byte count and

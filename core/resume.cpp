@@ -16,16 +16,6 @@ namespace tetra::core {
 
 namespace fs = std::filesystem;
 
-std::string broadcast_string(collectives::Communicator& group, const std::string& text) {
-  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
-  group.broadcast(len)->wait();
-  at::Tensor bytes = at::zeros({len.item<int64_t>()}, at::kByte);
-  if (group.rank() == 0 && !text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  if (bytes.numel() == 0) return "";
-  group.broadcast(bytes)->wait();
-  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-}
-
 torch::Tensor cpu_rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -63,7 +53,7 @@ std::optional<CheckpointReader> choose_checkpoint(const CheckpointSpec& ck, coll
       from = std::string("\n") + e.what();
     }
   }
-  if (ranks && ranks->size() > 1) from = broadcast_string(*ranks, from);
+  if (ranks && ranks->size() > 1) from = collectives::broadcast_string(*ranks, from);
   if (!from.empty() && from[0] == '\n') throw Error(from.substr(1));
   if (!from.empty() && !verified) verified.emplace(from);
   return verified;
@@ -73,7 +63,7 @@ std::string save_for_stop(collectives::Communicator* ranks, const std::function<
   const std::optional<std::string> saved = save();
   if (!saved) return "";
   std::string folder = *saved;
-  if (ranks && ranks->size() > 1) folder = broadcast_string(*ranks, folder);  // the writer's name for it
+  if (ranks && ranks->size() > 1) folder = collectives::broadcast_string(*ranks, folder);  // the writer's name for it
   set_stop_exit_status(kExitPreempted);  // a further signal: out at once, and resumable
   return folder;
 }

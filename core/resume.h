@@ -21,9 +21,6 @@ namespace tetra::core {
 // an explicit path that is missing or damaged is an error, thrown on every rank alike.
 std::optional<CheckpointReader> choose_checkpoint(const CheckpointSpec& ck, collectives::Communicator* ranks);
 
-// Rank 0's `text` on every rank of `group`. Collective.
-std::string broadcast_string(collectives::Communicator& group, const std::string& text);
-
 // The CPU generator's state, taken and put back with a checkpoint (not while another
 // thread-rank seeds it and draws its model).
 at::Tensor cpu_rng_state();
