@@ -24,7 +24,7 @@ std::string device_problem(const JobSpec& spec) {
   // CUDA tensors in its collectives, not in its sends: no pipeline over it); MPI here
   // takes CPU tensors only.
   const int world = spec.mesh.world_size();
-  const std::string& backend = spec.collectives.backend;
+  const std::string backend = backend_of(spec);
   if (world > 1 && backend != "nccl" && backend != "gloo")
     return "train.device: cuda over " + std::to_string(world) + " processes needs collectives.backend: nccl (or gloo; " +
            backend + " takes CPU tensors); set collectives.backend=nccl";

@@ -261,7 +261,7 @@ void log_fields(V& v, LogSpec& l) {
 
 template <class V>
 void collectives_fields(V& v, CollectivesSpec& c) {
-  v.choice("backend", c.backend, {"mpi", "gloo", "nccl"});
+  v.choice("backend", c.backend, {"auto", "mpi", "gloo", "nccl"});
   v.number("timeout_s", c.timeout_s, 0.001);
   v.optional_boolean("check", c.check);
   v.number("stall_warning_s", c.stall_warning_s, 0);
@@ -497,6 +497,11 @@ const std::vector<std::string>& device_names() {
   return names;
 }
 const std::string& to_string(DeviceKind device) { return device_names().at(static_cast<size_t>(device)); }
+
+std::string backend_of(const JobSpec& spec) {
+  if (spec.collectives.backend != "auto") return spec.collectives.backend;
+  return spec.train.device == DeviceKind::kCuda ? "nccl" : "mpi";
+}
 
 const std::vector<std::string>& on_nonfinite_names() {
   static const std::vector<std::string> names = {"stop", "skip"};

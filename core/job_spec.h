@@ -139,7 +139,9 @@ struct LogSpec {
 };
 
 struct CollectivesSpec {
-  std::string backend = "mpi";  // mpi | gloo | nccl (a build without one rejects it)
+  // auto | mpi | gloo | nccl (a build without one rejects it). auto: nccl when
+  // train.device is cuda, else mpi (backend_of).
+  std::string backend = "auto";
   double timeout_s = 300;       // set-up and default op timeout: a lost peer is an error, not a hang
   // Every op's (op, dtype, shape, sequence number) agreed by the group before it runs
   // (Note [Health checks]). Unset: the environment's TETRA_COLLECTIVES_CHECK, else off.
@@ -206,6 +208,10 @@ struct JobSpec {
     return it == plugins.end() ? nullptr : std::dynamic_pointer_cast<const T>(it->second);
   }
 };
+
+// The backend the job's world is made over: collectives.backend, with auto resolved (nccl
+// for a job on cuda, whose tensors MPI here cannot carry; mpi otherwise).
+std::string backend_of(const JobSpec& spec);
 
 struct ParsedJob {
   JobSpec spec;

@@ -63,7 +63,7 @@ int worker(const std::string& job, std::vector<std::string> sets, int64_t steps)
   if (launch.multi_process()) {
     collectives::BackendRegistry backends;
     collectives::register_builtin_backends(backends);
-    world = backends.create_world(spec.collectives.backend, launch);
+    world = backends.create_world(core::backend_of(spec), launch);
     plan.check_world(world->size(), "this launch");
   }
   set_threads(spec.train.threads, plan.replicas());

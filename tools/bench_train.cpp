@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
     if (launch.multi_process()) {
       collectives::BackendRegistry backends;
       collectives::register_builtin_backends(backends);
-      world = backends.create_world(base.collectives.backend, launch);
+      world = backends.create_world(core::backend_of(base), launch);
       check_mesh_fits(base.mesh, world->size(), "this launch");
     }
     const bool rank0 = !world || world->rank() == 0;

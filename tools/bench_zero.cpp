@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
     if (launch.multi_process()) {
       collectives::BackendRegistry backends;
       collectives::register_builtin_backends(backends);
-      world = backends.create_world(base.collectives.backend, launch);
+      world = backends.create_world(core::backend_of(base), launch);
     }
     const bool rank0 = !world || world->rank() == 0;
     const int threads = set_threads(base.train.threads);

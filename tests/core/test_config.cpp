@@ -827,5 +827,17 @@ TEST(ConfigRegressions, ACommaOutsideAFlowCollectionIsAnErrorNotAHangInsideYamlC
                                    data_axis_plugin()));
 }
 
+// Issue 28, item 7: NCCL for the axes whose tensors are on GPUs. collectives.backend
+// defaults to auto, which is nccl for a job on cuda and mpi otherwise; a backend the job
+// names is kept (device_problem then says when it cannot carry CUDA tensors).
+TEST(ConfigBackend, AutoIsNcclOnCudaAndMpiOnCpu) {
+  EXPECT_EQ(parse("train: {max_steps: 1}\n").collectives.backend, "auto");
+  EXPECT_EQ(backend_of(parse("train: {max_steps: 1}\n")), "mpi");
+  EXPECT_EQ(backend_of(parse("train: {max_steps: 1, device: cuda}\n")), "nccl");
+  EXPECT_EQ(backend_of(parse("train: {device: cuda}\ncollectives: {backend: gloo}\n")), "gloo");
+  EXPECT_EQ(backend_of(parse("collectives: {backend: mpi}\n", {"train.device=cuda"})), "mpi");
+  EXPECT_NE(errors_of("collectives: {backend: ncl}\n").find("did you mean \"nccl\"?"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace tetra::core
