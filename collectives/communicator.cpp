@@ -551,6 +551,7 @@ WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration
       fn(deadline);
     };
   }
+  if (kind != "split") fn = order_after_issuer(std::move(fn));
   WorkPtr work;
   {
     std::lock_guard<std::mutex> lock(mu_);

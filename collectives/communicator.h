@@ -287,6 +287,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Backends call this from their destructor before tearing down their own state.
   void stop_progress_thread();
 
+  // Called on the issuing thread as an op is issued, with what the progress thread will
+  // run: a backend that runs ops on a device stream of its own returns `run` ordered after
+  // the device work the issuing thread queued before it (Note [Streams] in nccl.cpp).
+  // Default: `run` as it is (host backends: the issuer's tensors are ready when it issues).
+  virtual std::function<void(Deadline)> order_after_issuer(std::function<void(Deadline)> run) { return run; }
+
  private:
   // Issues an op: records it, and with the check on, prefixes the fingerprint exchange.
   struct OpDesc {

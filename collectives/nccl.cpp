@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <thread>
 
 #include "collectives/error.h"
@@ -64,12 +66,32 @@ void require_cuda(const at::Tensor& t, int device) {
                     ", got a tensor on " + t.device().str());
 }
 
+// Note [Streams]
+// ~~~~~~~~~~~~~~
+// Each NCCL communicator runs its ops on a CUDA stream of its own, created non-blocking so
+// that it does not wait for, nor hold up, the stream LibTorch's kernels run on: a bucket's
+// allreduce or a ZeRO gather overlaps the backward and forward kernels queued after it, as
+// DDP's and FSDP's do. Order is kept by events, the way c10d's ProcessGroupNCCL keeps it:
+//
+//  - before: as an op is issued (on the issuing thread), an event is recorded on the
+//    compute stream; the progress thread makes the communicator's stream wait for it
+//    before it enqueues the NCCL call. The op reads its tensors only after every kernel
+//    the issuer queued before issuing it (the copy into the bucket, the backward that
+//    wrote the gradients) has run; kernels queued after it run meanwhile.
+//  - after: the progress thread polls the communicator's stream until the op is done
+//    (launch()) and only then finishes the op's Work, so a caller that waits on the Work
+//    and then queues kernels reads the result, as on the host backends.
+//
+// The compute stream is the legacy default stream: tetra sets no other stream, and
+// LibTorch's current stream is that one unless the caller set one (an application that
+// runs tetra's step under its own stream guard must synchronise it before the step). A
+// LibTorch built for CPU and a CUDA one both link this: it uses the CUDA runtime only.
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(int rank, int size, std::string name, int device, ncclComm_t comm)
       : Communicator(rank, size, std::move(name)), device_(device), comm_(comm) {
     TETRA_CUDA(cudaSetDevice(device_));
-    TETRA_CUDA(cudaStreamCreate(&stream_));  // blocking: ordered after the legacy default stream
+    TETRA_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));  // Note [Streams]
   }
   void name_group(const std::string& identity) { set_identity(identity, true); }
   ~NcclCommunicator() override {
@@ -124,9 +146,31 @@ class NcclCommunicator final : public Communicator {
     });
   }
   void backend_barrier(Deadline d) override {
-    if (!scratch_.defined())
+    if (!scratch_.defined()) {
       scratch_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
+      TETRA_CUDA(cudaStreamSynchronize(cudaStreamLegacy));  // its fill ran on the compute stream
+    }
     backend_allreduce(scratch_, scratch_, ReduceOp::kSum, d);
+  }
+  // Note [Streams]: the op waits for an event recorded now, on the issuing thread.
+  std::function<void(Deadline)> order_after_issuer(std::function<void(Deadline)> run) override {
+    int previous = 0;
+    TETRA_CUDA(cudaGetDevice(&previous));
+    TETRA_CUDA(cudaSetDevice(device_));
+    cudaEvent_t raw = nullptr;
+    cudaError_t e = cudaEventCreateWithFlags(&raw, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(raw, cudaStreamLegacy);
+    cudaSetDevice(previous);
+    // Destroyed when the op has run, or is dropped unrun (the communicator shut down).
+    std::shared_ptr<CUevent_st> ready(raw, [](cudaEvent_t ev) {
+      if (ev) cudaEventDestroy(ev);
+    });
+    TETRA_CUDA(e);
+    return [this, ready = std::move(ready), run = std::move(run)](Deadline d) {
+      TETRA_CUDA(cudaSetDevice(device_));
+      TETRA_CUDA(cudaStreamWaitEvent(stream_, ready.get(), 0));
+      run(d);
+    };
   }
   std::shared_ptr<Communicator> backend_split(int color, int key, const std::string& name, Deadline d) override {
     ncclComm_t sub = nullptr;
