@@ -142,6 +142,12 @@ Materializer::Materializer(torch::nn::Module& model, uint64_t seed, torch::Devic
                           "tetra::core::Initialized, or build it "
                           "with its values");
       rules_[full(key)] = init->init_of(key);
+      if (std::optional<Placement> part = init->placement_of(key)) {
+        TETRA_CHECK(part->local_numel() == t.numel(), "the model's tensor ", full(key), " (of ",
+                    layer_text(m), ") has the shape ", t.sizes(), ", but its placement ",
+                    part->str(), " gives its part ", part->local_numel(), " elements");
+        placements_.emplace(full(key), std::move(*part));
+      }
     }
   }
 }
@@ -152,13 +158,30 @@ const Init& Materializer::rule(const std::string& name) const {
   return it->second;
 }
 
+const Placement* Materializer::placement(const std::string& name) const {
+  auto it = placements_.find(name);
+  return it == placements_.end() ? nullptr : &it->second;
+}
+
+void Materializer::draw_part(const std::string& name, int64_t first, const at::Tensor& out) const {
+  const Init& init = rule(name);
+  const Placement* part = placement(name);
+  if (!part) {
+    draw(init, seed_, name, first, out);
+    return;
+  }
+  const at::Tensor flat = out.view({-1});
+  for (const Placement::Run& r : part->runs(first, out.numel()))
+    draw(init, seed_, name, r.whole_begin, flat.narrow(0, r.local_begin - first, r.length));
+}
+
 void Materializer::fill(const NamedParam& p, int64_t first, const at::Tensor& out) const {
   TETRA_CHECK(first >= 0 && first + out.numel() <= p.tensor.numel(), "fill: elements [", first,
               ", ", first + out.numel(), ") are outside ", p.name, " of ", p.tensor.numel());
   if (p.tensor.is_meta()) {
     // Drawn on the CPU (Note [One device]): into `out` itself there, else through a copy.
     const at::Tensor host = out.is_cpu() ? out : at::empty(out.sizes(), out.options().device(at::kCPU));
-    draw(rule(p.name), seed_, p.name, first, host);
+    draw_part(p.name, first, host);
     if (!out.is_cpu()) out.copy_(host);
   } else {
     at::NoGradGuard no_grad;
@@ -169,7 +192,7 @@ void Materializer::fill(const NamedParam& p, int64_t first, const at::Tensor& ou
 void Materializer::create(const NamedParam& p) const {
   if (!p.tensor.is_meta()) return;
   at::Tensor data = at::empty(p.tensor.sizes(), at::TensorOptions().dtype(p.tensor.scalar_type()));
-  draw(rule(p.name), seed_, p.name, 0, data);
+  draw_part(p.name, 0, data);
   place(p.tensor, device_.is_cpu() ? data : data.to(device_));
 }
 

@@ -38,10 +38,12 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/optim.h"
+#include "core/placement.h"
 
 namespace tetra::core {
 
@@ -70,6 +72,13 @@ class Initialized {
  public:
   virtual ~Initialized() = default;
   virtual Init init_of(const std::string& name) const = 0;
+  // Where this rank's part of tensor `name` lies in the whole tensor, for a tensor the
+  // module holds only part of (a tensor-parallel layer: Note [Placements], core/placement.h);
+  // none: it holds the whole. The part is drawn as those elements of the whole tensor.
+  virtual std::optional<Placement> placement_of(const std::string& name) const {
+    (void)name;
+    return std::nullopt;
+  }
 };
 
 // Gives `t` the storage, device and values of `data` in place: every holder of `t` (the
@@ -98,9 +107,13 @@ class Materializer {
   bool given() const { return rules_.empty(); }
   // The rule of tensor `name` (throws when it has none: a tensor that came with values).
   const Init& rule(const std::string& name) const;
+  // Where the part of tensor `name` this rank creates lies in the whole tensor; nullptr
+  // when it creates the whole (Note [Placements]).
+  const Placement* placement(const std::string& name) const;
 
   // Elements [first, first + out.numel()) of p's flattened initial value into `out`:
-  // drawn when p is a meta tensor, copied from its values otherwise.
+  // drawn when p is a meta tensor (a part of a split tensor: the whole tensor's elements
+  // it holds there), copied from its values otherwise.
   void fill(const NamedParam& p, int64_t first, const at::Tensor& out) const;
   // Creates p whole on the CPU with its initial values, in place (place()); a tensor that
   // already has storage is left as it is.
@@ -113,7 +126,10 @@ class Materializer {
  private:
   uint64_t seed_;
   torch::Device device_;
-  std::map<std::string, Init> rules_;  // meta tensors only
+  std::map<std::string, Init> rules_;             // meta tensors only
+  std::map<std::string, Placement> placements_;   // those of them a module holds part of
+  // Draws elements [first, first + out.numel()) of p's part into `out` (CPU, contiguous).
+  void draw_part(const std::string& name, int64_t first, const at::Tensor& out) const;
 };
 
 // Bytes of the tensors of `model` that hold storage (parameters and buffers), each storage

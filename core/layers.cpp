@@ -51,6 +51,65 @@ void LinearImpl::pretty_print(std::ostream& os) const {
      << ", bias=" << (has_bias_ ? "true" : "false") << ")";
 }
 
+// ---- ParallelLinear --------------------------------------------------------------------
+
+ParallelLinearImpl::ParallelLinearImpl(int64_t in_features, int64_t out_features, Split split,
+                                       TensorSlot slot, bool bias, std::optional<Init> weight_init,
+                                       std::optional<Init> bias_init, int64_t groups)
+    : in_(in_features),
+      out_(out_features),
+      split_(split),
+      slot_(slot),
+      has_bias_(bias),
+      weight_init_(weight_init),
+      bias_init_(bias_init),
+      groups_(groups) {
+  TETRA_CHECK(slot_.parts >= 1 && slot_.index >= 0 && slot_.index < slot_.parts,
+              "ParallelLinear: part ", slot_.index, " of ", slot_.parts, " does not exist");
+  TETRA_CHECK(groups_ >= 1 && (split_ == Split::kColumn || groups_ == 1) && out_ % groups_ == 0,
+              "ParallelLinear: ", groups_, " groups of outputs need a column split of ", out_, " outputs");
+  const int64_t split_size = split_ == Split::kColumn ? out_ / groups_ : in_;
+  TETRA_CHECK(split_size % slot_.parts == 0, "ParallelLinear(", in_, " -> ", out_, "): ", slot_.parts,
+              " tensor-parallel parts do not divide its ",
+              split_ == Split::kColumn ? "outputs" : "inputs", " (", split_size, ")");
+  group_ = shapes_only(slot_.parts, slot_.index);
+  reset();
+}
+
+std::optional<Placement> ParallelLinearImpl::placement_of(const std::string& name) const {
+  if (split_ == Split::kRow)
+    return name == "weight" ? std::optional<Placement>(Placement::split({out_, in_}, 1, slot_.parts, slot_.index))
+                            : std::nullopt;
+  if (name == "weight") return Placement::split({groups_, out_ / groups_, in_}, 1, slot_.parts, slot_.index);
+  return Placement::split({groups_, out_ / groups_}, 1, slot_.parts, slot_.index);
+}
+
+void ParallelLinearImpl::reset() {
+  const int64_t t = slot_.parts;
+  const bool column = split_ == Split::kColumn;
+  weight = register_parameter("weight", shape_parameter({column ? out_ / t : out_, column ? in_ : in_ / t}, weight));
+  if (has_bias_) bias = register_parameter("bias", shape_parameter({column ? out_ / t : out_}, bias));
+}
+
+at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
+  if (split_ == Split::kColumn) return at::linear(group_->copy(x), weight, bias);
+  at::Tensor y = group_->reduce(at::linear(x, weight));
+  return has_bias_ ? y + bias : y;
+}
+
+Init ParallelLinearImpl::init_of(const std::string& name) const {
+  if (name == "weight") return weight_init_.value_or(Init::fan_in_uniform(in_));
+  return bias_init_.value_or(Init::fan_in_uniform(in_));
+}
+
+void ParallelLinearImpl::pretty_print(std::ostream& os) const {
+  os << (split_ == Split::kColumn ? "ColumnParallelLinear" : "RowParallelLinear") << "(in_features=" << in_
+     << ", out_features=" << out_ << ", bias=" << (has_bias_ ? "true" : "false") << ", part " << slot_.index
+     << " of " << slot_.parts;
+  if (groups_ > 1) os << ", groups=" << groups_;
+  os << ")";
+}
+
 // ---- Conv2d ----------------------------------------------------------------------------
 
 Conv2dImpl::Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t padding,
@@ -127,6 +186,41 @@ Init EmbeddingImpl::init_of(const std::string&) const { return init_.value_or(In
 
 void EmbeddingImpl::pretty_print(std::ostream& os) const {
   os << "Embedding(num_embeddings=" << num_ << ", embedding_dim=" << dim_ << ")";
+}
+
+// ---- ParallelEmbedding -----------------------------------------------------------------
+
+ParallelEmbeddingImpl::ParallelEmbeddingImpl(int64_t num, int64_t dim, TensorSlot slot, std::optional<Init> init)
+    : num_(num), dim_(dim), slot_(slot), init_(init) {
+  TETRA_CHECK(num_ >= 1 && dim_ >= 1, "ParallelEmbedding needs sizes >= 1, got ", num_, " x ", dim_);
+  TETRA_CHECK(slot_.parts >= 1 && slot_.index >= 0 && slot_.index < slot_.parts && num_ % slot_.parts == 0,
+              "ParallelEmbedding: ", slot_.parts, " tensor-parallel parts do not divide its ", num_, " rows");
+  group_ = shapes_only(slot_.parts, slot_.index);
+  reset();
+}
+
+void ParallelEmbeddingImpl::reset() {
+  weight = register_parameter("weight", shape_parameter({num_ / slot_.parts, dim_}, weight));
+}
+
+at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {
+  if (slot_.parts == 1) return at::embedding(weight, indices);
+  const int64_t rows = num_ / slot_.parts;
+  const at::Tensor local = indices - first();
+  const at::Tensor outside = local.lt(0).logical_or(local.ge(rows));
+  at::Tensor out = at::embedding(weight, local.masked_fill(outside, 0));
+  return group_->reduce(out.masked_fill(outside.unsqueeze(-1), 0.0));
+}
+
+Init ParallelEmbeddingImpl::init_of(const std::string&) const { return init_.value_or(Init::normal(0, 1)); }
+
+std::optional<Placement> ParallelEmbeddingImpl::placement_of(const std::string&) const {
+  return Placement::split({num_, dim_}, 0, slot_.parts, slot_.index);
+}
+
+void ParallelEmbeddingImpl::pretty_print(std::ostream& os) const {
+  os << "VocabParallelEmbedding(num_embeddings=" << num_ << ", embedding_dim=" << dim_ << ", part "
+     << slot_.index << " of " << slot_.parts << ")";
 }
 
 }  // namespace tetra::core

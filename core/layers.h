@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/init.h"
+#include "core/tensor_group.h"
 
 namespace tetra::core {
 
@@ -39,6 +40,55 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Initialized {
   std::optional<Init> weight_init_, bias_init_;
 };
 TORCH_MODULE(Linear);
+
+// This rank's part of a tensor-parallel layer: `parts` (the tensor axis' T) and which.
+struct TensorSlot {
+  int parts = 1;
+  int index = 0;
+};
+
+// Megatron's tensor-parallel Linear pair (Note [Tensor-parallel maps], core/tensor_group.h),
+// the weight W [out, in] of the Linear it splits held in part (Note [Placements]):
+//  - kColumn: W's rows (and b) split into T blocks; y_t = copy(x) W_t^T + b_t, this
+//    rank's block of the output features (Megatron's ColumnParallelLinear without
+//    gather_output). With `groups` > 1 the output is `groups` stacked blocks (a fused
+//    query/key/value projection) and each is split: the rank holds its rows of every one.
+//  - kRow: W's columns split; x is this rank's block of the input features and
+//    y = reduce(x_t W_t^T) + b, b whole and added once (RowParallelLinear with
+//    input_is_parallel).
+// Drawn as the whole Linear is (torch::nn::Linear's fan-in is the whole `in`), so each
+// rank's part holds the bytes one process holds there.
+class ParallelLinearImpl : public torch::nn::Cloneable<ParallelLinearImpl>,
+                           public Initialized,
+                           public TensorParallelLayer {
+ public:
+  enum class Split { kColumn, kRow };
+  ParallelLinearImpl(int64_t in_features, int64_t out_features, Split split, TensorSlot slot,
+                     bool bias = true, std::optional<Init> weight_init = {},
+                     std::optional<Init> bias_init = {}, int64_t groups = 1);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  Init init_of(const std::string& name) const override;
+  std::optional<Placement> placement_of(const std::string& name) const override;
+  void bind(std::shared_ptr<TensorGroup> group) override { group_ = std::move(group); }
+  void pretty_print(std::ostream& os) const override;
+  int64_t in_features() const { return in_; }    // the whole layer's
+  int64_t out_features() const { return out_; }  // the whole layer's
+  Split split() const { return split_; }
+  TensorSlot slot() const { return slot_; }
+
+  at::Tensor weight, bias;  // this rank's parts (a kRow layer's bias is whole)
+
+ private:
+  int64_t in_, out_;
+  Split split_;
+  TensorSlot slot_;
+  bool has_bias_;
+  std::optional<Init> weight_init_, bias_init_;
+  int64_t groups_;
+  std::shared_ptr<TensorGroup> group_;
+};
+TORCH_MODULE(ParallelLinear);
 
 // A 2-d convolution with square kernels (stride 1 unless given), torch::nn::Conv2d's draws.
 class Conv2dImpl : public torch::nn::Cloneable<Conv2dImpl>, public Initialized {
@@ -93,6 +143,33 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Initial
   std::optional<Init> init_;
 };
 TORCH_MODULE(Embedding);
+
+// Megatron's VocabParallelEmbedding: the table [num, dim] split by rows (the vocabulary),
+// this rank holding rows [index x num / T, (index + 1) x num / T); an id outside them looks
+// up zeros, and the parts are summed over the tensor group (reduce): every rank ends with
+// the whole lookup. Drawn as the whole table is.
+class ParallelEmbeddingImpl : public torch::nn::Cloneable<ParallelEmbeddingImpl>,
+                              public Initialized,
+                              public TensorParallelLayer {
+ public:
+  ParallelEmbeddingImpl(int64_t num, int64_t dim, TensorSlot slot, std::optional<Init> init = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& indices);
+  Init init_of(const std::string& name) const override;
+  std::optional<Placement> placement_of(const std::string& name) const override;
+  void bind(std::shared_ptr<TensorGroup> group) override { group_ = std::move(group); }
+  void pretty_print(std::ostream& os) const override;
+  int64_t first() const { return num_ / slot_.parts * slot_.index; }  // this rank's first row
+
+  at::Tensor weight;  // this rank's rows
+
+ private:
+  int64_t num_, dim_;
+  TensorSlot slot_;
+  std::optional<Init> init_;
+  std::shared_ptr<TensorGroup> group_;
+};
+TORCH_MODULE(ParallelEmbedding);
 
 // A parameter of `shape` for a layer's reset(): on the device of `previous` when it is
 // defined (a clone of a created layer), else a meta tensor (a shape).

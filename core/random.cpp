@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "collectives/error.h"
 
@@ -38,7 +39,7 @@ RandomContext::Scope::Scope(RandomContext context) : saved_(this_thread_context)
 RandomContext::Scope::~Scope() { this_thread_context = saved_; }
 
 torch::Tensor dropout_mask(const RandomContext& context, int64_t layer, double p, at::IntArrayRef shape,
-                           at::ScalarType dtype) {
+                           at::ScalarType dtype, const Placement* part) {
   TETRA_CHECK(0.0 <= p && p < 1.0, "dropout probability must be in [0, 1), got ", p);
   TETRA_CHECK(!shape.empty(), "dropout needs a batch dimension (dim 0), got a scalar");
   torch::Tensor mask = torch::empty(shape, torch::TensorOptions().dtype(dtype));
@@ -50,6 +51,15 @@ torch::Tensor dropout_mask(const RandomContext& context, int64_t layer, double p
   const uint64_t threshold = static_cast<uint64_t>(std::llround(p * 4294967296.0));
   const uint64_t key = layer_key(context, layer);
   const int64_t first = context.first_sample;
+  // A part's element j of a sample is element whole[j] of the whole sample's.
+  std::vector<int64_t> whole;
+  if (part && part->is_split()) {
+    TETRA_CHECK(part->local_numel() == per_row, "dropout: a sample of ", per_row, " elements is not the part ",
+                part->str(), " (", part->local_numel(), ")");
+    whole.resize(static_cast<size_t>(per_row));
+    for (const Placement::Run& r : part->runs(0, per_row))
+      for (int64_t i = 0; i < r.length; ++i) whole[static_cast<size_t>(r.local_begin + i)] = r.whole_begin + i;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dropout_mask", [&] {
     // The scale rounded to the mask's dtype, as torch::dropout does.
     const scalar_t keep = static_cast<scalar_t>(1.0 / (1.0 - p));
@@ -59,6 +69,17 @@ torch::Tensor dropout_mask(const RandomContext& context, int64_t layer, double p
     // threads writes the same mask.
     at::parallel_for(0, mask.numel(), at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
       int64_t row = begin / per_row, j = begin % per_row;
+      if (!whole.empty()) {
+        for (; begin < end; ++begin) {
+          const uint64_t row_key = splitmix64(key ^ static_cast<uint64_t>(first + row));
+          const int64_t w = whole[static_cast<size_t>(j)];
+          const uint64_t bits = splitmix64(row_key + static_cast<uint64_t>(w >> 1) * kGamma);
+          const uint64_t half = (w & 1) ? bits >> 32 : bits & 0xFFFFFFFFULL;
+          out[begin] = half >= threshold ? keep : drop;
+          if (++j == per_row) j = 0, ++row;
+        }
+        return;
+      }
       while (begin < end) {
         const uint64_t row_key = splitmix64(key ^ static_cast<uint64_t>(first + row));
         const int64_t stop = std::min(end, (row + 1) * per_row);
@@ -95,6 +116,14 @@ torch::Tensor DropoutImpl::forward(const torch::Tensor& x) {
   torch::Tensor mask = dropout_mask(context, layer_, p_, x.sizes(), x.scalar_type());
   // Autograd keeps the mask for the backward: the gradient takes the same mask and scale.
   return x * mask;
+}
+
+torch::Tensor DropoutImpl::forward_part(const torch::Tensor& x, const Placement& part) {
+  if (!is_training() || p_ == 0.0 || !part.is_split()) return forward(x);
+  const RandomContext& context = RandomContext::current();
+  TETRA_CHECK(context.active && layer_ >= 0, "Dropout (layer ", layer_,
+              ") ran in training mode without a RandomContext or a layer id (Note [Layout-invariant dropout])");
+  return x * dropout_mask(context, layer_, p_, x.sizes(), x.scalar_type(), &part);
 }
 
 void DropoutImpl::pretty_print(std::ostream& os) const {

@@ -40,6 +40,8 @@
 #include <cstdint>
 #include <ostream>
 
+#include "core/placement.h"
+
 namespace tetra::core {
 
 // SplitMix64's output function (Steele, Lea, Flood 2014): a bijective mixer of 64 bits.
@@ -89,8 +91,12 @@ class RandomContext::Scope {
 // The scaled keep mask of a dropout with probability p on an input of `shape` (dim 0 the
 // batch): 1 / (1 - p) where kept, 0 where dropped, in `dtype`, contiguous, without grad.
 // Pure: the same arguments give the same mask on any thread, process or machine.
+// `part`, for an input that is one rank's part of a tensor split over a tensor group (Note
+// [Placements], core/placement.h): where each sample's elements lie in the whole sample
+// (its view excludes dim 0). Each element then takes the bit of its index in the whole
+// sample, so the ranks' masks are the parts of the mask one process draws.
 torch::Tensor dropout_mask(const RandomContext& context, int64_t layer, double p, at::IntArrayRef shape,
-                           at::ScalarType dtype);
+                           at::ScalarType dtype, const Placement* part = nullptr);
 
 // Dropout whose masks follow Note [Layout-invariant dropout]. `layer` names it in the key;
 // a model built by build_model numbers its dropouts itself, and a Sequential of one's own
@@ -102,6 +108,9 @@ class DropoutImpl : public torch::nn::Cloneable<DropoutImpl> {
   explicit DropoutImpl(double p = 0.5, int64_t layer = -1);
   void reset() override {}
   torch::Tensor forward(const torch::Tensor& x);
+  // x is this rank's part of a tensor split over a tensor group: `part` places each sample
+  // (dim 0 excluded) in the whole one's (dropout_mask).
+  torch::Tensor forward_part(const torch::Tensor& x, const Placement& part);
   void pretty_print(std::ostream& os) const override;
 
   double p() const { return p_; }

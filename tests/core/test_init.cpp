@@ -236,3 +236,108 @@ TEST(Init, AProgramsOwnModel) {
     EXPECT_NE(std::string(e.what()).find("0.w"), std::string::npos) << e.what();
   }
 }
+
+// Note [Placements] (core/placement.h): a rank's part of a split tensor maps its flat
+// elements to the whole tensor's as the same box cut out of the whole with torch would;
+// the Materializer draws a part as those elements of the whole tensor, so every
+// tensor-parallel degree starts from the bytes one process holds.
+namespace {
+
+at::Tensor part_of_whole(const Placement& p) {
+  at::Tensor whole = at::arange(p.whole_numel(), at::kLong).view(p.view);
+  const int64_t block = p.is_split() ? p.view[static_cast<size_t>(p.dim)] / p.parts : 0;
+  return p.is_split() ? whole.narrow(p.dim, p.index * block, block).contiguous().view({-1}) : whole.view({-1});
+}
+
+at::Tensor through_runs(const Placement& p, int64_t first, int64_t count) {
+  at::Tensor out = at::full({count}, -1, at::kLong);
+  for (const Placement::Run& r : p.runs(first, count))
+    out.narrow(0, r.local_begin - first, r.length).copy_(at::arange(r.whole_begin, r.whole_begin + r.length, at::kLong));
+  return out;
+}
+
+}  // namespace
+
+TEST(Placement, RunsAreTheElementsTheBoxHoldsInTheWhole) {
+  const std::vector<Placement> cases = {
+      Placement::split({12, 5}, 0, 3, 1),      // column-parallel: a block of rows
+      Placement::split({4, 6}, 1, 2, 1),       // row-parallel: a block of columns, one run per row
+      Placement::split({3, 8, 4}, 1, 4, 2),    // fused qkv [3d, d] as [3, d, d], by heads
+      Placement::split({2, 3, 6, 5}, 2, 3, 0), // dim in the middle of four
+      Placement::split({10}, 0, 5, 4),         // a bias
+      Placement::split({7, 3}, 0, 1, 0),       // one part: the whole
+      Placement::whole({3, 4}),
+  };
+  for (const Placement& p : cases) {
+    SCOPED_TRACE(p.str());
+    const at::Tensor expect = part_of_whole(p);
+    ASSERT_EQ(expect.numel(), p.local_numel());
+    EXPECT_TRUE(at::equal(through_runs(p, 0, p.local_numel()), expect));
+    for (int64_t first = 0; first < p.local_numel(); first += 3)
+      for (int64_t count : {int64_t{1}, int64_t{4}, p.local_numel() - first}) {
+        count = std::min(count, p.local_numel() - first);
+        EXPECT_TRUE(at::equal(through_runs(p, first, count), expect.narrow(0, first, count)))
+            << "[" << first << ", " << first + count << ")";
+      }
+  }
+  EXPECT_EQ(Placement::split({4, 6}, 1, 2, 1).runs(0, 12).size(), 4u);  // a row of 3 per row of 4
+  EXPECT_EQ(Placement::split({12, 5}, 0, 3, 1).runs(0, 20).size(), 1u);
+  EXPECT_THROW(Placement::split({4, 6}, 1, 4, 0), tetra::Error);          // 4 does not divide 6
+  EXPECT_THROW(Placement::split({4, 6}, 1, 2, 1).runs(10, 3), tetra::Error);
+}
+
+namespace {
+
+// A module of one tensor-parallel weight, built as a shape: its part only.
+struct PartImpl : torch::nn::Module, Initialized {
+  PartImpl(Placement part, Init init) : part_(std::move(part)), init_(init) {
+    register_parameter("w", at::empty(part_.local(), at::TensorOptions().dtype(at::kFloat).device(at::kMeta)));
+  }
+  Init init_of(const std::string&) const override { return init_; }
+  std::optional<Placement> placement_of(const std::string&) const override { return part_; }
+  at::Tensor forward(const at::Tensor& x) { return x; }
+  Placement part_;
+  Init init_;
+};
+
+}  // namespace
+
+TEST(Init, APartDrawsTheWholeTensorsElementsThere) {
+  const std::vector<int64_t> view = {3, 8, 6};  // a fused [3d, d] weight, d = 8, by heads
+  const std::string name = "0.w";               // the tensor's single-process name
+  for (const Init& init : {Init::normal(0, 0.02), Init::uniform(-0.5, 0.5)}) {
+    at::Tensor whole = at::empty({3 * 8 * 6});
+    draw(init, 11, name, 0, whole);
+    for (int index = 0; index < 4; ++index) {
+      SCOPED_TRACE(init.str() + ", part " + std::to_string(index));
+      const Placement part = Placement::split(view, 1, 4, index);
+      torch::nn::Sequential model;
+      model->push_back(std::make_shared<PartImpl>(part, init));
+      Materializer m(*model, 11);
+      ASSERT_NE(m.placement(name), nullptr);
+      const at::Tensor expect = whole.view(view).narrow(1, 2 * index, 2).contiguous();
+      const at::Tensor p = model->named_parameters()[name];
+      // fill: ranges of the part (a ZeRO chunk of it), odd starts included.
+      for (int64_t first : {0, 1, 5, 13, 23}) {
+        at::Tensor out = at::empty({std::min<int64_t>(13, part.local_numel() - first)});
+        m.fill({name, p}, first, out);
+        EXPECT_TRUE(at::equal(out, expect.view({-1}).narrow(0, first, out.numel()))) << "first " << first;
+      }
+      // create: the part, in its own shape.
+      m.create_all(*model);
+      EXPECT_TRUE(at::equal(model->named_parameters()[name], expect));
+    }
+  }
+  // The module's part must have the shape its placement gives.
+  torch::nn::Sequential wrong;
+  auto bad = std::make_shared<PartImpl>(Placement::split(view, 1, 4, 0), Init::normal(0, 1));
+  bad->part_ = Placement::split(view, 1, 2, 0);
+  wrong->push_back(bad);
+  try {
+    Materializer m(*wrong, 1);
+    FAIL() << "a part of the wrong shape was accepted";
+  } catch (const tetra::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("0.w"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("split along 1 into 2"), std::string::npos) << e.what();
+  }
+}

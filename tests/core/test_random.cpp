@@ -107,6 +107,27 @@ TEST(Dropout, GptSplitIntoTwoForwardsFollowsTheWholeBatch) {
   EXPECT_FALSE(torch::allclose(gpt->forward(tokens), whole));
 }
 
+// Dropout inside a tensor-parallel region (an attention's heads, a column-parallel
+// Linear's block of features): each rank's mask is its part of the mask one process draws,
+// whatever dimension the part is cut along (Note [Placements]).
+TEST(Dropout, APartOfATensorDrawsItsPartOfTheWholeMask) {
+  const RandomContext context{3, 8, 5, true};
+  const std::vector<int64_t> sample = {4, 3, 6};  // heads x seq x seq, say
+  const torch::Tensor whole = dropout_mask(context, 2, 0.4, {5, 4, 3, 6}, torch::kFloat);
+  for (int dim : {0, 1, 2})
+    for (int parts : {1, 3, 2})
+      for (int index = 0; index < parts; ++index) {
+        if (sample[static_cast<size_t>(dim)] % parts) continue;
+        const Placement part = Placement::split(sample, dim, parts, index);
+        std::vector<int64_t> shape = part.local();
+        shape.insert(shape.begin(), 5);
+        const int64_t block = sample[static_cast<size_t>(dim)] / parts;
+        EXPECT_TRUE(at::equal(dropout_mask(context, 2, 0.4, shape, torch::kFloat, &part),
+                              whole.narrow(dim + 1, index * block, block)))
+            << part.str();
+      }
+}
+
 TEST(Dropout, MasksDifferAcrossStepsLayersSamplesAndSeeds) {
   const std::vector<int64_t> shape = {4, 256};
   auto mask = [&](uint64_t seed, int64_t step, int64_t first, int64_t layer) {
