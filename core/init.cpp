@@ -101,6 +101,23 @@ void draw(const Init& init, uint64_t seed, const std::string& name, int64_t firs
   });
 }
 
+at::Tensor part_of(const Placement& part, const at::Tensor& whole, const at::Tensor& like) {
+  TETRA_CHECK(whole.numel() == part.whole_numel(), "part_of: a tensor of ", whole.numel(), " elements is not ",
+              part.str());
+  if (!part.is_split()) return whole.reshape(like.sizes());
+  const int64_t block = part.view[static_cast<size_t>(part.dim)] / part.parts;
+  return whole.reshape(part.view).narrow(part.dim, part.index * block, block).contiguous().view(like.sizes());
+}
+
+at::Tensor whole_of(const Placement& any_part, const std::vector<at::Tensor>& parts) {
+  TETRA_CHECK(static_cast<int>(parts.size()) == any_part.parts, "whole_of: ", parts.size(), " parts of ",
+              any_part.str());
+  if (!any_part.is_split()) return parts.at(0).reshape(any_part.whole_shape());
+  std::vector<at::Tensor> views;
+  for (const at::Tensor& p : parts) views.push_back(p.reshape(any_part.local()));
+  return at::cat(views, any_part.dim).reshape(any_part.whole_shape());
+}
+
 void place(const at::Tensor& t, const at::Tensor& data) {
   TETRA_CHECK(t.sizes() == data.sizes() && t.scalar_type() == data.scalar_type(),
               "place: ", t.toString(), t.sizes(), " cannot take the storage of ", data.toString(),

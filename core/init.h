@@ -81,6 +81,12 @@ class Initialized {
   }
 };
 
+// Note [Placements]: this rank's part of `whole` (the whole tensor, in its own shape), in
+// the part's flat order, shaped as the rank's tensor `like`.
+at::Tensor part_of(const Placement& part, const at::Tensor& whole, const at::Tensor& like);
+// The whole tensor (in its own shape) from every rank's part, `parts[i]` part i.
+at::Tensor whole_of(const Placement& any_part, const std::vector<at::Tensor>& parts);
+
 // Gives `t` the storage, device and values of `data` in place: every holder of `t` (the
 // module's member, its parameter list, views and autograd's leaf) sees the new tensor,
 // and its requires_grad stays. Unlike Tensor::set_data it takes a meta tensor to a real

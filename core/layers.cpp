@@ -80,8 +80,9 @@ std::optional<Placement> ParallelLinearImpl::placement_of(const std::string& nam
   if (split_ == Split::kRow)
     return name == "weight" ? std::optional<Placement>(Placement::split({out_, in_}, 1, slot_.parts, slot_.index))
                             : std::nullopt;
-  if (name == "weight") return Placement::split({groups_, out_ / groups_, in_}, 1, slot_.parts, slot_.index);
-  return Placement::split({groups_, out_ / groups_}, 1, slot_.parts, slot_.index);
+  if (name == "weight")
+    return Placement::split({groups_, out_ / groups_, in_}, 1, slot_.parts, slot_.index).of_shape({out_, in_});
+  return Placement::split({groups_, out_ / groups_}, 1, slot_.parts, slot_.index).of_shape({out_});
 }
 
 void ParallelLinearImpl::reset() {

@@ -4,7 +4,8 @@
 // innermost by how much they talk, the most talkative innermost so that its groups are
 // consecutive ranks — which launchers place on one host — as Megatron orders its
 // groups. The order is fixed in one place (kAxisOrder): pipeline (one activation per
-// micro-batch) outside, data (every gradient, every step) inside. The mesh is the only
+// micro-batch) outside, data (every gradient, every step) inside it, tensor (an
+// activation per layer, forward and backward) innermost. The mesh is the only
 // source of sub-communicators: each axis's group is the ranks that differ only in that
 // axis's coordinate.
 #pragma once
@@ -19,7 +20,7 @@
 namespace tetra::core {
 
 // Axis names outermost first. An axis missing from a job has size 1.
-inline const std::vector<std::string> kAxisOrder = {"pipeline", "data"};
+inline const std::vector<std::string> kAxisOrder = {"pipeline", "data", "tensor"};
 
 struct MeshAxis {
   std::string name;

@@ -7,6 +7,8 @@
 #include <map>
 #include <set>
 
+#include "core/init.h"
+
 namespace tetra::core {
 
 std::vector<std::string> nonfinite_gradients(const std::vector<NamedParam>& params) {
@@ -21,10 +23,22 @@ std::vector<std::string> nonfinite_gradients(const std::vector<NamedParam>& para
   return out;
 }
 
-ReplicatedState::ReplicatedState(const OptimizerSpec& spec, std::vector<NamedParam> params)
-    : optimizer_(spec, std::move(params)) {}
+ReplicatedState::ReplicatedState(const OptimizerSpec& spec, std::vector<NamedParam> params, const Materializer* parts,
+                                 int tensor_index)
+    : optimizer_(spec, std::move(params)), parts_(parts), tensor_index_(tensor_index) {}
 
-double ReplicatedState::grad_norm_sq() { return core::grad_norm_sq(params()); }
+const Placement* ReplicatedState::part(const std::string& name) const {
+  return parts_ ? parts_->placement(name) : nullptr;
+}
+
+double ReplicatedState::grad_norm_sq() {
+  if (tensor_index_ == 0) return core::grad_norm_sq(params());
+  // The tensor strategy sums the norm over its group: a whole parameter counts once.
+  std::vector<NamedParam> counted;
+  for (const auto& p : params())
+    if (const Placement* at = part(p.name); at && at->is_split()) counted.push_back(p);
+  return core::grad_norm_sq(counted);
+}
 
 void ReplicatedState::scale_gradients(double factor) { core::scale_gradients(params(), factor); }
 
@@ -37,11 +51,28 @@ void ReplicatedState::save_state(Checkpoint& ckpt) {
 
 void ReplicatedState::load_state(const CheckpointReader& reader) {
   torch::NoGradGuard no_grad;
-  for (const auto& p : params()) reader.expect_shape("model/" + p.name, p.tensor.sizes(), "model tensor " + p.name);
+  std::map<std::string, const NamedParam*> by_name;
+  for (const auto& p : params()) {
+    const Placement* at = part(p.name);
+    reader.expect_shape("model/" + p.name, at ? at::IntArrayRef(at->whole_shape()) : p.tensor.sizes(),
+                        "model tensor " + p.name);
+    by_name[p.name] = &p;
+  }
+  // A part of a parameter, and of its optimizer state ("<name>.exp_avg"), is read as its
+  // elements of the whole tensor the checkpoint holds.
+  auto mine = [&](const std::string& name, const at::Tensor& whole) -> at::Tensor {
+    auto it = by_name.find(name);
+    const Placement* at = it == by_name.end() ? nullptr : part(name);
+    return at ? part_of(*at, whole, it->second->tensor) : whole;
+  };
   std::map<std::string, torch::Tensor> opt;
-  for (const auto& name : reader.names())
-    if (name.rfind("optim/", 0) == 0) opt[name.substr(6)] = reader.read(name);
-  for (const auto& p : params()) p.tensor.copy_(reader.read("model/" + p.name).view(p.tensor.sizes()));
+  for (const auto& name : reader.names()) {
+    if (name.rfind("optim/", 0) != 0) continue;
+    const std::string key = name.substr(6);
+    opt[key] = mine(key.substr(0, key.rfind('.')), reader.read(name));
+  }
+  for (const auto& p : params())
+    p.tensor.copy_(mine(p.name, reader.read("model/" + p.name)).view(p.tensor.sizes()));
   optimizer_.load_state_dict(opt);
 }
 

@@ -18,6 +18,7 @@
 #include "core/checkpoint.h"
 #include "core/job_spec.h"
 #include "core/optim.h"
+#include "core/placement.h"
 #include "core/safetensors.h"
 
 namespace tetra::core {
@@ -62,9 +63,17 @@ class ModelStateOwner {
 
 // Core's owner when nothing shards: the parameters this rank holds, whole, and the
 // Optimizer over them.
+class Materializer;
+
 class ReplicatedState final : public ModelStateOwner {
  public:
-  ReplicatedState(const OptimizerSpec& spec, std::vector<NamedParam> params);
+  // `parts`, under tensor parallelism: where each parameter this rank holds part of lies in
+  // the whole (Note [Placements]); `tensor_index` this rank's place in its tensor group.
+  // A parameter every tensor rank holds whole counts in the gradient norm on index 0 only;
+  // a checkpoint holds whole tensors (the tensor strategy assembles them), and a part is
+  // read as its elements of the whole, whatever degree wrote it.
+  ReplicatedState(const OptimizerSpec& spec, std::vector<NamedParam> params, const Materializer* parts = nullptr,
+                  int tensor_index = 0);
   void zero_grad() override { optimizer_.zero_grad(); }
   double grad_norm_sq() override;
   void scale_gradients(double factor) override;
@@ -77,7 +86,10 @@ class ReplicatedState final : public ModelStateOwner {
 
  private:
   const std::vector<NamedParam>& params() const { return optimizer_.params(); }
+  const Placement* part(const std::string& name) const;
   Optimizer optimizer_;
+  const Materializer* parts_;
+  int tensor_index_;
 };
 
 // The names of the parameters whose gradient holds a NaN or an infinity. One sum over

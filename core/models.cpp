@@ -29,14 +29,20 @@ const Init kGptBias = Init::constant(0.0);
 Linear gpt_linear(int64_t in, int64_t out) { return Linear(in, out, true, kGptWeight, kGptBias); }
 
 // Token embedding + learned positional embedding (+ dropout): int64 [n, T] -> [n, T, d].
+// Under tensor parallelism (slot.parts > 1, Note [Tensor-parallel maps]) the token table is
+// split by vocabulary (VocabParallelEmbedding); its output, summed over the tensor group,
+// is whole on every rank, and so is everything after it here.
 class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl>, public Initialized {
  public:
-  GptEmbeddingImpl(int64_t vocab, int64_t seq_len, int64_t d_model, double dropout)
-      : vocab_(vocab), seq_len_(seq_len), d_model_(d_model), dropout_(dropout) {
+  GptEmbeddingImpl(int64_t vocab, int64_t seq_len, int64_t d_model, double dropout, TensorSlot slot)
+      : vocab_(vocab), seq_len_(seq_len), d_model_(d_model), dropout_(dropout), slot_(slot) {
     reset();
   }
   void reset() override {
-    tok = register_module("tok", Embedding(vocab_, d_model_, kGptWeight));
+    if (slot_.parts > 1)
+      tok_part = register_module("tok", ParallelEmbedding(vocab_, d_model_, slot_, kGptWeight));
+    else
+      tok = register_module("tok", Embedding(vocab_, d_model_, kGptWeight));
     pos = register_parameter("pos", shape_parameter({seq_len_, d_model_}, pos));
     drop = register_module("drop", Dropout(dropout_));
   }
@@ -45,7 +51,7 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl>, public I
                 tokens.dim(), " dims");
     const int64_t T = tokens.size(1);
     TETRA_CHECK(T <= seq_len_, "sequence of ", T, " tokens is longer than the context ", seq_len_);
-    return drop(tok(tokens) + pos.slice(0, 0, T).unsqueeze(0));
+    return drop((tok ? tok(tokens) : tok_part(tokens)) + pos.slice(0, 0, T).unsqueeze(0));
   }
   Init init_of(const std::string&) const override { return kGptWeight; }  // pos
   void pretty_print(std::ostream& os) const override {
@@ -54,29 +60,51 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl>, public I
   }
 
   Embedding tok{nullptr};
+  ParallelEmbedding tok_part{nullptr};  // tensor-parallel: this rank's rows of tok
   torch::Tensor pos;
   Dropout drop{nullptr};
 
  private:
   int64_t vocab_, seq_len_, d_model_;
   double dropout_;
+  TensorSlot slot_;
 };
 TORCH_MODULE(GptEmbedding);
 
-// Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+// Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). Under tensor
+// parallelism (Megatron's ParallelTransformerLayer) qkv is column-parallel by heads (each
+// rank its heads' rows of the query, key and value blocks), proj row-parallel, fc1
+// column- and fc2 row-parallel: one allreduce forward (proj's, fc2's) and one backward
+// (qkv's, fc1's input) per half. The norms, the residual stream and its dropouts are whole
+// on every rank; attention's dropout masks this rank's heads with the whole tensor's bits.
 class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
  public:
-  GptBlockImpl(int64_t d_model, int64_t heads, int64_t d_ff, double dropout)
-      : d_model_(d_model), heads_(heads), d_ff_(d_ff), dropout_(dropout) {
+  GptBlockImpl(int64_t d_model, int64_t heads, int64_t d_ff, double dropout, TensorSlot slot)
+      : d_model_(d_model), heads_(heads), d_ff_(d_ff), dropout_(dropout), slot_(slot) {
     reset();
   }
+  template <class Layer>
+  Layer linear(const std::string& name, int64_t in, int64_t out, ParallelLinearImpl::Split split, int64_t groups = 1) {
+    return register_module(name, Layer(in, out, split, slot_, true, kGptWeight, kGptBias, groups));
+  }
   void reset() override {
+    using Split = ParallelLinearImpl::Split;
     ln1 = register_module("ln1", LayerNorm(std::vector<int64_t>{d_model_}));
-    qkv = register_module("qkv", gpt_linear(d_model_, 3 * d_model_));
-    proj = register_module("proj", gpt_linear(d_model_, d_model_));
+    if (slot_.parts > 1) {
+      qkv_part = linear<ParallelLinear>("qkv", d_model_, 3 * d_model_, Split::kColumn, 3);
+      proj_part = linear<ParallelLinear>("proj", d_model_, d_model_, Split::kRow);
+    } else {
+      qkv = register_module("qkv", gpt_linear(d_model_, 3 * d_model_));
+      proj = register_module("proj", gpt_linear(d_model_, d_model_));
+    }
     ln2 = register_module("ln2", LayerNorm(std::vector<int64_t>{d_model_}));
-    fc1 = register_module("fc1", gpt_linear(d_model_, d_ff_));
-    fc2 = register_module("fc2", gpt_linear(d_ff_, d_model_));
+    if (slot_.parts > 1) {
+      fc1_part = linear<ParallelLinear>("fc1", d_model_, d_ff_, Split::kColumn);
+      fc2_part = linear<ParallelLinear>("fc2", d_ff_, d_model_, Split::kRow);
+    } else {
+      fc1 = register_module("fc1", gpt_linear(d_model_, d_ff_));
+      fc2 = register_module("fc2", gpt_linear(d_ff_, d_model_));
+    }
     // One dropout per place it is used: each is its own layer of the mask key.
     attn_drop = register_module("attn_drop", Dropout(dropout_));
     proj_drop = register_module("proj_drop", Dropout(dropout_));
@@ -86,18 +114,22 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     TETRA_CHECK(x.dim() == 3 && x.size(2) == d_model_, "GptBlock expects [n, T, ", d_model_,
                 "], got ", x.sizes());
     const int64_t n = x.size(0), T = x.size(1), hd = d_model_ / heads_;
+    const int64_t heads = heads_ / slot_.parts;  // this rank's
     // Causal self-attention, by hand (scaled_dot_product_attention differs across versions).
-    torch::Tensor qkv_out = qkv(ln1(x)).view({n, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
+    torch::Tensor h = ln1(x);
+    torch::Tensor qkv_out = (qkv ? qkv(h) : qkv_part(h)).view({n, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
     torch::Tensor q = qkv_out[0], k = qkv_out[1], v = qkv_out[2];  // [n, H, T, hd]
     torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
     // Built on the fly (not a buffer: buffers would be saved in checkpoints).
     torch::Tensor future =
         torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
     att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-    att = attn_drop(att);
-    torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({n, T, d_model_});
-    x = x + proj_drop(proj(y));
-    return x + mlp_drop(fc2(torch::gelu(fc1(ln2(x)))));
+    att = slot_.parts > 1 ? attn_drop->forward_part(att, Placement::split({heads_, T, T}, 0, slot_.parts, slot_.index))
+                          : attn_drop(att);
+    torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({n, T, heads * hd});
+    x = x + proj_drop(proj ? proj(y) : proj_part(y));
+    h = ln2(x);
+    return x + mlp_drop(fc2 ? fc2(torch::gelu(fc1(h))) : fc2_part(torch::gelu(fc1_part(h))));
   }
   void pretty_print(std::ostream& os) const override {
     os << "GptBlock(d_model=" << d_model_ << ", heads=" << heads_ << ", d_ff=" << d_ff_
@@ -106,32 +138,45 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
 
   LayerNorm ln1{nullptr}, ln2{nullptr};
   Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+  ParallelLinear qkv_part{nullptr}, proj_part{nullptr}, fc1_part{nullptr}, fc2_part{nullptr};  // tensor-parallel
   Dropout attn_drop{nullptr}, proj_drop{nullptr}, mlp_drop{nullptr};
 
  private:
   int64_t d_model_, heads_, d_ff_;
   double dropout_;
+  TensorSlot slot_;
 };
 TORCH_MODULE(GptBlock);
 
-// Final LayerNorm + Linear to the vocabulary: [n, T, d] -> [n, T, vocab].
+// Final LayerNorm + Linear to the vocabulary: [n, T, d] -> [n, T, vocab]. Under tensor
+// parallelism the Linear is column-parallel by vocabulary and the output is this rank's
+// block of the logits [n, T, vocab / parts], which the vocabulary-parallel loss takes as
+// they are (Note [Vocabulary-parallel loss]).
 class GptHeadImpl : public torch::nn::Cloneable<GptHeadImpl> {
  public:
-  GptHeadImpl(int64_t d_model, int64_t vocab) : d_model_(d_model), vocab_(vocab) { reset(); }
+  GptHeadImpl(int64_t d_model, int64_t vocab, TensorSlot slot) : d_model_(d_model), vocab_(vocab), slot_(slot) {
+    reset();
+  }
   void reset() override {
     ln = register_module("ln", LayerNorm(std::vector<int64_t>{d_model_}));
-    out = register_module("out", gpt_linear(d_model_, vocab_));
+    if (slot_.parts > 1)
+      out_part = register_module("out", ParallelLinear(d_model_, vocab_, ParallelLinearImpl::Split::kColumn, slot_,
+                                                       true, kGptWeight, kGptBias));
+    else
+      out = register_module("out", gpt_linear(d_model_, vocab_));
   }
-  torch::Tensor forward(torch::Tensor x) { return out(ln(x)); }
+  torch::Tensor forward(torch::Tensor x) { return out ? out(ln(x)) : out_part(ln(x)); }
   void pretty_print(std::ostream& os) const override {
     os << "GptHead(d_model=" << d_model_ << ", vocab=" << vocab_ << ")";
   }
 
   LayerNorm ln{nullptr};
   Linear out{nullptr};
+  ParallelLinear out_part{nullptr};  // tensor-parallel
 
  private:
   int64_t d_model_, vocab_;
+  TensorSlot slot_;
 };
 TORCH_MODULE(GptHead);
 
@@ -209,7 +254,9 @@ torch::nn::Sequential build_cnn(const ModelSpec& spec, const DataInfo& data) {
   return seq;
 }
 
-torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data) {
+std::string data_name(const DataInfo& data);
+
+torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data, TensorSlot slot) {
   if (!(spec.dropout >= 0.0 && spec.dropout < 1.0))
     throw ConfigError(concat("model.dropout must be in [0, 1), got ", spec.dropout));
   if (spec.d_model < 1 || spec.heads < 1 || spec.layers < 0)
@@ -222,11 +269,20 @@ torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data) {
   if (data.seq_len < 1)
     throw ConfigError(concat("model.type gpt needs data.seq_len >= 1, got ", data.seq_len));
   const int64_t d_ff = spec.d_ff > 0 ? spec.d_ff : 4 * spec.d_model;
+  if (slot.parts > 1) {
+    // What the tensor section's --check cannot see: the vocabulary comes with the data.
+    if (data.num_classes % slot.parts != 0)
+      throw ConfigError(concat("mesh.tensor ", slot.parts, " does not divide the vocabulary of ", data.num_classes,
+                               " tokens (", data_name(data), "), which the embedding and the output layer split; "
+                               "use a tensor degree that divides it"));
+    TETRA_CHECK(spec.heads % slot.parts == 0 && d_ff % slot.parts == 0, "mesh.tensor ", slot.parts,
+                " must divide model.heads ", spec.heads, " and model.d_ff ", d_ff);
+  }
   torch::nn::Sequential seq;
-  seq->push_back(GptEmbedding(data.num_classes, data.seq_len, spec.d_model, spec.dropout));
+  seq->push_back(GptEmbedding(data.num_classes, data.seq_len, spec.d_model, spec.dropout, slot));
   for (int64_t i = 0; i < spec.layers; ++i)
-    seq->push_back(GptBlock(spec.d_model, spec.heads, d_ff, spec.dropout));
-  seq->push_back(GptHead(spec.d_model, data.num_classes));
+    seq->push_back(GptBlock(spec.d_model, spec.heads, d_ff, spec.dropout, slot));
+  seq->push_back(GptHead(spec.d_model, data.num_classes, slot));
   return seq;
 }
 
@@ -235,7 +291,7 @@ std::string data_name(const DataInfo& data) {
   return data.language_model ? "a language-model dataset" : "a classification dataset";
 }
 
-torch::nn::Sequential build_layers(const ModelSpec& spec, const DataInfo& data) {
+torch::nn::Sequential build_layers(const ModelSpec& spec, const DataInfo& data, TensorSlot slot) {
   const bool known = spec.type == "mlp" || spec.type == "cnn" || spec.type == "gpt";
   if (!known)
     throw ConfigError(concat("unknown model.type '", spec.type, "' (known: mlp, cnn, gpt)"));
@@ -246,8 +302,11 @@ torch::nn::Sequential build_layers(const ModelSpec& spec, const DataInfo& data) 
       throw ConfigError(concat("model.type gpt is a language model and needs text data "
                                "(data.type text), but the data is ",
                                data_name(data)));
-    return build_gpt(spec, data);
+    return build_gpt(spec, data, slot);
   }
+  if (slot.parts > 1)
+    throw ConfigError(concat("mesh.tensor ", slot.parts, " splits the layers of model.type gpt; model.type ", spec.type,
+                             " has no tensor-parallel layers"));
   if (data.language_model)
     throw ConfigError(concat("model.type ", spec.type,
                              " is a classifier and needs fashion-mnist or synthetic data, but "
@@ -258,8 +317,8 @@ torch::nn::Sequential build_layers(const ModelSpec& spec, const DataInfo& data) 
 
 }  // namespace
 
-torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data) {
-  torch::nn::Sequential model = build_layers(spec, data);
+torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data, TensorSlot slot) {
+  torch::nn::Sequential model = build_layers(spec, data, slot);
   // Ids from the model's structure alone: every process and pipeline stage builds the whole
   // model's shapes, so a dropout has the same id wherever it runs (Note [Layout-invariant
   // dropout]).
@@ -298,6 +357,7 @@ int64_t parameter_count(const torch::nn::Module& model) {
 at::Tensor linear_weight(const torch::nn::Module& m) {
   if (auto* lin = dynamic_cast<const LinearImpl*>(&m)) return lin->weight;
   if (auto* lin = dynamic_cast<const torch::nn::LinearImpl*>(&m)) return lin->weight;
+  if (auto* lin = dynamic_cast<const ParallelLinearImpl*>(&m)) return lin->weight;  // this rank's part
   return {};
 }
 
@@ -375,7 +435,7 @@ std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe
     for (const auto& child : layer->named_children())
       if (child.key() == "qkv")
         if (const at::Tensor w = linear_weight(*child.value()); w.defined())
-          flops += 4.0 * rows * rows * double(w.size(1));  // QK^T and AV
+          flops += 4.0 * rows * rows * double(w.size(0)) / 3.0;  // QK^T and AV, over this rank's heads
     out.push_back(flops);
   }
   return out;

@@ -9,6 +9,7 @@
 
 #include "core/data.h"
 #include "core/job_spec.h"
+#include "core/layers.h"
 
 namespace tetra::core {
 
@@ -19,7 +20,10 @@ namespace tetra::core {
 // (number_dropout_layers): in training mode they draw from the key a RandomContext::Scope
 // sets (Note [Layout-invariant dropout]). Incompatible pairs (gpt on images, mlp on text)
 // are ConfigErrors.
-torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data);
+// `slot`: this rank's part of a tensor-parallel model (mesh.tensor parts, its coordinate):
+// the gpt's layers split their matrices (Note [Tensor-parallel maps], core/tensor_group.h)
+// and each rank builds its parts only; other models take parts = 1.
+torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data, TensorSlot slot = {});
 // The same model created whole, with the initial weights every layout draws at `seed`.
 torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data, uint64_t seed);
 
@@ -33,7 +37,8 @@ int64_t count_correct(const torch::Tensor& output, const torch::Tensor& targets)
 
 int64_t parameter_count(const torch::nn::Module& model);
 
-// The weight of a Linear or Conv2d module, tetra's or torch::nn's; undefined for others.
+// The weight of a Linear or Conv2d module, tetra's or torch::nn's (a tensor-parallel
+// Linear's: this rank's part); undefined for others.
 at::Tensor linear_weight(const torch::nn::Module& m);
 at::Tensor conv_weight(const torch::nn::Module& m);
 

@@ -34,6 +34,21 @@ Placement Placement::split(std::vector<int64_t> view, int dim, int parts, int in
 
 Placement Placement::whole(std::vector<int64_t> shape) { return Placement{std::move(shape), -1, 1, 0}; }
 
+Placement Placement::of_shape(std::vector<int64_t> whole) const {
+  Placement p = *this;
+  TETRA_CHECK(product(whole, 0, whole.size()) == whole_numel(), "placement: the shape ", shape_text(whole),
+              " does not hold the elements of ", shape_text(view));
+  p.shape = std::move(whole);
+  return p;
+}
+
+Placement Placement::part(int i) const {
+  TETRA_CHECK(i >= 0 && i < parts, "placement: part ", i, " of ", parts, " does not exist");
+  Placement p = *this;
+  p.index = i;
+  return p;
+}
+
 std::vector<int64_t> Placement::local() const {
   std::vector<int64_t> shape = view;
   if (is_split()) shape[static_cast<size_t>(dim)] /= parts;

@@ -114,6 +114,9 @@ std::vector<PlanIssue> Plan::issues(const JobSpec& spec) {
     msg += "; widen the group or remove the " + s.section + " section";
     out.push_back({s.role.needs_group_key.empty() ? s.section : s.role.needs_group_key, msg});
   }
+  // What each strategy cannot do with the rest of the job.
+  for (const PlanStep& s : steps)
+    for (PlanIssue& issue : s.config->issues(spec)) out.push_back(std::move(issue));
   // Two strategies that both keep the model state, or both run the forward, on one axis.
   for (const std::string& axis : kCompositionOrder) {
     std::vector<const PlanStep*> owners, syncers;

@@ -31,13 +31,15 @@ struct StrategyConfig;
 //             layers and parameters;
 //   replica   runs that stage on R threads of each process, each one a data rank, so the
 //             data group becomes (data processes x R) wide;
+//   tensor    splits the stage's layers' matrices over the tensor group, so the data
+//             strategy sees each rank's parts (and averages them within each slice);
 //   data      averages the gradients over that group (data_parallel), or shards them and
 //             the optimizer state over it (zero, which then owns the axis's gradients).
-inline const std::vector<std::string> kCompositionOrder = {"pipeline", "replica", "data"};
+inline const std::vector<std::string> kCompositionOrder = {"pipeline", "replica", "tensor", "data"};
 
 // What a plugin section contributes to the plan (StrategyConfig::role).
 struct StrategyRole {
-  std::string axis;  // the mesh axis it works over: pipeline | replica | data
+  std::string axis;  // the mesh axis it works over: pipeline | replica | tensor | data
   std::string why;   // one line: what it does at its place in the composition
   // Synchronises the gradients of `axis` (data_parallel), or owns the model state there
   // and therefore synchronises them itself (zero). One synchroniser per axis: an owner

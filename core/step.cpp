@@ -39,6 +39,8 @@ void MicroBatches::add_loss(int64_t i, double loss) {
   }
 }
 
+ModelLoss cross_entropy_loss() { return {model_loss, count_correct}; }
+
 StepOutput LocalRunner::run(const StepInput& step) {
   MicroBatches micro(step, micro_);
   StepOutput& out = micro.out();
@@ -54,7 +56,7 @@ StepOutput LocalRunner::run(const StepInput& step) {
     {
       Trace::Scope s(trace_, "compute", "forward");
       compat::Autocast autocast(step.bf16, step.device.type());
-      loss = model_loss(model_->forward(batch.inputs), batch.targets);
+      loss = loss_.loss(model_->forward(batch.inputs), batch.targets);
     }
     out.forward_s += t.lap();
     if (step.before_backward) step.before_backward(m == micro.count() - 1);
@@ -76,8 +78,8 @@ EvalSums LocalRunner::evaluate(const Batch& batch, bool bf16) {
   }
   out = out.to(torch::kFloat32);
   EvalSums s;
-  s.loss_sum = model_loss(out, batch.targets).item<double>() * static_cast<double>(batch.size());
-  s.correct = count_correct(out, batch.targets);
+  s.loss_sum = loss_.loss(out, batch.targets).item<double>() * static_cast<double>(batch.size());
+  s.correct = loss_.correct(out, batch.targets);
   s.predictions = batch.targets.numel();
   return s;
 }

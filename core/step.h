@@ -126,10 +126,20 @@ class StepRunner {
 
 // Core's runner: the micro-batches one after the other through the whole model, each
 // one's gradients accumulated into the parameters' (gradient accumulation).
+// The training loss of a model's output against its targets, and its count of correct
+// top-1 predictions: core's model_loss and count_correct, unless a strategy gives the
+// output another form (tensor parallelism's logits split by vocabulary, Note
+// [Vocabulary-parallel loss]) and sets its own at attach. Runners read it when they run.
+struct ModelLoss {
+  std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& targets)> loss;
+  std::function<int64_t(const torch::Tensor& output, const torch::Tensor& targets)> correct;
+};
+ModelLoss cross_entropy_loss();  // model_loss and count_correct
+
 class LocalRunner final : public StepRunner {
  public:
-  LocalRunner(torch::nn::Sequential& model, Trace& trace, int64_t micro_batches)
-      : model_(model), trace_(trace), micro_(micro_batches) {}
+  LocalRunner(torch::nn::Sequential& model, Trace& trace, int64_t micro_batches, const ModelLoss& loss)
+      : model_(model), trace_(trace), micro_(micro_batches), loss_(loss) {}
   StepOutput run(const StepInput& step) override;
   EvalSums evaluate(const Batch& batch, bool bf16) override;
 
@@ -137,6 +147,7 @@ class LocalRunner final : public StepRunner {
   torch::nn::Sequential& model_;
   Trace& trace_;
   int64_t micro_;
+  const ModelLoss& loss_;
 };
 
 // What this rank saw of a step once its gradients are final (Note [One decision per step]).

@@ -75,6 +75,8 @@ struct TrainState {
   // Where this rank's tensors live (Note [One device], core/device.h): a strategy creates
   // its buffers with options().device(device).
   torch::Device device = torch::kCPU;
+  // The loss the runners take of the model's output (tensor parallelism sets its own).
+  ModelLoss loss = cross_entropy_loss();
 };
 
 class Strategy {

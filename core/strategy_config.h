@@ -75,6 +75,9 @@ struct StrategyConfig : PluginConfig {
   // What the section does to the plan: its axis, its place, the ranks and batch pieces
   // it adds (core/plan.h). `job` is the spec the section was parsed with.
   virtual StrategyRole role(const JobSpec& job) const = 0;
+  // The rules this strategy adds to the composition's (Plan::issues), each at the key to
+  // change: what the job asks of it that it cannot do.
+  virtual std::vector<PlanIssue> issues(const JobSpec& job) const { return {}; }
   // Lines `train --dry-run` prints for this strategy ("" for none), computed on one
   // process without communicating.
   virtual std::string plan(const PlanInput& input) const { return ""; }

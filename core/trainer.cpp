@@ -69,7 +69,10 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     model_ = options_.model(data_->info());
     if (!device_.is_cpu()) model_->to(device_);  // a program's own model, built with its values
   } else {
-    model_ = model_shapes(spec_.model, data_->info());  // no storage: strategies decide what is created
+    // No storage: strategies decide what is created. Under tensor parallelism, this rank's
+    // parts of the split layers (a dry run plans the first rank's).
+    const TensorSlot slot{spec_.mesh.size("tensor"), mesh_ ? mesh_->coord("tensor") : 0};
+    model_ = model_shapes(spec_.model, data_->info(), slot);
   }
   if (!model_ || model_->size() == 0)
     throw ConfigError("the model the program gave the trainer (TrainerOptions::model) is empty: it needs at least one layer");
@@ -78,7 +81,14 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     param_names_.push_back(p.key());
     params_.push_back({p.key(), p.value()});
   }
-  model_parameters_ = parameter_count(*model_);
+  weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed), device_);
+  // The whole model's (a part counts as the whole tensor it is part of): a checkpoint's
+  // identity does not depend on the layout.
+  model_parameters_ = 0;
+  for (const auto& p : params_) {
+    const Placement* part = weights_->placement(p.name);
+    model_parameters_ += part ? part->whole_numel() : p.tensor.numel();
+  }
   // The whole model's layers, before a pipeline keeps only its stage's (Note [Export config]).
   nlohmann::json layers = nlohmann::json::array();
   for (size_t i = 0; i < model_->size(); ++i) {
@@ -89,7 +99,6 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   }
   identity_ = std::make_unique<RunIdentity>(
       RunIdentity{spec_, data_->info(), static_cast<bool>(options_.model), std::move(layers), model_parameters_});
-  weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed), device_);
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
@@ -123,11 +132,13 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   // What no strategy created is this rank's whole (one process, a pipeline's stage); a
   // dry run creates nothing.
   if (!options_.dry_run) weights_->create_all(*model_);
-  if (!runner) local_runner_ = std::make_unique<LocalRunner>(model_, trace_, spec_.train.accumulation_steps);
+  if (!runner) local_runner_ = std::make_unique<LocalRunner>(model_, trace_, spec_.train.accumulation_steps, state_->loss);
   runner_ = runner ? runner : local_runner_.get();
   // After attach: the parameters this rank holds, stepped by core's optimizer — unless a
   // strategy keeps the model state in its own layout and steps it.
-  if (!owner) replicated_ = std::make_unique<ReplicatedState>(spec_.optimizer, params_);
+  if (!owner)
+    replicated_ = std::make_unique<ReplicatedState>(spec_.optimizer, params_, weights_.get(),
+                                                    mesh_ ? mesh_->coord("tensor") : 0);
   owner_ = owner ? owner : replicated_.get();
 }
 Trainer::~Trainer() = default;

@@ -225,6 +225,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     // that attaches after this one may wrap the layers (ZeRO-3 gathers each layer's
     // parameters around its forward), and the chunks must run the wrapped layers.
     model_ = &state.model;
+    loss_ = &state.loss;  // read when it runs: a strategy attached after this one may set it
     state.params.clear();
     for (const auto& p : model->named_parameters()) state.params.push_back({p.key(), p.value()});
   }
@@ -279,6 +280,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
   std::vector<torch::nn::Sequential> chunks_;      // cut from *model_ by chunk_ranges_ on first use
   std::vector<std::pair<int, int>> chunk_ranges_;  // (first layer in the kept model, layers)
   torch::nn::Sequential* model_ = nullptr;         // the trainer's model (this rank's layers)
+  const core::ModelLoss* loss_ = nullptr;          // the trainer's (TrainState::loss)
   void cut_chunks() {
     if (!chunks_.empty()) return;
     for (const auto& [first, count] : chunk_ranges_) {
@@ -540,7 +542,7 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
     core::compat::Autocast autocast(step.bf16, step.device.type());
     s.output = chunks_[chunk]->forward(s.input);
     if (!last(chunk)) return at::Tensor();
-    at::Tensor l = core::model_loss(s.output, s.targets);
+    at::Tensor l = loss_->loss(s.output, s.targets);
     s.loss = micro.weighted(i, l);
     return l;
   };
@@ -684,8 +686,8 @@ core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
       if (last(c)) {
         y = y.to(at::kFloat);
         at::Tensor t = batch.targets.slice(0, b, e);
-        loss_sum += core::model_loss(y, t).item<double>() * static_cast<double>(e - b);
-        correct += core::count_correct(y, t);
+        loss_sum += loss_->loss(y, t).item<double>() * static_cast<double>(e - b);
+        correct += loss_->correct(y, t);
         predictions += t.numel();
       } else if (opt_.stages > 1) {
         collectives::SendOptions o;

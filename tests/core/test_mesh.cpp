@@ -15,7 +15,9 @@ TEST(Mesh, AxesTakeTheFixedOrderWhateverTheYamlSays) {
   EXPECT_EQ(s.world_size(), 6);
   EXPECT_EQ(s.str(), "pipeline=3 x data=2");
   EXPECT_EQ(s.size("data"), 2);
-  EXPECT_THROW(make_mesh_spec({{"tensor", 2}}), tetra::ConfigError);
+  EXPECT_THROW(make_mesh_spec({{"expert", 2}}), tetra::ConfigError);  // no such axis
+  MeshSpec t = make_mesh_spec({{"tensor", 2}, {"data", 2}, {"pipeline", 2}});
+  EXPECT_EQ(t.str(), "pipeline=2 x data=2 x tensor=2");  // tensor innermost
 }
 
 TEST(Mesh, AMeshThatDoesNotFitStatesTheEquation) {
