@@ -23,6 +23,7 @@
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
+#include "tensor_parallel/tensor_parallel.h"
 #include "zero/zero.h"
 
 namespace tetra::numerics {
@@ -34,6 +35,7 @@ inline core::SectionRegistry all_plugins() {
   pipeline::register_pipeline(plugins);
   zero::register_zero(plugins);
   replicate::register_replicate(plugins);
+  tensor_parallel::register_tensor_parallel(plugins);
   return plugins;
 }
 
@@ -119,6 +121,19 @@ inline void expect_follows(const Outcome& ref, const Outcome& got, double rel, c
     const double scale = w.abs().max().item<double>();
     EXPECT_LE(diff, rel * std::max(1.0, scale)) << what << ": parameter " << name << " differs by " << diff;
   }
+}
+
+// `rest` resumed from a checkpoint written after step `from` of the run that `whole` made
+// uninterrupted: every step it took is whole's step there (loss within `rel`), and its
+// final parameters are whole's (within `rel`, absolute).
+inline void expect_resumed_follows(const Outcome& whole, const Outcome& rest, size_t from, double rel,
+                                   const std::string& what) {
+  ASSERT_EQ(rest.result.losses.size(), whole.result.losses.size() - from) << what;
+  for (size_t i = 0; i < rest.result.losses.size(); ++i)
+    EXPECT_NEAR(rest.result.losses[i], whole.result.losses[from + i], rel * whole.result.losses[from + i])
+        << what << ": step " << from + i + 1;
+  for (const auto& [name, w] : whole.weights)
+    EXPECT_LE((rest.weights.at(name) - w).abs().max().item<double>(), rel) << what << ": " << name;
 }
 
 }  // namespace tetra::numerics

@@ -21,7 +21,7 @@ TEST(Api, RegistersTheBuiltinPlugins) {
   tetra::core::SectionRegistry registry;
   tetra::register_builtin_plugins(registry);
   EXPECT_EQ(registry.names(),
-            (std::vector<std::string>{"data_parallel", "pipeline", "replicate", "zero"}));
+            (std::vector<std::string>{"data_parallel", "pipeline", "replicate", "tensor", "zero"}));
   const tetra::core::ParsedJob parsed = tetra::core::parse_job_string(
       "model: {type: mlp}\ndata: {type: synthetic}\nreplicate: {replicas: 2}\n", "api.yaml", {},
       registry);

@@ -486,6 +486,53 @@ TEST(TrainMpi, PipelineTimesZeroOnFourProcessesFollowsOneProcess) {
                               {"optimizer.clip_grad_norm=0.5"});
 }
 
+// Tensor parallelism over real processes (issue 29): a GPT split over two tensor ranks,
+// each its heads, its MLP columns and rows and its block of the vocabulary, joined by MPI
+// allreduces forward and backward; plain SGD, dropout on. The losses and the exported
+// whole weights (assembled from the parts) are one process's.
+TEST(TrainMpi, TensorParallelGptOnTwoProcessesFollowsOneProcessWithPlainSgd) {
+  fs::path d = fresh_dir("mpi_tensor");
+  {
+    std::ofstream text(d / "text.txt");
+    for (int i = 0; i < 300; ++i) text << "a tensor-parallel line " << i << " for the small gpt. ";
+  }
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: gpt, layers: 2, d_model: 32, heads: 4, dropout: 0.1}
+data: {type: text, seq_len: 16, batch_size: 8, eval_samples: 32}
+optimizer: {type: sgd, lr: 0.05}
+train: {max_steps: 10, seed: 3, threads: 1}
+checkpoint: {dir: ""}
+log: {every: 1, progress: plain}
+)").string();
+  auto args = [&](const std::string& tag) {
+    return std::vector<std::string>{job, "--set", "data.path=" + (d / "text.txt").string(), "--set",
+                                    "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
+                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string()};
+  };
+  Outcome one = run(args("one"));
+  ASSERT_EQ(one.status, 0) << one.out;
+  std::vector<std::string> many_args = args("many");
+  many_args.insert(many_args.end(), {"--set", "mesh.tensor=2"});
+  Outcome many = run_mpi(2, many_args);
+  ASSERT_EQ(many.status, 0) << many.out;
+  // The model is counted whole (its parts are one model): the same count as one process's.
+  const size_t at = one.out.find("model gpt, ");
+  ASSERT_NE(at, std::string::npos) << one.out;
+  const std::string count = one.out.substr(at, one.out.find(" parameters", at) - at);
+  EXPECT_NE(many.out.find(count + " parameters"), std::string::npos) << count << "\n" << many.out;
+  const auto a = losses(d / "one.jsonl"), b = losses(d / "many.jsonl");
+  ASSERT_EQ(a.size(), 10u);
+  ASSERT_EQ(b.size(), 10u);
+  for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-5 * loss) << "step " << step;
+  const auto wa = tetra::core::load_safetensors((d / "one.safetensors").string());
+  const auto wb = tetra::core::load_safetensors((d / "many.safetensors").string());
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [key, t] : wa) {
+    ASSERT_TRUE(wb.at(key).sizes().equals(t.sizes())) << key;
+    EXPECT_LE((wb.at(key) - t).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>())) << key;
+  }
+}
+
 // Replicas as threads inside real processes: the data group is processes x replicas,
 // inside over shared memory, across over MPI. Plain SGD without clipping.
 TEST(TrainMpi, ReplicasTimesDataProcessesFollowOneProcessWithPlainSgd) {

@@ -55,6 +55,7 @@ PlanBuilder& PlanBuilder::mesh(const MeshOptions& mesh) {
   YAML::Node n(YAML::NodeType::Map);
   if (mesh.pipeline != 1) n["pipeline"] = mesh.pipeline;
   if (mesh.data != 1) n["data"] = mesh.data;
+  if (mesh.tensor != 1) n["tensor"] = mesh.tensor;
   return add("PlanBuilder::mesh()", "mesh", n);
 }
 

@@ -1,7 +1,7 @@
 // The C++ composition API: the same plans as a job file, built in code.
 //
 //   tetra::PlanBuilder b("mine");
-//   b.mesh({2, 2});                                   // pipeline 2 x data 2 processes
+//   b.mesh({2, 2});                                   // pipeline 2 x data 2 processes (x tensor 1)
 //   pipeline::Options pp;
 //   pp.micro_batches = 4;
 //   pp.schedule = pipeline::ScheduleKind::k1F1B;
@@ -45,6 +45,7 @@ namespace tetra {
 struct MeshOptions {
   int pipeline = 1;
   int data = 1;
+  int tensor = 1;  // tensor-parallel ranks (the gpt model's layers split over them)
 };
 
 class PlanBuilder {

@@ -21,18 +21,20 @@
 #include "hardware/topology.h"
 #include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
+#include "tensor_parallel/tensor_parallel.h"
 #include "zero/zero.h"
 
 namespace tetra {
 
 // Registers the sections of the built-in strategy plugins (data_parallel, pipeline, zero,
-// replicate) in `registry`, as the train binary does. Registration is explicit: core names
+// replicate, tensor) in `registry`, as the train binary does. Registration is explicit: core names
 // no plugin, and static registrar objects would be dropped from the static libraries.
 inline void register_builtin_plugins(core::SectionRegistry& registry) {
   data_parallel::register_data_parallel(registry);
   pipeline::register_pipeline(registry);
   zero::register_zero(registry);
   replicate::register_replicate(registry);
+  tensor_parallel::register_tensor_parallel(registry);
 }
 
 }  // namespace tetra

@@ -1,0 +1,143 @@
+// The tensor-parallel strategy against the numerics contract (tests/common/numerics.h):
+// a GPT split over the tensor axis — alone, and composed with data parallelism — follows
+// one process, losses and every parameter of the whole model, with plain SGD (no
+// clipping) and with AdamW and clipping (whose norm counts a whole parameter once and a
+// split one by its parts); dropout inside the split attention draws one process's masks.
+// A checkpoint written by two tensor ranks resumes on one process, and one process's on
+// two tensor ranks. What the axis cannot take is a --check error naming both keys.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+#include "tests/common/numerics.h"
+#include "core/checkpoint.h"
+
+using namespace tetra;
+using namespace tetra::core;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kGptJob = R"(
+model: {type: gpt, layers: 2, d_model: 32, heads: 4, dropout: 0.1}
+data: {type: text, seq_len: 16, batch_size: 8, eval_samples: 32}
+optimizer: {type: sgd, lr: 0.05}
+train: {max_steps: 8, seed: 5, threads: 1}
+checkpoint: {dir: ""}
+log: {metrics: "", progress: off}
+)";
+
+const std::vector<std::string> kAdamWClipped = {"optimizer.type=adamw", "optimizer.lr=2.0e-3",
+                                                "optimizer.weight_decay=0.01", "optimizer.clip_grad_norm=0.05"};
+
+std::string text_file() {
+  const std::string path = testing::TempDir() + "/tetra_tp_text_" + std::to_string(::getpid()) + ".txt";
+  if (!fs::exists(path)) {
+    std::ofstream f(path);
+    for (int i = 0; i < 400; ++i) f << "the quick brown fox " << i << " jumps over the lazy dog. ";
+  }
+  return path;
+}
+
+std::vector<std::string> with(std::vector<std::string> sets, const std::vector<std::string>& more = {}) {
+  sets.push_back("data.path=" + text_file());
+  sets.insert(sets.end(), more.begin(), more.end());
+  return sets;
+}
+
+numerics::Outcome single(const std::vector<std::string>& sets) { return numerics::run_single(kGptJob, with(sets)); }
+numerics::Outcome parallel(int n, const std::vector<std::string>& sets) {
+  return numerics::run_parallel(kGptJob, n, with(sets));
+}
+
+std::string check_error(const std::vector<std::string>& sets) {
+  try {
+    numerics::job(kGptJob, with(sets));
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "the job was accepted";
+  return "";
+}
+
+}  // namespace
+
+TEST(TensorParallel, GptOverTwoAndFourTensorRanksFollowsOneProcessWithPlainSgd) {
+  const numerics::Outcome ref = single({});
+  ASSERT_EQ(ref.result.losses.size(), 8u);
+  numerics::expect_follows(ref, parallel(2, {"mesh.tensor=2"}), 1e-5, "tensor 2, sgd");
+  numerics::expect_follows(ref, parallel(4, {"mesh.tensor=4"}), 1e-5, "tensor 4, sgd");
+}
+
+TEST(TensorParallel, TensorTimesDataWithAdamWAndClippingFollowsOneProcess) {
+  const numerics::Outcome ref = single(kAdamWClipped);
+  numerics::Outcome got = parallel(4, with(kAdamWClipped, {"mesh.tensor=2", "mesh.data=2"}));
+  numerics::expect_follows(ref, got, 1e-5, "tensor 2 x data 2, adamw clipped");
+  EXPECT_EQ(got.data_ranks, (std::vector<int>{2, 2, 2, 2}));  // two slices of two tensor ranks
+  // Evaluation (loss and accuracy, from the split logits) is one process's too.
+  ASSERT_TRUE(got.result.final_eval && ref.result.final_eval);
+  EXPECT_NEAR(got.result.final_eval->test_loss, ref.result.final_eval->test_loss, 1e-5 * ref.result.final_eval->test_loss);
+  EXPECT_EQ(got.result.final_eval->accuracy, ref.result.final_eval->accuracy);
+}
+
+TEST(TensorParallel, CheckpointsHoldWholeTensorsAndResumeOnAnyTensorDegree) {
+  const std::string base = testing::TempDir() + "/tetra_tp_ckpt_" + std::to_string(::getpid());
+  fs::remove_all(base);
+  const numerics::Outcome whole = single(kAdamWClipped);
+  struct Case {
+    int from_n;
+    std::vector<std::string> from;
+    int to_n;
+    std::vector<std::string> to;
+    std::string what;
+  };
+  const std::vector<Case> cases = {
+      {2, {"mesh.tensor=2"}, 1, {}, "tensor 2 -> one process"},
+      {1, {}, 2, {"mesh.tensor=2"}, "one process -> tensor 2"},
+      {4, {"mesh.tensor=4"}, 4, {"mesh.tensor=2", "mesh.data=2"}, "tensor 4 -> tensor 2 x data 2"},
+  };
+  int k = 0;
+  for (const Case& c : cases) {
+    const std::string dir = base + "/" + std::to_string(k++);
+    // The first 4 steps, then stopped; the last 4 resumed from the checkpoint of step 4.
+    std::vector<std::string> first = with(kAdamWClipped, c.from);
+    first.insert(first.end(), {"checkpoint.dir=" + dir, "train.max_steps=4"});
+    // Same schedule: the whole run's 8 steps (the learning rate has no decay here).
+    if (c.from_n == 1) numerics::run_single(kGptJob, first);
+    else numerics::run_parallel(kGptJob, c.from_n, first);
+    ASSERT_TRUE(CheckpointStore(dir, 3).latest()) << c.what;
+    std::vector<std::string> rest_sets = with(kAdamWClipped, c.to);
+    rest_sets.push_back("checkpoint.dir=" + dir);
+    const numerics::Outcome rest =
+        c.to_n == 1 ? numerics::run_single(kGptJob, rest_sets) : numerics::run_parallel(kGptJob, c.to_n, rest_sets);
+    EXPECT_NE(rest.result.resumed_from.find("step-00000004"), std::string::npos) << c.what << ": " << rest.result.resumed_from;
+    numerics::expect_resumed_follows(whole, rest, 4, 1e-5, c.what);
+  }
+  fs::remove_all(base);
+}
+
+TEST(TensorParallel, WhatTheAxisCannotTakeIsACheckErrorNamingBothKeys) {
+  std::string e = check_error({"mesh.tensor=3"});
+  EXPECT_NE(e.find("mesh.tensor 3 does not divide model.heads 4"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.d_ff 128"), std::string::npos) << e;
+  try {
+    numerics::job("model: {type: mlp, hidden: [64]}\n"
+                  "data: {type: synthetic, shape: [12], classes: 4, train_samples: 64, test_samples: 8}\n"
+                  "mesh: {tensor: 2}\n",
+                  {});
+    ADD_FAILURE() << "an mlp over two tensor ranks was accepted";
+  } catch (const ConfigError& err) {
+    EXPECT_NE(std::string(err.what()).find("job:3:8: error: mesh.tensor: mesh.tensor 2 splits the layers of model.type gpt, "
+                                           "and model.type is mlp"),
+              std::string::npos)
+        << err.what();
+  }
+  e = check_error({"mesh.tensor=2", "zero.stage=1", "mesh.data=2"});
+  EXPECT_NE(e.find("zero with mesh.tensor 2"), std::string::npos) << e;
+  e = check_error({"mesh.tensor=2", "mesh.pipeline=2"});
+  EXPECT_NE(e.find("mesh.pipeline 2 with mesh.tensor 2"), std::string::npos) << e;
+  e = check_error({"tensor.sequence_paralel=true", "mesh.tensor=2"});
+  EXPECT_NE(e.find("tensor"), std::string::npos) << e;
+}
