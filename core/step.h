@@ -124,8 +124,6 @@ class StepRunner {
   virtual Idle idle() const { return {}; }
 };
 
-// Core's runner: the micro-batches one after the other through the whole model, each
-// one's gradients accumulated into the parameters' (gradient accumulation).
 // The training loss of a model's output against its targets, and its count of correct
 // top-1 predictions: core's model_loss and count_correct, unless a strategy gives the
 // output another form (tensor parallelism's logits split by vocabulary, Note
@@ -136,6 +134,8 @@ struct ModelLoss {
 };
 ModelLoss cross_entropy_loss();  // model_loss and count_correct
 
+// Core's runner: the micro-batches one after the other through the whole model, each
+// one's gradients accumulated into the parameters' (gradient accumulation).
 class LocalRunner final : public StepRunner {
  public:
   LocalRunner(torch::nn::Sequential& model, Trace& trace, int64_t micro_batches, const ModelLoss& loss)
