@@ -27,6 +27,15 @@ ReplicatedState::ReplicatedState(const OptimizerSpec& spec, std::vector<NamedPar
                                  int tensor_index)
     : optimizer_(spec, std::move(params)), parts_(parts), tensor_index_(tensor_index) {}
 
+std::string parameter_of_key(const std::string& key) {
+  if (key.rfind("model/", 0) == 0) return key.substr(6);
+  if (key.rfind("optim/", 0) == 0) {
+    const std::string rest = key.substr(6);
+    return rest.substr(0, rest.rfind('.'));
+  }
+  return key;
+}
+
 const Placement* ReplicatedState::part(const std::string& name) const {
   return parts_ ? parts_->placement(name) : nullptr;
 }
@@ -68,8 +77,7 @@ void ReplicatedState::load_state(const CheckpointReader& reader) {
   std::map<std::string, torch::Tensor> opt;
   for (const auto& name : reader.names()) {
     if (name.rfind("optim/", 0) != 0) continue;
-    const std::string key = name.substr(6);
-    opt[key] = mine(key.substr(0, key.rfind('.')), reader.read(name));
+    opt[name.substr(6)] = mine(parameter_of_key(name), reader.read(name));
   }
   for (const auto& p : params())
     p.tensor.copy_(mine(p.name, reader.read("model/" + p.name)).view(p.tensor.sizes()));

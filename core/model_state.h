@@ -65,6 +65,10 @@ class ModelStateOwner {
 // Optimizer over them.
 class Materializer;
 
+// The parameter a model-state key holds (or holds part of): "model/<name>", the optimizer's
+// "optim/<name>.<slot>", or an export's "<name>" — the keys ReplicatedState writes.
+std::string parameter_of_key(const std::string& key);
+
 class ReplicatedState final : public ModelStateOwner {
  public:
   // `parts`, under tensor parallelism: where each parameter this rank holds part of lies in

@@ -83,24 +83,24 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
       : d_model_(d_model), heads_(heads), d_ff_(d_ff), dropout_(dropout), slot_(slot) {
     reset();
   }
-  template <class Layer>
-  Layer linear(const std::string& name, int64_t in, int64_t out, ParallelLinearImpl::Split split, int64_t groups = 1) {
-    return register_module(name, Layer(in, out, split, slot_, true, kGptWeight, kGptBias, groups));
+  ParallelLinear part(const std::string& name, int64_t in, int64_t out, ParallelLinearImpl::Split split,
+                      int64_t groups = 1) {
+    return register_module(name, ParallelLinear(in, out, split, slot_, true, kGptWeight, kGptBias, groups));
   }
   void reset() override {
     using Split = ParallelLinearImpl::Split;
     ln1 = register_module("ln1", LayerNorm(std::vector<int64_t>{d_model_}));
     if (slot_.parts > 1) {
-      qkv_part = linear<ParallelLinear>("qkv", d_model_, 3 * d_model_, Split::kColumn, 3);
-      proj_part = linear<ParallelLinear>("proj", d_model_, d_model_, Split::kRow);
+      qkv_part = part("qkv", d_model_, 3 * d_model_, Split::kColumn, 3);
+      proj_part = part("proj", d_model_, d_model_, Split::kRow);
     } else {
       qkv = register_module("qkv", gpt_linear(d_model_, 3 * d_model_));
       proj = register_module("proj", gpt_linear(d_model_, d_model_));
     }
     ln2 = register_module("ln2", LayerNorm(std::vector<int64_t>{d_model_}));
     if (slot_.parts > 1) {
-      fc1_part = linear<ParallelLinear>("fc1", d_model_, d_ff_, Split::kColumn);
-      fc2_part = linear<ParallelLinear>("fc2", d_ff_, d_model_, Split::kRow);
+      fc1_part = part("fc1", d_model_, d_ff_, Split::kColumn);
+      fc2_part = part("fc2", d_ff_, d_model_, Split::kRow);
     } else {
       fc1 = register_module("fc1", gpt_linear(d_model_, d_ff_));
       fc2 = register_module("fc2", gpt_linear(d_ff_, d_model_));

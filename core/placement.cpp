@@ -42,13 +42,6 @@ Placement Placement::of_shape(std::vector<int64_t> whole) const {
   return p;
 }
 
-Placement Placement::part(int i) const {
-  TETRA_CHECK(i >= 0 && i < parts, "placement: part ", i, " of ", parts, " does not exist");
-  Placement p = *this;
-  p.index = i;
-  return p;
-}
-
 std::vector<int64_t> Placement::local() const {
   std::vector<int64_t> shape = view;
   if (is_split()) shape[static_cast<size_t>(dim)] /= parts;

@@ -40,8 +40,6 @@ struct Placement {
   const std::vector<int64_t>& whole_shape() const { return shape.empty() ? view : shape; }
   // The same split with the whole tensor's own shape `whole` (its view regroups it).
   Placement of_shape(std::vector<int64_t> whole) const;
-  // The same split, part `i`.
-  Placement part(int i) const;
 
   // Part `index` of `parts` along `dim` of `view`. Throws when `parts` does not divide it.
   static Placement split(std::vector<int64_t> view, int dim, int parts, int index);

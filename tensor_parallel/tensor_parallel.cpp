@@ -13,18 +13,6 @@ namespace {
 
 std::string text(int64_t v) { return std::to_string(v); }
 
-// A checkpoint's or an export's key, the parameter it holds (or part of it): "model/<name>",
-// "optim/<name>.<slot>", or the export's "<name>".
-std::string parameter_of(const std::string& key) {
-  if (key.rfind("model/", 0) == 0) return key.substr(6);
-  if (key.rfind("optim/", 0) == 0) {
-    const std::string rest = key.substr(6);
-    const size_t dot = rest.rfind('.');
-    return dot == std::string::npos ? rest : rest.substr(0, dot);
-  }
-  return key;
-}
-
 class TensorParallel final : public core::Strategy, public core::StateGatherer {
  public:
   std::string name() const override { return "tensor_parallel"; }
@@ -68,7 +56,7 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
   // every rank of the group, so the writer holds the model as one process does.
   void gather_state(core::TensorMap& tensors) override {
     for (auto& [key, t] : tensors) {
-      const core::Placement* part = parts_ ? parts_->placement(parameter_of(key)) : nullptr;
+      const core::Placement* part = parts_ ? parts_->placement(core::parameter_of_key(key)) : nullptr;
       if (!part || !part->is_split() || !t.defined() || t.numel() != part->local_numel()) continue;
       at::Tensor mine = t.detach().contiguous().view({-1});
       at::Tensor all = at::empty({mine.numel() * comm_->size()}, mine.options());

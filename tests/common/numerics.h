@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -103,6 +104,17 @@ inline Outcome run_parallel(const core::JobSpec& spec, int processes, const core
 }
 inline Outcome run_parallel(const std::string& yaml, int processes, const std::vector<std::string>& sets) {
   return run_parallel(job(yaml, sets), processes);
+}
+
+// A small text file for the gpt jobs (numbered lines of one sentence), written once under
+// the test's temporary folder as `name`; its path.
+inline std::string small_text(const std::string& name) {
+  const std::string path = testing::TempDir() + "/" + name;
+  if (!std::ifstream(path)) {
+    std::ofstream f(path);
+    for (int i = 0; i < 400; ++i) f << "the quick brown fox " << i << " jumps over the lazy dog. ";
+  }
+  return path;
 }
 
 // `got` follows `ref`: the loss of every step within `rel` (relative), and every

@@ -32,17 +32,8 @@ log: {metrics: "", progress: off}
 const std::vector<std::string> kAdamWClipped = {"optimizer.type=adamw", "optimizer.lr=2.0e-3",
                                                 "optimizer.weight_decay=0.01", "optimizer.clip_grad_norm=0.05"};
 
-std::string text_file() {
-  const std::string path = testing::TempDir() + "/tetra_tp_text_" + std::to_string(::getpid()) + ".txt";
-  if (!fs::exists(path)) {
-    std::ofstream f(path);
-    for (int i = 0; i < 400; ++i) f << "the quick brown fox " << i << " jumps over the lazy dog. ";
-  }
-  return path;
-}
-
 std::vector<std::string> with(std::vector<std::string> sets, const std::vector<std::string>& more = {}) {
-  sets.push_back("data.path=" + text_file());
+  sets.push_back("data.path=" + numerics::small_text("tetra_tp_text_" + std::to_string(::getpid()) + ".txt"));
   sets.insert(sets.end(), more.begin(), more.end());
   return sets;
 }

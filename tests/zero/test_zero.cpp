@@ -120,11 +120,7 @@ TEST(Zero, ComposedWithAPipelineFollowsOneProcess) {
 }
 
 TEST(Zero, GptAtStageThreeFollowsOneProcess) {
-  const std::string text = testing::TempDir() + "/tetra_zero_text.txt";
-  {
-    std::ofstream f(text);
-    for (int i = 0; i < 400; ++i) f << "the quick brown fox " << i << " jumps over the lazy dog. ";
-  }
+  const std::string text = numerics::small_text("tetra_zero_text.txt");
   base_job = kGptJob;
   std::vector<std::string> sets = {"data.path=" + text};
   Outcome ref = single(sets);
