@@ -206,8 +206,22 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
     return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"momentum", momentum_}};
   }
 
+  // Under tensor parallelism (Note [ZeRO over tensor slices]): a parameter split over the
+  // tensor group, nullptr when it is whole.
+  const core::Placement* split_of(const core::NamedParam& p) const {
+    const core::Placement* at = weights_ ? weights_->placement(p.name) : nullptr;
+    return at && at->is_split() ? at : nullptr;
+  }
+  // The whole tensor a split parameter's part `part_flat` (or its optimizer state's) is
+  // part of, assembled over the tensor group (collective over it).
+  at::Tensor whole_over_tensor(const core::Placement& at, const at::Tensor& part_flat);
+  void save_split(core::Checkpoint& ckpt, int u);
+
   Options opt_;
   Parts parts_;  // what is sharded (Note [ZeRO's parts]): the code asks these, not the stage
+  const core::Materializer* weights_ = nullptr;
+  CommunicatorPtr tensor_comm_;  // the tensor axis' group (null without one)
+  int tensor_rank_ = 0;
   const core::JobSpec* spec_ = nullptr;
   core::Trace* trace_ = nullptr;
   CommunicatorPtr comm_, gather_comm_;
@@ -242,6 +256,11 @@ torch::autograd::variable_list BeforeLayerBackward::backward(torch::autograd::Au
 void Zero::attach(core::TrainState& state) {
   spec_ = &state.spec;
   trace_ = &state.trace;
+  weights_ = state.weights;
+  if (state.mesh && state.mesh->size("tensor") > 1) {
+    tensor_comm_ = state.mesh->axis("tensor");
+    tensor_rank_ = tensor_comm_->rank();
+  }
   timeout_ = collectives::Duration(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
   if (state.mesh && state.mesh->size("data") > 1) {
     comm_ = state.mesh->axis("data");
@@ -539,8 +558,19 @@ double Zero::grad_norm_sq() {
   at::NoGradGuard no_grad;
   double sq = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
-    const double n = grad_chunk(static_cast<int>(u)).norm().item<double>();
-    sq += n * n;
+    at::Tensor chunk = grad_chunk(static_cast<int>(u));
+    if (!tensor_comm_) {
+      const double n = chunk.norm().item<double>();
+      sq += n * n;
+      continue;
+    }
+    // Every tensor rank holds a whole parameter: its gradient counts on tensor rank 0 only
+    // (the strategy's reduce_grad_norm_sq sums the group), a split one's part on each.
+    for (const Piece& pc : pieces(static_cast<int>(u))) {
+      if (tensor_rank_ != 0 && !split_of(buckets_.slots()[pc.slot].param)) continue;
+      const double n = chunk.narrow(0, pc.chunk_pos, pc.count).norm().item<double>();
+      sq += n * n;
+    }
   }
   return sq;
 }
@@ -616,6 +646,60 @@ std::vector<Zero::Piece> Zero::pieces(int u) const {
   return out;
 }
 
+// Note [ZeRO over tensor slices]
+// Under tensor parallelism ZeRO shards each tensor slice's parameters over its data ranks:
+// a split parameter's flat buffer holds this rank's part (Note [Placements]), and the
+// same chunk of it on every tensor rank of the slice. Whole parameters (the norms, the
+// positions) are on every tensor rank; their gradients count once in the norm. A
+// checkpoint stays layout-free: a whole parameter's shards are written by tensor rank 0's
+// slice, and a split one is assembled (its chunks over the data ranks, then its parts
+// over the tensor group; one parameter at a time) and written as D x T contiguous
+// ranges of the whole tensor, one per rank of the slice's ranks, so every rank writes its
+// share and nobody holds the whole model. A resume reads each whole tensor its pieces
+// come from and takes its part of it.
+at::Tensor Zero::whole_over_tensor(const core::Placement& at, const at::Tensor& part_flat) {
+  at::Tensor mine = part_flat.contiguous();
+  at::Tensor all = at::empty({mine.numel() * tensor_comm_->size()}, mine.options());
+  AllgatherOptions o;
+  o.timeout = timeout_;
+  tensor_comm_->allgather(mine, all, o)->wait();
+  return core::whole_of(at, all.chunk(tensor_comm_->size()));
+}
+
+void Zero::save_split(core::Checkpoint& ckpt, int u) {
+  const auto& bucket = buckets_.buckets()[u];
+  bool any = false;
+  for (int s : bucket.slots) any = any || split_of(buckets_.slots()[s].param);
+  if (!any) return;  // the same on every rank of the slice: the layouts are equal
+  const Unit& un = units_[u];
+  // The unit's flat buffer of parameters, and of each optimizer slot, whole over the data ranks.
+  auto full = [&](const at::Tensor& chunk) {
+    if (!comm_) return chunk.clone();
+    at::Tensor out = at::empty({un.chunk * size_}, chunk.options());
+    AllgatherOptions o;
+    o.timeout = timeout_;
+    comm_->allgather(chunk.contiguous(), out, o)->wait();
+    return out;
+  };
+  std::vector<std::pair<std::string, at::Tensor>> flats = {{"", full(param_chunk(u))}};
+  for (const auto& [key, t] : optimizer_slots())
+    if (t.defined()) flats.push_back({key, full(t.narrow(0, un.shard_offset, un.chunk))});
+  const int64_t writers = static_cast<int64_t>(size_) * tensor_comm_->size();
+  const int64_t me = static_cast<int64_t>(rank_) * tensor_comm_->size() + tensor_rank_;
+  for (int s : bucket.slots) {
+    const auto& sl = buckets_.slots()[s];
+    const core::Placement* at = split_of(sl.param);
+    if (!at) continue;
+    for (const auto& [key, flat] : flats) {
+      at::Tensor whole = whole_over_tensor(*at, flat.narrow(0, sl.offset, sl.numel)).reshape({-1});
+      const int64_t n = whole.numel(), begin = n * me / writers, end = n * (me + 1) / writers;
+      if (begin == end) continue;
+      const std::string name = key.empty() ? "model/" + sl.param.name : "optim/" + sl.param.name + "." + key;
+      ckpt.slices[name] = {at->whole_shape(), begin, whole.narrow(0, begin, end - begin).clone()};
+    }
+  }
+}
+
 void Zero::save_state(core::Checkpoint& ckpt) {
   at::NoGradGuard no_grad;
   const auto state = optimizer_slots();
@@ -623,8 +707,10 @@ void Zero::save_state(core::Checkpoint& ckpt) {
     const int u = static_cast<int>(k);
     const Unit& un = units_[u];
     at::Tensor params = param_chunk(u);
+    if (tensor_comm_) save_split(ckpt, u);
     for (const Piece& pc : pieces(u)) {
       const auto& sl = buckets_.slots()[pc.slot];
+      if (tensor_comm_ && (split_of(sl.param) || tensor_rank_ != 0)) continue;  // above, or tensor rank 0's
       const std::vector<int64_t> shape = sl.param.tensor.sizes().vec();
       ckpt.slices["model/" + sl.param.name] = {shape, pc.begin, params.narrow(0, pc.chunk_pos, pc.count).clone()};
       for (const auto& [key, t] : state)
@@ -643,26 +729,34 @@ void Zero::load_state(const core::CheckpointReader& reader) {
   if (reader.contains("optim/__step__")) steps = reader.read("optim/__step__").item<int64_t>();
   const auto state = optimizer_slots();
   for (const auto& sl : buckets_.slots()) {
-    reader.expect_shape("model/" + sl.param.name, sl.param.tensor.sizes(), "model parameter " + sl.param.name);
+    const core::Placement* at = split_of(sl.param);
+    const at::IntArrayRef shape = at ? at::IntArrayRef(at->whole_shape()) : sl.param.tensor.sizes();
+    reader.expect_shape("model/" + sl.param.name, shape, "model parameter " + sl.param.name);
     if (steps > 0 && sl.param.tensor.requires_grad())
       for (const auto& [key, t] : state)
         if (t.defined())
-          reader.expect_shape("optim/" + sl.param.name + "." + key, sl.param.tensor.sizes(),
-                              "the optimizer state of " + sl.param.name);
+          reader.expect_shape("optim/" + sl.param.name + "." + key, shape, "the optimizer state of " + sl.param.name);
   }
+  // Elements [begin, begin + count) of what this rank holds of `name` (a split parameter's
+  // part: Note [ZeRO over tensor slices]).
+  auto read = [&](const std::string& name, const core::NamedParam& p, int64_t begin, int64_t count) {
+    const core::Placement* at = split_of(p);
+    if (!at) return reader.read_flat(name, begin, count);
+    return core::part_of(*at, reader.read(name), p.tensor).reshape({-1}).narrow(0, begin, count);
+  };
   for (size_t k = 0; k < units_.size(); ++k) {
     const int u = static_cast<int>(k);
     const Unit& un = units_[u];
     at::Tensor params = param_chunk(u);
     for (const Piece& pc : pieces(u)) {
       const auto& sl = buckets_.slots()[pc.slot];
-      params.narrow(0, pc.chunk_pos, pc.count).copy_(reader.read_flat("model/" + sl.param.name, pc.begin, pc.count));
+      params.narrow(0, pc.chunk_pos, pc.count).copy_(read("model/" + sl.param.name, sl.param, pc.begin, pc.count));
       for (const auto& [key, t] : state) {
         if (!t.defined()) continue;
         at::Tensor dst = t.narrow(0, un.shard_offset + pc.chunk_pos, pc.count);
         const std::string name = "optim/" + sl.param.name + "." + key;
         if (reader.contains(name))
-          dst.copy_(reader.read_flat(name, pc.begin, pc.count));
+          dst.copy_(read(name, sl.param, pc.begin, pc.count));
         else
           dst.zero_();
       }
@@ -671,7 +765,8 @@ void Zero::load_state(const core::CheckpointReader& reader) {
       // Stages 1 and 2 keep the whole parameters: read the rest of them too.
       for (int s : buckets_.buckets()[u].slots) {
         const auto& sl = buckets_.slots()[s];
-        sl.param.tensor.detach().copy_(reader.read("model/" + sl.param.name).view(sl.param.tensor.sizes()));
+        const std::string name = "model/" + sl.param.name;
+        sl.param.tensor.detach().copy_(read(name, sl.param, 0, sl.numel).view(sl.param.tensor.sizes()));
       }
     }
   }
