@@ -93,8 +93,11 @@ void ParallelLinearImpl::reset() {
 }
 
 at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
-  if (split_ == Split::kColumn) return at::linear(group_->copy(x), weight, bias);
-  at::Tensor y = group_->reduce(at::linear(x, weight));
+  const int64_t seq = x.dim() - 2;  // the sequence's dimension, [..., T, features]
+  if (split_ == Split::kColumn)
+    return at::linear(slot_.sequence ? group_->gather(x, seq) : group_->copy(x), weight, bias);
+  const at::Tensor partial = at::linear(x, weight);
+  at::Tensor y = slot_.sequence ? group_->scatter(partial, seq) : group_->reduce(partial);
   return has_bias_ ? y + bias : y;
 }
 
@@ -209,8 +212,9 @@ at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {
   const int64_t rows = num_ / slot_.parts;
   const at::Tensor local = indices - first();
   const at::Tensor outside = local.lt(0).logical_or(local.ge(rows));
-  at::Tensor out = at::embedding(weight, local.masked_fill(outside, 0));
-  return group_->reduce(out.masked_fill(outside.unsqueeze(-1), 0.0));
+  at::Tensor out = at::embedding(weight, local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0);
+  // Sequence parallelism: the sum's block of the sequence (Megatron's reduce-scattered embeddings).
+  return slot_.sequence ? group_->scatter(out, out.dim() - 2) : group_->reduce(out);
 }
 
 Init ParallelEmbeddingImpl::init_of(const std::string&) const { return init_.value_or(Init::normal(0, 1)); }

@@ -42,9 +42,13 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Initialized {
 TORCH_MODULE(Linear);
 
 // This rank's part of a tensor-parallel layer: `parts` (the tensor axis' T) and which.
+// `sequence`: sequence parallelism (Korthikanti et al., Note [Tensor-parallel maps]): the
+// activations between the split layers are this rank's block of the sequence (dim -2), and
+// the layers gather and reduce-scatter along it where they would copy and reduce.
 struct TensorSlot {
   int parts = 1;
   int index = 0;
+  bool sequence = false;
 };
 
 // Megatron's tensor-parallel Linear pair (Note [Tensor-parallel maps], core/tensor_group.h),
@@ -56,6 +60,9 @@ struct TensorSlot {
 //  - kRow: W's columns split; x is this rank's block of the input features and
 //    y = reduce(x_t W_t^T) + b, b whole and added once (RowParallelLinear with
 //    input_is_parallel).
+// Under sequence parallelism (slot.sequence) a kColumn layer takes this rank's block of
+// the sequence and gathers it (instead of copy), and a kRow layer reduce-scatters its
+// partial product along the sequence (instead of reduce), adding b to its block.
 // Drawn as the whole Linear is (torch::nn::Linear's fan-in is the whole `in`), so each
 // rank's part holds the bytes one process holds there.
 class ParallelLinearImpl : public torch::nn::Cloneable<ParallelLinearImpl>,
@@ -147,7 +154,8 @@ TORCH_MODULE(Embedding);
 // Megatron's VocabParallelEmbedding: the table [num, dim] split by rows (the vocabulary),
 // this rank holding rows [index x num / T, (index + 1) x num / T); an id outside them looks
 // up zeros, and the parts are summed over the tensor group (reduce): every rank ends with
-// the whole lookup. Drawn as the whole table is.
+// the whole lookup (under sequence parallelism, reduce-scattered: its block of the
+// sequence of the whole lookup). Drawn as the whole table is.
 class ParallelEmbeddingImpl : public torch::nn::Cloneable<ParallelEmbeddingImpl>,
                               public Initialized,
                               public TensorParallelLayer {

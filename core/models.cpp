@@ -51,7 +51,14 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl>, public I
                 tokens.dim(), " dims");
     const int64_t T = tokens.size(1);
     TETRA_CHECK(T <= seq_len_, "sequence of ", T, " tokens is longer than the context ", seq_len_);
-    return drop((tok ? tok(tokens) : tok_part(tokens)) + pos.slice(0, 0, T).unsqueeze(0));
+    if (!slot_.sequence) return drop((tok ? tok(tokens) : tok_part(tokens)) + pos.slice(0, 0, T).unsqueeze(0));
+    // Sequence parallelism: this rank's block of the sequence, positions and dropout mask
+    // included (the mask keyed by each element's place in the whole sample).
+    TETRA_CHECK(T % slot_.parts == 0, "tensor.sequence_parallel: a sequence of ", T, " tokens does not split into ",
+                slot_.parts, " equal blocks");
+    const int64_t block = T / slot_.parts;
+    return drop->forward_part(tok_part(tokens) + pos.slice(0, slot_.index * block, (slot_.index + 1) * block).unsqueeze(0),
+                              Placement::split({T, d_model_}, 0, slot_.parts, slot_.index));
   }
   Init init_of(const std::string&) const override { return kGptWeight; }  // pos
   void pretty_print(std::ostream& os) const override {
@@ -77,6 +84,9 @@ TORCH_MODULE(GptEmbedding);
 // column- and fc2 row-parallel: one allreduce forward (proj's, fc2's) and one backward
 // (qkv's, fc1's input) per half. The norms, the residual stream and its dropouts are whole
 // on every rank; attention's dropout masks this rank's heads with the whole tensor's bits.
+// Under sequence parallelism the residual stream, the norms and the dropouts after proj
+// and fc2 are this rank's block of the sequence; qkv and fc1 gather it, proj and fc2
+// reduce-scatter back to it.
 class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
  public:
   GptBlockImpl(int64_t d_model, int64_t heads, int64_t d_ff, double dropout, TensorSlot slot)
@@ -113,7 +123,7 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
   torch::Tensor forward(torch::Tensor x) {
     TETRA_CHECK(x.dim() == 3 && x.size(2) == d_model_, "GptBlock expects [n, T, ", d_model_,
                 "], got ", x.sizes());
-    const int64_t n = x.size(0), T = x.size(1), hd = d_model_ / heads_;
+    const int64_t n = x.size(0), T = x.size(1) * (slot_.sequence ? slot_.parts : 1), hd = d_model_ / heads_;
     const int64_t heads = heads_ / slot_.parts;  // this rank's
     // Causal self-attention, by hand (scaled_dot_product_attention differs across versions).
     torch::Tensor h = ln1(x);
@@ -127,9 +137,15 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     att = slot_.parts > 1 ? attn_drop->forward_part(att, Placement::split({heads_, T, T}, 0, slot_.parts, slot_.index))
                           : attn_drop(att);
     torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({n, T, heads * hd});
-    x = x + proj_drop(proj ? proj(y) : proj_part(y));
+    if (!slot_.sequence) {
+      x = x + proj_drop(proj ? proj(y) : proj_part(y));
+      h = ln2(x);
+      return x + mlp_drop(fc2 ? fc2(torch::gelu(fc1(h))) : fc2_part(torch::gelu(fc1_part(h))));
+    }
+    const Placement block = Placement::split({T, d_model_}, 0, slot_.parts, slot_.index);  // of each sample
+    x = x + proj_drop->forward_part(proj_part(y), block);
     h = ln2(x);
-    return x + mlp_drop(fc2 ? fc2(torch::gelu(fc1(h))) : fc2_part(torch::gelu(fc1_part(h))));
+    return x + mlp_drop->forward_part(fc2_part(torch::gelu(fc1_part(h))), block);
   }
   void pretty_print(std::ostream& os) const override {
     os << "GptBlock(d_model=" << d_model_ << ", heads=" << heads_ << ", d_ff=" << d_ff_
@@ -151,7 +167,8 @@ TORCH_MODULE(GptBlock);
 // Final LayerNorm + Linear to the vocabulary: [n, T, d] -> [n, T, vocab]. Under tensor
 // parallelism the Linear is column-parallel by vocabulary and the output is this rank's
 // block of the logits [n, T, vocab / parts], which the vocabulary-parallel loss takes as
-// they are (Note [Vocabulary-parallel loss]).
+// they are (Note [Vocabulary-parallel loss]). Under sequence parallelism the norm runs on
+// this rank's block of the sequence and the Linear gathers it.
 class GptHeadImpl : public torch::nn::Cloneable<GptHeadImpl> {
  public:
   GptHeadImpl(int64_t d_model, int64_t vocab, TensorSlot slot) : d_model_(d_model), vocab_(vocab), slot_(slot) {
@@ -275,6 +292,11 @@ torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data, Ten
       throw ConfigError(concat("mesh.tensor ", slot.parts, " does not divide the vocabulary of ", data.num_classes,
                                " tokens (", data_name(data), "), which the embedding and the output layer split; "
                                "use a tensor degree that divides it"));
+    if (slot.sequence && data.seq_len % slot.parts != 0)
+      throw ConfigError(concat("tensor.sequence_parallel splits the sequence of ", data.seq_len, " tokens (",
+                               data_name(data), ") into mesh.tensor ", slot.parts,
+                               " equal blocks, and it does not divide; use a tensor degree that divides the "
+                               "sequence length or sequence_parallel: false"));
     TETRA_CHECK(spec.heads % slot.parts == 0 && d_ff % slot.parts == 0, "mesh.tensor ", slot.parts,
                 " must divide model.heads ", spec.heads, " and model.d_ff ", d_ff);
   }

@@ -78,6 +78,9 @@ struct StrategyConfig : PluginConfig {
   // The rules this strategy adds to the composition's (Plan::issues), each at the key to
   // change: what the job asks of it that it cannot do.
   virtual std::vector<PlanIssue> issues(const JobSpec& job) const { return {}; }
+  // How this rank's model is built under the strategy (tensor parallelism's sequence
+  // split): the trainer asks every strategy before it builds the model's shapes.
+  virtual void shape_model(TensorSlot& slot) const {}
   // Lines `train --dry-run` prints for this strategy ("" for none), computed on one
   // process without communicating.
   virtual std::string plan(const PlanInput& input) const { return ""; }

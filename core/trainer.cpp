@@ -71,7 +71,8 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   } else {
     // No storage: strategies decide what is created. Under tensor parallelism, this rank's
     // parts of the split layers (a dry run plans the first rank's).
-    const TensorSlot slot{spec_.mesh.size("tensor"), mesh_ ? mesh_->coord("tensor") : 0};
+    TensorSlot slot{spec_.mesh.size("tensor"), mesh_ ? mesh_->coord("tensor") : 0};
+    for (const auto& cfg : plan_.strategies()) cfg->shape_model(slot);
     model_ = model_shapes(spec_.model, data_->info(), slot);
   }
   if (!model_ || model_->size() == 0)

@@ -15,6 +15,7 @@ std::string text(int64_t v) { return std::to_string(v); }
 
 class TensorParallel final : public core::Strategy, public core::StateGatherer {
  public:
+  explicit TensorParallel(bool sequence) : sequence_(sequence) {}
   std::string name() const override { return "tensor_parallel"; }
 
   void attach(core::TrainState& state) override {
@@ -26,6 +27,22 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
     group_ = tensor_group(comm_, timeout_);
     for (const auto& m : state.model->modules(/*include_self=*/false))
       if (auto* layer = dynamic_cast<core::TensorParallelLayer*>(m.get())) layer->bind(group_);
+    if (sequence_) {
+      // A replicated parameter met only this rank's block of the sequence: its gradient is
+      // a part of the sum, completed over the group as autograd hands it over (before it
+      // is accumulated, so whatever holds the gradients next — ZeRO's buckets, the data
+      // axis' allreduce, the pipeline's micro-batches — sees one process's).
+      for (const auto& p : state.params) {
+        const core::Placement* at = parts_ ? parts_->placement(p.name) : nullptr;
+        if ((at && at->is_split()) || !p.tensor.requires_grad()) continue;
+        auto group = group_;
+        p.tensor.register_hook([group](const at::Tensor& grad) {
+          at::Tensor sum = grad.contiguous().clone();
+          group->allreduce(sum, collectives::ReduceOp::kSum);
+          return sum;
+        });
+      }
+    }
     // Note [Vocabulary-parallel loss]: the head leaves this rank's block of the logits.
     const int64_t vocab = state.data->info().num_classes;
     const int64_t begin = vocab / comm_->size() * comm_->rank();
@@ -68,15 +85,25 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
   }
 
  private:
+  bool sequence_;
   collectives::CommunicatorPtr comm_;
   collectives::Duration timeout_{collectives::kDefaultTimeout};
   const core::Materializer* parts_ = nullptr;
   std::shared_ptr<core::TensorGroup> group_;
 };
 
+// The `tensor` section's keys, declared once (Note [Fields declared once]); the degree is mesh.tensor.
+template <class V>
+void tensor_fields(V& v, Options& o) {
+  v.boolean("sequence_parallel", o.sequence_parallel);
+}
+const auto kFields = [](auto& v, Options& o) { tensor_fields(v, o); };
+
 }  // namespace
 
-std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<TensorParallel>(); }
+std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<TensorParallel>(sequence_parallel); }
+
+void Options::shape_model(core::TensorSlot& slot) const { slot.sequence = sequence_parallel && slot.parts > 1; }
 
 core::StrategyRole Options::role(const core::JobSpec&) const {
   core::StrategyRole r;
@@ -107,31 +134,31 @@ std::vector<core::PlanIssue> Options::issues(const core::JobSpec& job) const {
     out.push_back({"mesh.tensor", T + " does not divide model.d_ff " + text(d_ff) +
                                       ": the MLP's hidden layer is split into equal parts; use a tensor degree "
                                       "that divides it"});
-  // Not composed yet, each named with the key to change.
-  if (job.mesh.size("pipeline") > 1)
-    out.push_back({"mesh.pipeline", "mesh.pipeline " + text(job.mesh.size("pipeline")) + " with " + T +
-                                        ": pipeline stages of tensor-parallel layers are not composed yet; "
-                                        "use one of the two"});
-  if (job.plugins.count("zero"))
-    out.push_back({"zero", "zero with " + T +
-                               ": ZeRO over the data ranks of each tensor slice is not composed yet; remove the zero "
-                               "section or use mesh.tensor 1"});
-  if (job.plugins.count("replicate"))
-    out.push_back({"replicate", "replicate with " + T +
-                                    ": replica threads of tensor-parallel ranks are not composed yet; use mesh.data "
-                                    "for the data ranks"});
+  if (sequence_parallel && job.data.seq_len % t != 0)
+    out.push_back({"tensor.sequence_parallel",
+                   "tensor.sequence_parallel with " + T + " splits each sequence into equal blocks, and " + T +
+                       " does not divide data.seq_len " + text(job.data.seq_len) +
+                       "; use a tensor degree that divides it, or sequence_parallel: false"});
   return out;
 }
 
-YAML::Node Options::to_yaml() const { return YAML::Node(YAML::NodeType::Map); }
+YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_tensor_parallel(core::SectionRegistry& registry) {
   registry.add(
       "tensor",
       [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-        s.finish();  // no keys yet: the tensor degree is mesh.tensor
-        if (job.mesh.size("tensor") <= 1) return nullptr;  // off: every rank holds whole layers
-        return std::make_shared<Options>();
+        auto o = std::make_shared<Options>();
+        core::fields::Reader r(s);
+        tensor_fields(r, *o);
+        s.finish();
+        if (job.mesh.size("tensor") <= 1) {
+          if (o->sequence_parallel)
+            s.error("sequence_parallel", "splits the sequence over the tensor group, and "
+                                         "mesh.tensor is 1 (no group); set mesh.tensor > 1 or remove the key");
+          return nullptr;  // off: every rank holds whole layers
+        }
+        return o;
       },
       "tensor");
 }

@@ -8,7 +8,14 @@
 // draws those elements, so the run follows one process.
 //
 //   mesh: {data: 2, tensor: 2}      # 4 ranks: two data slices of two tensor ranks each
-//   tensor: {}                       # optional: mesh.tensor > 1 turns the strategy on
+//   tensor: {sequence_parallel: true}   # optional: mesh.tensor > 1 turns the strategy on
+//
+// Sequence parallelism (Korthikanti et al.) runs the norms, the dropouts and the residual
+// stream on this rank's block of the sequence: each block's allreduces become an
+// all-gather before the column-parallel layer and a reduce-scatter after the row-parallel
+// one (the same bytes), activations outside attention and the MLP shrink by T, and each
+// replicated parameter's gradient (the norms', the positions', the row layers' biases),
+// now a sum over the blocks, is summed over the tensor group as it is computed.
 //
 // It composes after the pipeline and before the data axis (kCompositionOrder): data
 // parallelism averages each part over the ranks that hold the same part. Checkpoints and
@@ -24,7 +31,10 @@
 namespace tetra::tensor_parallel {
 
 struct Options : core::StrategyConfig {
+  bool sequence_parallel = false;  // tensor.sequence_parallel
+
   std::unique_ptr<core::Strategy> build() const override;
+  void shape_model(core::TensorSlot& slot) const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::vector<core::PlanIssue> issues(const core::JobSpec& job) const override;
   YAML::Node to_yaml() const override;
