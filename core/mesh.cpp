@@ -160,6 +160,10 @@ std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
       os << "across " << (a.fewest_hosts == a.most_hosts ? "" : std::to_string(a.fewest_hosts) + "-") << a.most_hosts
          << " hosts (" << (a.most_per_host == 1 ? "1 rank" : "up to " + std::to_string(a.most_per_host) + " ranks")
          << " of each group per host)";
+    if (a.axis == "tensor" && a.most_hosts > 1)
+      os << "; warning: mesh.tensor " << a.size << " is more than the " << ranks_per_host
+         << " ranks of a host, so every block's activation sums (4 per block per micro-batch) cross the hosts' "
+            "link; use a tensor degree of at most the ranks per host";
     out.push_back(os.str());
   }
   return out;

@@ -446,7 +446,14 @@ std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe
     const std::shared_ptr<torch::nn::Module> layer = model->ptr(i);
     // Rows a Linear of this layer multiplies: the output's positions (1 for an MLP, the
     // sequence for a transformer block or head).
-    const double rows = (y.dim() > 0 ? double(y.numel()) / double(y.size(-1)) : 1) * probe.scale;
+    double rows = (y.dim() > 0 ? double(y.numel()) / double(y.size(-1)) : 1) * probe.scale;
+    // Sequence parallelism: the layer's input is this rank's block of the sequence, and its
+    // split Linears multiply the gathered sequence (T blocks).
+    for (const auto& m : layer->modules(/*include_self=*/true))
+      if (const auto* p = dynamic_cast<const ParallelLinearImpl*>(m.get()); p && p->slot().sequence && in.dim() > 0) {
+        rows = double(in.numel()) / double(in.size(-1)) * p->slot().parts * probe.scale;
+        break;
+      }
     // 3x3 "same" convolutions of the zoo: as many output positions as input ones.
     const double positions = in.dim() >= 2 ? double(in.size(-1) * in.size(-2)) : 1;
     double flops = 0;

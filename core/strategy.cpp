@@ -161,9 +161,14 @@ std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ra
                     ": model state (fp32) and activations at the peak of a step\n  " + kTrafficConvention + "\n";
   char line[512];
   std::string head;
-  std::snprintf(line, sizeof line, "  %-7s %-8s %-5s %10s %10s %10s %10s %11s %10s", plan.replicas() > 1 ? "process" : "rank", "pipeline", "data",
-                "params", "grads", "optimizer", "buffers", "activations", "total");
+  // The tensor axis' column only where the plan has one (the innermost: adjacent ranks).
+  const bool tensor = plan.spec().mesh.size("tensor") > 1;
+  std::snprintf(line, sizeof line, "  %-7s %-8s %-5s", plan.replicas() > 1 ? "process" : "rank", "pipeline", "data");
   head = line;
+  if (tensor) head += " tensor";
+  std::snprintf(line, sizeof line, " %10s %10s %10s %10s %11s %10s", "params", "grads", "optimizer", "buffers", "activations",
+                "total");
+  head += line;
   for (const auto& a : axes) {
     std::snprintf(line, sizeof line, " %14s", ("sent/" + a).c_str());
     head += line;
@@ -174,8 +179,14 @@ std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ra
       auto it = r.coord.find(axis);
       return it == r.coord.end() ? 0 : it->second;
     };
-    std::snprintf(line, sizeof line, "  %-7d %-8d %-5d %10s %10s %10s %10s %11s %10s", r.rank, coord("pipeline"),
-                  coord("data"), human_bytes3(r.state.parameters).c_str(), human_bytes3(r.state.gradients).c_str(),
+    std::snprintf(line, sizeof line, "  %-7d %-8d %-5d", r.rank, coord("pipeline"), coord("data"));
+    out += line;
+    if (tensor) {
+      std::snprintf(line, sizeof line, " %-6d", coord("tensor"));
+      out += line;
+    }
+    std::snprintf(line, sizeof line, " %10s %10s %10s %10s %11s %10s", human_bytes3(r.state.parameters).c_str(),
+                  human_bytes3(r.state.gradients).c_str(),
                   human_bytes3(r.state.optimizer).c_str(), human_bytes3(r.state.buffers).c_str(),
                   human_bytes3(r.activations).c_str(), human_bytes3(r.state.total() + r.activations).c_str());
     out += line;

@@ -35,6 +35,8 @@ struct Options : core::StrategyConfig {
 
   std::unique_ptr<core::Strategy> build() const override;
   void shape_model(core::TensorSlot& slot) const override;
+  std::string plan(const core::PlanInput& input) const override;
+  void estimate(const core::PlanInput& input, core::RankEstimate& rank) const override;
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::vector<core::PlanIssue> issues(const core::JobSpec& job) const override;
   YAML::Node to_yaml() const override;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/predict_scale.sh: the cost model's plan for a job at many ranks (Note [Cost model]).
 # For each rank count it prices the plans a user would try — data parallel, ZeRO-1,
-# ZeRO-3, and pipeline x data (ZeRO-1 over data) with 2, 4 and 8 stages — with
+# ZeRO-3, pipeline x data (ZeRO-1 over data) with 2, 4 and 8 stages, and for a gpt job
+# tensor x data (ZeRO-1) with tensor degrees 2, 4, 8 and tensor 8 x pipeline 4 — with
 # `train --dry-run --np N --ranks-per-host R --json`, drops those whose largest rank does
 # not fit the device memory, and recommends the fastest. Nothing runs but the dry runs.
 #
@@ -39,7 +40,7 @@ train=$bin/train
 cal=()
 [[ -n $calibration ]] && cal=(--calibration "$calibration")
 
-# name | --set ... (N: the rank count, D: N / stages)
+# name | --set ... (N: the rank count, D: N / (stages x tensor degree))
 plans=(
   "data parallel|mesh.data=N"
   "zero-1|mesh.data=N zero.stage=1"
@@ -48,6 +49,16 @@ plans=(
   "pipeline 4 x zero-1|mesh.pipeline=4 mesh.data=D zero.stage=1 pipeline.micro_batches=M"
   "pipeline 8 x zero-1|mesh.pipeline=8 mesh.data=D zero.stage=1 pipeline.micro_batches=M"
 )
+# Tensor parallelism splits the gpt model's layers (sequence-parallel: the activations
+# between them shrink too); its groups stay inside a host while the degree is at most --ranks-per-host.
+if grep -Eq 'type: *gpt' "$job" || [[ "${sets[*]}" == *model.type=gpt* ]]; then
+  plans+=(
+    "tensor 2 x zero-1|mesh.tensor=2 tensor.sequence_parallel=true mesh.data=D zero.stage=1"
+    "tensor 4 x zero-1|mesh.tensor=4 tensor.sequence_parallel=true mesh.data=D zero.stage=1"
+    "tensor 8 x zero-1|mesh.tensor=8 tensor.sequence_parallel=true mesh.data=D zero.stage=1"
+    "tensor 8 x pipeline 4|mesh.tensor=8 tensor.sequence_parallel=true mesh.pipeline=4 mesh.data=D zero.stage=1 pipeline.micro_batches=M"
+  )
+fi
 summary=()
 for n in $ranks; do
   batch_set=()
@@ -58,10 +69,11 @@ for n in $ranks; do
   for p in "${plans[@]}"; do
     IFS='|' read -r name spec <<<"$p"
     [[ -z $only || ",$only," == *",$name,"* ]] || continue
-    stages=1
+    stages=1 tensor=1
     [[ $spec =~ mesh.pipeline=([0-9]+) ]] && stages=${BASH_REMATCH[1]}
-    ((n % stages == 0)) || continue
-    d=$((n / stages))
+    [[ $spec =~ mesh.tensor=([0-9]+) ]] && tensor=${BASH_REMATCH[1]}
+    ((n % (stages * tensor) == 0)) || continue
+    d=$((n / (stages * tensor)))
     # micro-batches: 4 per stage (a bubble of (p-1)/(5p-1)), fewer when the batch is short
     args=()
     for s in $spec; do

@@ -109,6 +109,18 @@ TEST(TensorParallel, TensorTimesReplicasFollowsOneProcess) {
   EXPECT_EQ(got.data_ranks, (std::vector<int>{2, 2, 2, 2}));
 }
 
+TEST(TensorParallel, EveryAxisInOneJobFollowsOneProcess) {
+  // tensor 2 (sequence-parallel) x pipeline 2 x data 2 (replica threads) under ZeRO-1,
+  // AdamW with clipping: eight ranks, one plan.
+  const std::vector<std::string> model = {"model.layers=4"};
+  const numerics::Outcome ref = single(with(kAdamWClipped, model));
+  const numerics::Outcome got =
+      parallel(4, with(kAdamWClipped, {"model.layers=4", "mesh.tensor=2", "mesh.pipeline=2", "pipeline.micro_batches=2",
+                                       "tensor.sequence_parallel=true", "replicate.replicas=2", "zero.stage=1"}));
+  numerics::expect_follows(ref, got, 1e-5, "tensor 2 (sp) x pipeline 2 x replicas 2, zero 1, adamw clipped");
+  EXPECT_EQ(got.data_ranks.size(), 8u);
+}
+
 TEST(TensorParallel, TensorTimesDataWithAdamWAndClippingFollowsOneProcess) {
   const numerics::Outcome ref = single(kAdamWClipped);
   numerics::Outcome got = parallel(4, with(kAdamWClipped, {"mesh.tensor=2", "mesh.data=2"}));

@@ -607,6 +607,32 @@ TEST(TrainCli, DryRunWithRanksPerHostShowsWhichAxesStayInsideAHost) {
   EXPECT_EQ(plan["ranks"][2]["host"], 1);
 }
 
+// The tensor axis in the plan: which slices each tensor rank holds, its column in the
+// rank tables, its bytes per step, its price at the inside-host link, and a warning when
+// its groups would cross hosts.
+TEST(TrainCli, DryRunShowsTheTensorAxis) {
+  const std::string cfg = std::string(TETRA_SOURCE_DIR) + "/configs/tensor-gpt.yaml";
+  Outcome r = run({cfg, "--dry-run", "--set", "tensor.sequence_parallel=true"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* want :
+       {"1. tensor         tensor    x2   splits each block's matrices over the tensor group",
+        "sequence-parallel: an all-gather and a reduce-scatter each way per block half",
+        "tensor: 2 tensor ranks per slice (the innermost axis: adjacent ranks, one host's fastest links), "
+        "sequence-parallel (norms, dropouts and the residual on blocks of 32 tokens)",
+        "  tensor rank 1: heads 2-3 of 4, MLP hidden 256-511 of 512, vocabulary 128-255 of 256",
+        "  split: 855808 of 867328 parameters (98.7%), 1/2 on each rank",
+        "total 439424 params (tensor rank 0's parts of the split layers)",
+        "  rank    pipeline data  tensor     params", "sent/tensor", "  3       0        1     1      ",
+        "  rank  process  host  pipeline  data  tensor replica", "  tensor       ", "ring of 2 inside a host"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  Outcome apart = run({cfg, "--dry-run", "--np", "4", "--ranks-per-host", "1"});
+  ASSERT_EQ(apart.status, 0) << apart.out;
+  EXPECT_NE(apart.out.find("  tensor    x2   across 2 hosts (1 rank of each group per host); warning: mesh.tensor 2 is "
+                           "more than the 1 ranks of a host"),
+            std::string::npos)
+      << apart.out;
+}
+
 // The plan ends with the cost model's step (Note [Cost model]) on a calibration's links:
 // data parallelism across 2 hosts reduces hierarchically and beats the flat ring on a
 // slow link between hosts; compute is the FLOPs over the calibrated rate.

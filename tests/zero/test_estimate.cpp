@@ -39,7 +39,7 @@ checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
 
-const std::vector<std::string> kAxes = {"pipeline", "data"};
+const std::vector<std::string> kAxes = {"pipeline", "tensor", "data"};
 
 struct Measured {
   ModelStateBytes memory;
@@ -80,11 +80,11 @@ std::vector<RankEstimate> estimate(const JobSpec& spec) {
   return t.estimate();
 }
 
-void expect_matches(const std::vector<std::string>& sets) {
+void expect_matches(const std::vector<std::string>& sets, const char* yaml = kJob) {
   std::string what;
   for (const auto& s : sets) what += s + " ";
   SCOPED_TRACE(what);
-  const JobSpec spec = numerics::job(kJob, sets, "estimate");
+  const JobSpec spec = numerics::job(yaml, sets, "estimate");
   const std::vector<RankEstimate> est = estimate(spec);
   const std::vector<Measured> got = run(spec);
   ASSERT_EQ(est.size(), got.size());
@@ -136,6 +136,29 @@ TEST(Estimate, GPipeTimesZeroStage2MatchesARun) {
 }
 
 // The dry-run's table prints a row per rank and states its byte convention.
+// A GPT over the tensor axis: the split layers' parts at 1/T, and the activations each
+// block half sums (or gathers and reduce-scatters, under sequence parallelism), composed
+// with a pipeline, the data axis and ZeRO.
+const char* kGptJob = R"(
+model: {type: gpt, layers: 2, d_model: 32, heads: 4}
+data: {type: text, seq_len: 16, batch_size: 8, eval_samples: 16}
+optimizer: {type: adamw, lr: 1.0e-3, clip_grad_norm: 1.0}
+train: {max_steps: 3, seed: 3, threads: 1}
+checkpoint: {dir: ""}
+log: {metrics: "", progress: off}
+)";
+
+std::vector<std::string> gpt(std::vector<std::string> sets) {
+  sets.push_back("data.path=" + numerics::small_text("tetra_estimate_text.txt"));
+  return sets;
+}
+
+TEST(Estimate, TensorParallelMatchesARun) {
+  expect_matches(gpt({"mesh.tensor=2"}), kGptJob);
+  expect_matches(gpt({"mesh.tensor=2", "tensor.sequence_parallel=true", "mesh.data=2", "zero.stage=3"}), kGptJob);
+  expect_matches(gpt({"mesh.tensor=2", "mesh.pipeline=2", "pipeline.micro_batches=2", "model.layers=3"}), kGptJob);
+}
+
 TEST(Estimate, TableNamesEveryRankAndTheConvention) {
   const JobSpec spec = numerics::job(kJob, {"mesh.pipeline=2", "mesh.data=2", "pipeline.micro_batches=4"}, "estimate");
   const std::vector<RankEstimate> est = estimate(spec);

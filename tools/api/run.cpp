@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdarg>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <thread>
@@ -114,8 +115,11 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   if (!data_seen && R > 1) links.push_back({"data", R, 1, R, false});  // replica threads of one process
   std::vector<StageWork> work;
   for (auto& [stage, w] : stages) work.push_back(std::move(w));
-  double total = 0;
+  double total = 0;  // the whole model's FLOPs on one rank
   for (double f : fwd) total += 3 * f * double(batch);
+  // Under tensor parallelism the model is this rank's parts, and every matrix the FLOPs
+  // count (forward_flops: Linears and attention) is split into T.
+  total *= plan.spec().mesh.size("tensor");
   return predict_step(work, links, static_cast<int>(plan.micro_batches()), virtual_stages, batch, total,
                       plan.process_count() * R, cal);
 }
@@ -211,6 +215,8 @@ PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const Dry
   r.model = options.model ? "the program's own" : spec.model.type;
   r.parameters = trainer.model_parameters();
   r.model_text = describe(trainer.model());
+  if (spec.mesh.size("tensor") > 1)  // the layers as tensor rank 0 builds them
+    r.model_text.insert(r.model_text.size() - 1, " (tensor rank 0's parts of the split layers)");
   r.strategies_text = trainer.plan();
   r.steps = trainer.total_steps();
   return r;
@@ -288,8 +294,9 @@ std::string PlanReport::text() const {
          (plan.process_count() == 1 ? "" : "es") +
          (plan.replicas() > 1 ? " x " + std::to_string(plan.replicas()) + " replicas" : std::string()) + ")" +
          (hosts == 1 ? " on " + hardware::hostname() : std::string()) + "\n";
-  appendf(out, "  %-5s %-8s %-5s %-9s %-5s %-8s %-8s %s\n", "rank", "process", "host", "pipeline", "data", "replica",
-          "threads", "cpus");
+  const bool tensor = spec.mesh.size("tensor") > 1;  // its column only where the plan has the axis
+  appendf(out, "  %-5s %-8s %-5s %-9s %-5s %s%-8s %-8s %s\n", "rank", "process", "host", "pipeline", "data",
+          tensor ? "tensor " : "", "replica", "threads", "cpus");
   const auto& axes = plan.processes().axes;
   for (const RankPlace& r : ranks) {
     auto coord = [&](const std::string& axis) {
@@ -297,8 +304,10 @@ std::string PlanReport::text() const {
         if (axes[i].name == axis) return r.coords[i];
       return 0;
     };
-    appendf(out, "  %-5d %-8d %-5d %-9d %-5d %-8d %-8d %s\n", r.rank, r.process, r.host, coord("pipeline"), coord("data"),
-            r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
+    char t[16] = "";
+    if (tensor) std::snprintf(t, sizeof t, "%-6d ", coord("tensor"));
+    appendf(out, "  %-5d %-8d %-5d %-9d %-5d %s%-8d %-8d %s\n", r.rank, r.process, r.host, coord("pipeline"), coord("data"),
+            t, r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
   }
   return out + prediction_text(prediction, calibration);
 }
