@@ -94,8 +94,7 @@ void ParallelLinearImpl::reset() {
 
 at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
   const int64_t seq = x.dim() - 2;  // the sequence's dimension, [..., T, features]
-  if (split_ == Split::kColumn)
-    return at::linear(slot_.sequence ? group_->gather(x, seq) : group_->copy(x), weight, bias);
+  if (split_ == Split::kColumn) return group_->column_linear(x, weight, bias, slot_.sequence ? seq : -1);
   const at::Tensor partial = at::linear(x, weight);
   at::Tensor y = slot_.sequence ? group_->scatter(partial, seq) : group_->reduce(partial);
   return has_bias_ ? y + bias : y;

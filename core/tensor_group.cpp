@@ -94,6 +94,10 @@ at::Tensor vocab_argmax(TensorGroup& group, const at::Tensor& logits, int64_t vo
   return index;
 }
 
+at::Tensor TensorGroup::column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t seq_dim) {
+  return at::linear(seq_dim >= 0 ? gather(x, seq_dim) : copy(x), w, b);
+}
+
 std::shared_ptr<TensorGroup> shapes_only(int size, int rank) { return std::make_shared<ShapesOnly>(size, rank); }
 
 }  // namespace tetra::core

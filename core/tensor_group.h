@@ -46,6 +46,11 @@ class TensorGroup {
   virtual at::Tensor scatter(const at::Tensor& x, int64_t dim) = 0;
   // In place, outside autograd: t becomes the reduction of every rank's t.
   virtual void allreduce(at::Tensor& t, collectives::ReduceOp op) = 0;
+  // A column-parallel Linear's input join and matmul: linear(copy(x), w, b), or with
+  // seq_dim >= 0 (sequence parallelism) linear(gather(x, seq_dim), w, b). A group may fuse
+  // them to overlap the input gradient's sum with the weight gradient's matmul (Note
+  // [Overlapped input gradient], tensor_parallel/mappings.cpp); this is the plain one.
+  virtual at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t seq_dim);
 };
 
 // Note [Vocabulary-parallel loss]

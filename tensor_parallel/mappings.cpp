@@ -15,8 +15,8 @@ using torch::autograd::variable_list;
 // group outlives every graph its layers build, since the layers hold it.
 class Group final : public core::TensorGroup {
  public:
-  Group(collectives::CommunicatorPtr comm, collectives::Duration timeout)
-      : comm_(std::move(comm)), timeout_(timeout) {
+  Group(collectives::CommunicatorPtr comm, collectives::Duration timeout, bool overlap)
+      : comm_(std::move(comm)), timeout_(timeout), overlap_(overlap) {
     TETRA_CHECK(comm_ != nullptr, "tensor_group: no communicator");
   }
   int size() const override { return comm_->size(); }
@@ -25,6 +25,7 @@ class Group final : public core::TensorGroup {
   at::Tensor reduce(const at::Tensor& x) override;
   at::Tensor gather(const at::Tensor& x, int64_t dim) override;
   at::Tensor scatter(const at::Tensor& x, int64_t dim) override;
+  at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t seq_dim) override;
   void allreduce(at::Tensor& t, collectives::ReduceOp op) override {
     collectives::AllreduceOptions o;
     o.op = op;
@@ -53,22 +54,36 @@ class Group final : public core::TensorGroup {
   }
   // The sum over the group of x, this rank's block of it along dim.
   at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim) {
+    at::Tensor out;
+    collectives::WorkPtr work = start_reduce_scatter(x, dim, out);
+    work->wait();
+    return out.movedim(0, dim).contiguous();
+  }
+  // The two started, not awaited (the overlapped backward): `out` is written when the
+  // work is done (the reduce-scatter's in dim-first layout: movedim(0, dim) after).
+  collectives::WorkPtr start_sum(at::Tensor& inout) {
+    collectives::AllreduceOptions o;
+    o.timeout = timeout_;
+    return comm_->allreduce(inout, o);
+  }
+  collectives::WorkPtr start_reduce_scatter(const at::Tensor& x, int64_t dim, at::Tensor& out) {
     const int64_t n = x.size(dim);
     TETRA_CHECK(n % size() == 0, comm_->name(), ": ", size(), " tensor-parallel ranks do not divide dimension ",
                 dim, " of ", x.sizes());
     at::Tensor front = x.movedim(dim, 0).contiguous();
     std::vector<int64_t> sizes = front.sizes().vec();
     sizes[0] /= size();
-    at::Tensor out = at::empty(sizes, front.options());
+    out = at::empty(sizes, front.options());
     collectives::ReduceScatterOptions o;
     o.timeout = timeout_;
-    comm_->reduce_scatter(front, out, o)->wait();
-    return out.movedim(0, dim).contiguous();
+    return comm_->reduce_scatter(front, out, o);
   }
+  bool overlap() const { return overlap_; }
 
  private:
   collectives::CommunicatorPtr comm_;
   collectives::Duration timeout_;
+  bool overlap_;
 };
 
 Group* group_of(AutogradContext* ctx) { return reinterpret_cast<Group*>(ctx->saved_data["group"].toInt()); }
@@ -120,7 +135,57 @@ struct Scatter : torch::autograd::Function<Scatter> {
   }
 };
 
+// Note [Overlapped input gradient]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A column-parallel Linear's backward needs two products of the output gradient dy: the
+// input gradient dy W (a partial sum, to be summed over the group: copy's backward, or
+// reduce-scattered along the sequence: gather's) and the weight gradient dy^T x. The
+// second does not need the first's sum, so, as Megatron's
+// LinearWithGradAccumulationAndAsyncCommunication does, the sum starts on the
+// communicator's progress thread as soon as dy W is computed, and dy^T x (and the bias
+// gradient) run meanwhile; the backward waits only before it returns. The arithmetic is
+// the unfused layer's: the same products, the same sum. The forward's collectives have
+// nothing to overlap with (the next op needs their result), so they are not fused.
+struct ColumnLinear : torch::autograd::Function<ColumnLinear> {
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b, int64_t group,
+                            int64_t seq_dim) {
+    Group* g = reinterpret_cast<Group*>(group);
+    const at::Tensor input = seq_dim >= 0 ? g->all_gather(x, seq_dim) : x;
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["seq_dim"] = seq_dim;
+    ctx->saved_data["bias"] = b.defined();
+    ctx->save_for_backward({input, w});
+    return at::linear(input, w, b);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Group* g = group_of(ctx);
+    const int64_t seq_dim = ctx->saved_data["seq_dim"].toInt();
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor dy = grads[0].contiguous();
+    // Under autocast the forward multiplied in dy's dtype (bf16); each gradient goes back
+    // in its tensor's own dtype, as autocast's casts would hand it back.
+    const at::ScalarType dt = dy.scalar_type();
+    at::Tensor dx = dy.matmul(w.to(dt)).to(input.scalar_type());  // this rank's share of the input gradient
+    at::Tensor out;
+    collectives::WorkPtr work = seq_dim >= 0 ? g->start_reduce_scatter(dx, seq_dim, out) : g->start_sum(dx);
+    // Meanwhile: the weight's (and bias') gradients, from this rank's own products.
+    const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
+    at::Tensor dw = dy2.t().mm(input.reshape({-1, input.size(-1)}).to(dt)).to(w.scalar_type());
+    at::Tensor db = ctx->saved_data["bias"].toBool() ? dy2.sum(0).to(w.scalar_type()) : at::Tensor();
+    work->wait();
+    if (seq_dim >= 0) dx = out.movedim(0, seq_dim).contiguous();
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
 int64_t handle(Group* g) { return reinterpret_cast<int64_t>(g); }
+
+at::Tensor Group::column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t seq_dim) {
+  if (!overlap_ || size() == 1) return TensorGroup::column_linear(x, w, b, seq_dim);
+  return ColumnLinear::apply(x, w, b, handle(this), seq_dim < 0 ? -1 : seq_dim);
+}
 
 at::Tensor Group::copy(const at::Tensor& x) { return size() == 1 ? x : Copy::apply(x, handle(this)); }
 at::Tensor Group::reduce(const at::Tensor& x) { return size() == 1 ? x : Reduce::apply(x, handle(this)); }
@@ -133,8 +198,9 @@ at::Tensor Group::scatter(const at::Tensor& x, int64_t dim) {
 
 }  // namespace
 
-std::shared_ptr<core::TensorGroup> tensor_group(collectives::CommunicatorPtr comm, collectives::Duration timeout) {
-  return std::make_shared<Group>(std::move(comm), timeout);
+std::shared_ptr<core::TensorGroup> tensor_group(collectives::CommunicatorPtr comm, collectives::Duration timeout,
+                                                bool overlap) {
+  return std::make_shared<Group>(std::move(comm), timeout, overlap);
 }
 
 }  // namespace tetra::tensor_parallel

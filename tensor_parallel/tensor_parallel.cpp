@@ -18,7 +18,7 @@ std::string text(int64_t v) { return std::to_string(v); }
 
 class TensorParallel final : public core::Strategy, public core::StateGatherer {
  public:
-  explicit TensorParallel(bool sequence) : sequence_(sequence) {}
+  TensorParallel(bool sequence, bool overlap) : sequence_(sequence), overlap_(overlap) {}
   std::string name() const override { return "tensor_parallel"; }
 
   void attach(core::TrainState& state) override {
@@ -34,7 +34,7 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
       decision_ = "warning: the tensor group spans " + std::to_string(hosts.hosts.size()) + " hosts (" +
                   hosts.describe() + "): every block's activation sums cross the hosts' link; use a tensor degree "
                   "of at most the ranks per host";
-    group_ = tensor_group(comm_, timeout_);
+    group_ = tensor_group(comm_, timeout_, overlap_);
     for (const auto& m : state.model->modules(/*include_self=*/false))
       if (auto* layer = dynamic_cast<core::TensorParallelLayer*>(m.get())) layer->bind(group_);
     if (sequence_) {
@@ -97,7 +97,7 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
   }
 
  private:
-  bool sequence_;
+  bool sequence_, overlap_;
   std::string decision_;
   collectives::CommunicatorPtr comm_;
   collectives::Duration timeout_{collectives::kDefaultTimeout};
@@ -109,6 +109,7 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
 template <class V>
 void tensor_fields(V& v, Options& o) {
   v.boolean("sequence_parallel", o.sequence_parallel);
+  v.boolean("overlap", o.overlap);
 }
 const auto kFields = [](auto& v, Options& o) { tensor_fields(v, o); };
 
@@ -222,7 +223,7 @@ std::string Options::plan(const core::PlanInput& input) const {
   return os.str();
 }
 
-std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<TensorParallel>(sequence_parallel); }
+std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique<TensorParallel>(sequence_parallel, overlap); }
 
 void Options::shape_model(core::TensorSlot& slot) const { slot.sequence = sequence_parallel && slot.parts > 1; }
 
@@ -257,6 +258,10 @@ std::vector<core::PlanIssue> Options::issues(const core::JobSpec& job) const {
     out.push_back({"mesh.tensor", T + " does not divide model.d_ff " + text(d_ff) +
                                       ": the MLP's hidden layer is split into equal parts; use a tensor degree "
                                       "that divides it"});
+  // The vocabulary comes with the data; a text file's is its 256 byte values.
+  if (job.data.type == "text" && 256 % t != 0)
+    out.push_back({"mesh.tensor", T + " does not divide the vocabulary of 256 byte values (data.type text), which the "
+                                      "embedding and the output layer split; use a tensor degree that divides it"});
   if (sequence_parallel && job.data.seq_len % t != 0)
     out.push_back({"tensor.sequence_parallel",
                    "tensor.sequence_parallel with " + T + " splits each sequence into equal blocks, and " + T +

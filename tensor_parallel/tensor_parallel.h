@@ -32,6 +32,9 @@ namespace tetra::tensor_parallel {
 
 struct Options : core::StrategyConfig {
   bool sequence_parallel = false;  // tensor.sequence_parallel
+  // tensor.overlap: a column-parallel Linear's backward sums its input gradient while it
+  // computes its weight gradient (Note [Overlapped input gradient], mappings.cpp).
+  bool overlap = true;
 
   std::unique_ptr<core::Strategy> build() const override;
   void shape_model(core::TensorSlot& slot) const override;

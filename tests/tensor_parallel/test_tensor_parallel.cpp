@@ -62,6 +62,18 @@ TEST(TensorParallel, GptOverTwoAndFourTensorRanksFollowsOneProcessWithPlainSgd) 
   ASSERT_EQ(ref.result.losses.size(), 8u);
   numerics::expect_follows(ref, parallel(2, {"mesh.tensor=2"}), 1e-5, "tensor 2, sgd");
   numerics::expect_follows(ref, parallel(4, {"mesh.tensor=4"}), 1e-5, "tensor 4, sgd");
+  // The unfused column layers (tensor.overlap false: the input gradient summed after the
+  // weight gradient, not beside it) are the same arithmetic.
+  numerics::expect_follows(ref, parallel(2, {"mesh.tensor=2", "tensor.overlap=false"}), 1e-5, "tensor 2 unfused, sgd");
+}
+
+TEST(TensorParallel, Bf16AutocastRunsThroughTheOverlappedLayers) {
+  // bf16 rounds the row layers' partial sums before they are added, so this follows one
+  // process's bf16 run loosely; what it holds is that the fused backward hands every
+  // gradient back in its tensor's dtype under autocast (fp32 parameters, bf16 products).
+  const numerics::Outcome ref = single({"train.precision=bf16"});
+  numerics::expect_follows(ref, parallel(2, {"mesh.tensor=2", "tensor.sequence_parallel=true", "train.precision=bf16"}),
+                           5e-2, "tensor 2 sequence-parallel, bf16");
 }
 
 TEST(TensorParallel, SequenceParallelFollowsOneProcess) {
@@ -178,6 +190,8 @@ TEST(TensorParallel, WhatTheAxisCannotTakeIsACheckErrorNamingBothKeys) {
   std::string e = check_error({"mesh.tensor=3"});
   EXPECT_NE(e.find("mesh.tensor 3 does not divide model.heads 4"), std::string::npos) << e;
   EXPECT_NE(e.find("model.d_ff 128"), std::string::npos) << e;
+  EXPECT_NE(e.find("mesh.tensor 3 does not divide the vocabulary of 256 byte values (data.type text)"), std::string::npos)
+      << e;
   try {
     numerics::job("model: {type: mlp, hidden: [64]}\n"
                   "data: {type: synthetic, shape: [12], classes: 4, train_samples: 64, test_samples: 8}\n"
