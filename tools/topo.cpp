@@ -245,6 +245,8 @@ std::string format_plan(const json& p) {
       if (g["hosts"].size() > 1) os << "*";
     }
     os << (crossing ? "   (* spans hosts)" : "") << "\n";
+    if (crossing && a["name"] == "tensor")
+      os << "    warning: every block's activation sums cross the hosts' link; keep mesh.tensor within a host's ranks\n";
   }
   return os.str();
 }

@@ -511,25 +511,34 @@ log: {every: 1, progress: plain}
   };
   Outcome one = run(args("one"));
   ASSERT_EQ(one.status, 0) << one.out;
-  std::vector<std::string> many_args = args("many");
-  many_args.insert(many_args.end(), {"--set", "mesh.tensor=2"});
-  Outcome many = run_mpi(2, many_args);
-  ASSERT_EQ(many.status, 0) << many.out;
-  // The model is counted whole (its parts are one model): the same count as one process's.
-  const size_t at = one.out.find("model gpt, ");
-  ASSERT_NE(at, std::string::npos) << one.out;
-  const std::string count = one.out.substr(at, one.out.find(" parameters", at) - at);
-  EXPECT_NE(many.out.find(count + " parameters"), std::string::npos) << count << "\n" << many.out;
-  const auto a = losses(d / "one.jsonl"), b = losses(d / "many.jsonl");
-  ASSERT_EQ(a.size(), 10u);
-  ASSERT_EQ(b.size(), 10u);
-  for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-5 * loss) << "step " << step;
+  const auto a = losses(d / "one.jsonl");
   const auto wa = tetra::core::load_safetensors((d / "one.safetensors").string());
-  const auto wb = tetra::core::load_safetensors((d / "many.safetensors").string());
-  ASSERT_EQ(wa.size(), wb.size());
-  for (const auto& [key, t] : wa) {
-    ASSERT_TRUE(wb.at(key).sizes().equals(t.sizes())) << key;
-    EXPECT_LE((wb.at(key) - t).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>())) << key;
+  ASSERT_EQ(a.size(), 10u);
+  // Tensor 2 alone; then sequence-parallel (MPI's all-gathers and reduce-scatters) x data 2
+  // under ZeRO-3, four processes.
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
+      {2, {"mesh.tensor=2"}}, {4, {"mesh.tensor=2", "tensor.sequence_parallel=true", "mesh.data=2", "zero.stage=3"}}};
+  for (const auto& [np, sets] : layouts) {
+    const std::string tag = "many" + std::to_string(np);
+    SCOPED_TRACE(tag);
+    std::vector<std::string> many_args = args(tag);
+    for (const auto& s : sets) many_args.insert(many_args.end(), {"--set", s});
+    Outcome many = run_mpi(np, many_args);
+    ASSERT_EQ(many.status, 0) << many.out;
+    // The model is counted whole (its parts are one model): the same count as one process's.
+    const size_t at = one.out.find("model gpt, ");
+    ASSERT_NE(at, std::string::npos) << one.out;
+    const std::string count = one.out.substr(at, one.out.find(" parameters", at) - at);
+    EXPECT_NE(many.out.find(count + " parameters"), std::string::npos) << count << "\n" << many.out;
+    const auto b = losses(d / (tag + ".jsonl"));
+    ASSERT_EQ(b.size(), 10u);
+    for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-5 * loss) << "step " << step;
+    const auto wb = tetra::core::load_safetensors((d / (tag + ".safetensors")).string());
+    ASSERT_EQ(wa.size(), wb.size());
+    for (const auto& [key, t] : wa) {
+      ASSERT_TRUE(wb.at(key).sizes().equals(t.sizes())) << key;
+      EXPECT_LE((wb.at(key) - t).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>())) << key;
+    }
   }
 }
 
@@ -775,6 +784,10 @@ TEST(TrainCli, TrainRunsReplicasAsThreadsAndTopoPlanReadsTheSamePlan) {
                            "data_parallel (data): off: zero synchronises", "zero (data): shards the optimizer state",
                            "axis data (size 2): 2 groups"})
     EXPECT_NE(t.out.find(want), std::string::npos) << want << "\n" << t.out;
+  // The tensor axis is the innermost: its groups are adjacent ranks, inside a host.
+  Outcome tp = run_program(topo, {"--plan", std::string(TETRA_SOURCE_DIR) + "/configs/tensor-gpt.yaml"});
+  ASSERT_EQ(tp.status, 0) << tp.out;
+  EXPECT_NE(tp.out.find("axis tensor (size 2): 2 groups, each inside one host: [0 1] [2 3]"), std::string::npos) << tp.out;
   fs::path d = fresh_dir("topoplan");
   const std::string job = write_job(d, "job.yaml", "data: {batch_size: 96}\nmesh: {data: 5}\n").string();
   Outcome bad = run_program(topo, {"--plan", job});
