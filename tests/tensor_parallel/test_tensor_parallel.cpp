@@ -99,6 +99,10 @@ TEST(TensorParallel, TensorTimesPipelineFollowsOneProcess) {
                                              "pipeline.micro_batches=4", "pipeline.schedule=1f1b",
                                              "tensor.sequence_parallel=true"}),
                            1e-5, "tensor 2 sequence-parallel x pipeline 2 (1f1b), sgd");
+  // Recomputed forwards repeat the tensor sums in backward, in the same order on every rank.
+  numerics::expect_follows(ref, parallel(4, {"model.layers=4", "mesh.tensor=2", "mesh.pipeline=2",
+                                             "pipeline.micro_batches=4", "pipeline.checkpoint=always"}),
+                           1e-5, "tensor 2 x pipeline 2 recomputing, sgd");
 }
 
 TEST(TensorParallel, TensorTimesZeroOverTheDataRanksFollowsOneProcess) {

@@ -116,6 +116,45 @@ TEST(PlanBuilder, BuildsTheSameDryRunAsTheSameYaml) {
             "zero:\n  stage: 1\nreplicate:\n  replicas: 2\n");
 }
 
+// The fifth axis from code: mesh.tensor and the tensor section's typed options, checked as
+// a file's are.
+TEST(PlanBuilder, BuildsATensorParallelPlan) {
+  PlanBuilder b("tp");
+  core::ModelSpec m;
+  m.type = "gpt";
+  m.layers = 2;
+  m.d_model = 32;
+  m.heads = 4;
+  b.model(m);
+  core::DataSpec d;
+  d.type = "text";
+  d.path = "/usr/share/common-licenses/GPL-3";
+  d.seq_len = 16;
+  d.batch_size = 8;
+  b.data(d);
+  b.mesh({1, 2, 2});
+  tensor_parallel::Options t;
+  t.sequence_parallel = true;
+  b.tensor_parallel(t);
+  const core::JobSpec job = b.build();
+  EXPECT_EQ(job.mesh.size("tensor"), 2);
+  auto got = job.plugin<tensor_parallel::Options>("tensor");
+  ASSERT_NE(got, nullptr);
+  EXPECT_TRUE(got->sequence_parallel);
+  EXPECT_TRUE(got->overlap);
+  EXPECT_NE(b.yaml().find("tensor:\n  sequence_parallel: true\n"), std::string::npos) << b.yaml();
+  b.mesh({1, 2, 3});
+  try {
+    b.build();
+    ADD_FAILURE() << "tensor 3 over 4 heads was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("PlanBuilder::mesh(): error: mesh.tensor: mesh.tensor 3 does not divide "
+                                         "model.heads 4"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // The dry run is a report (a struct) rendered as text or JSON: its parts are what the
 // renderings print, so a tool reads a part (report's memory chart: the estimates) without
 // parsing either.

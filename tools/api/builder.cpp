@@ -69,6 +69,9 @@ PlanBuilder& PlanBuilder::zero(const zero::Options& options) { return add("PlanB
 PlanBuilder& PlanBuilder::replicate(const replicate::Options& options) {
   return add("PlanBuilder::replicate()", "replicate", options.to_yaml());
 }
+PlanBuilder& PlanBuilder::tensor_parallel(const tensor_parallel::Options& options) {
+  return add("PlanBuilder::tensor_parallel()", "tensor", options.to_yaml());
+}
 PlanBuilder& PlanBuilder::strategy(const std::string& section, const core::StrategyConfig& options) {
   return add("PlanBuilder::strategy(\"" + section + "\")", section, options.to_yaml());
 }

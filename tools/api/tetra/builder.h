@@ -36,6 +36,7 @@
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
+#include "tensor_parallel/tensor_parallel.h"
 #include "zero/zero.h"
 
 namespace tetra {
@@ -51,7 +52,7 @@ struct MeshOptions {
 class PlanBuilder {
  public:
   // `plugins`: the sections the job may have; nullptr = the built-in ones (data_parallel,
-  // pipeline, zero, replicate). A registry passed in must outlive the builder.
+  // pipeline, zero, replicate, tensor). A registry passed in must outlive the builder.
   explicit PlanBuilder(std::string name = "job", const core::SectionRegistry* plugins = nullptr);
 
   // The sections every job has.
@@ -70,6 +71,7 @@ class PlanBuilder {
   PlanBuilder& pipeline(const pipeline::Options& options);  // its `stages` comes from mesh()
   PlanBuilder& zero(const zero::Options& options);
   PlanBuilder& replicate(const replicate::Options& options);
+  PlanBuilder& tensor_parallel(const tensor_parallel::Options& options);  // its degree comes from mesh()
   // Another registered plugin's section, by name.
   PlanBuilder& strategy(const std::string& section, const core::StrategyConfig& options);
 
