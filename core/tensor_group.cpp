@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "collectives/error.h"
+#include "core/init.h"
 
 namespace tetra::core {
 
@@ -96,6 +97,16 @@ at::Tensor vocab_argmax(TensorGroup& group, const at::Tensor& logits, int64_t vo
 
 at::Tensor TensorGroup::column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t seq_dim) {
   return at::linear(seq_dim >= 0 ? gather(x, seq_dim) : copy(x), w, b);
+}
+
+at::Tensor gather_whole(collectives::Communicator& group, const Placement& at, const at::Tensor& part,
+                        collectives::Duration timeout) {
+  const at::Tensor mine = part.detach().contiguous().view({-1});
+  at::Tensor all = at::empty({mine.numel() * group.size()}, mine.options());
+  collectives::AllgatherOptions o;
+  o.timeout = timeout;
+  group.allgather(mine, all, o)->wait();
+  return whole_of(at, all.chunk(group.size()));
 }
 
 std::shared_ptr<TensorGroup> shapes_only(int size, int rank) { return std::make_shared<ShapesOnly>(size, rank); }

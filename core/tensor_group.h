@@ -29,6 +29,7 @@
 #include <memory>
 
 #include "collectives/communicator.h"
+#include "core/placement.h"
 
 namespace tetra::core {
 
@@ -72,6 +73,12 @@ at::Tensor vocab_cross_entropy(TensorGroup& group, const at::Tensor& logits, con
 // logits [N, V/T] split by vocabulary: an allreduce max, then an allreduce min of the
 // indices that reach it.
 at::Tensor vocab_argmax(TensorGroup& group, const at::Tensor& logits, int64_t vocab_begin);
+
+// The whole tensor that `part` (this rank's, at `at`; any shape) is part of, assembled from
+// every rank's part over `group` (an allgather, then whole_of): on every rank. Collective;
+// checkpoints and exports of split tensors.
+at::Tensor gather_whole(collectives::Communicator& group, const Placement& at, const at::Tensor& part,
+                        collectives::Duration timeout);
 
 // A group of T ranks that communicates nothing: copy and reduce give x, gather repeats
 // x T times along dim, scatter narrows to this rank's block. Shapes are a bound group's;

@@ -26,19 +26,12 @@ class Group final : public core::TensorGroup {
   at::Tensor gather(const at::Tensor& x, int64_t dim) override;
   at::Tensor scatter(const at::Tensor& x, int64_t dim) override;
   at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t seq_dim) override;
-  void allreduce(at::Tensor& t, collectives::ReduceOp op) override {
-    collectives::AllreduceOptions o;
-    o.op = op;
-    o.timeout = timeout_;
-    comm_->allreduce(t, o)->wait();
-  }
+  void allreduce(at::Tensor& t, collectives::ReduceOp op) override { start_allreduce(t, op)->wait(); }
 
   // The sum over the group, out of place.
   at::Tensor sum(const at::Tensor& x) {
     at::Tensor out = x.contiguous().clone();
-    collectives::AllreduceOptions o;
-    o.timeout = timeout_;
-    comm_->allreduce(out, o)->wait();
+    start_allreduce(out)->wait();
     return out;
   }
   // The blocks of every rank stacked along dim (this rank's at rank()).
@@ -59,10 +52,11 @@ class Group final : public core::TensorGroup {
     work->wait();
     return out.movedim(0, dim).contiguous();
   }
-  // The two started, not awaited (the overlapped backward): `out` is written when the
-  // work is done (the reduce-scatter's in dim-first layout: movedim(0, dim) after).
-  collectives::WorkPtr start_sum(at::Tensor& inout) {
+  // Started, not awaited (the overlapped backward waits later): `inout`, or `out` in the
+  // reduce-scatter's dim-first layout (movedim(0, dim) after), is written when the work is done.
+  collectives::WorkPtr start_allreduce(at::Tensor& inout, collectives::ReduceOp op = collectives::ReduceOp::kSum) {
     collectives::AllreduceOptions o;
+    o.op = op;
     o.timeout = timeout_;
     return comm_->allreduce(inout, o);
   }
@@ -78,7 +72,6 @@ class Group final : public core::TensorGroup {
     o.timeout = timeout_;
     return comm_->reduce_scatter(front, out, o);
   }
-  bool overlap() const { return overlap_; }
 
  private:
   collectives::CommunicatorPtr comm_;
@@ -169,7 +162,7 @@ struct ColumnLinear : torch::autograd::Function<ColumnLinear> {
     const at::ScalarType dt = dy.scalar_type();
     at::Tensor dx = dy.matmul(w.to(dt)).to(input.scalar_type());  // this rank's share of the input gradient
     at::Tensor out;
-    collectives::WorkPtr work = seq_dim >= 0 ? g->start_reduce_scatter(dx, seq_dim, out) : g->start_sum(dx);
+    collectives::WorkPtr work = seq_dim >= 0 ? g->start_reduce_scatter(dx, seq_dim, out) : g->start_allreduce(dx);
     // Meanwhile: the weight's (and bias') gradients, from this rank's own products.
     const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
     at::Tensor dw = dy2.t().mm(input.reshape({-1, input.size(-1)}).to(dt)).to(w.scalar_type());

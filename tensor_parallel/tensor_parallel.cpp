@@ -87,12 +87,7 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
     for (auto& [key, t] : tensors) {
       const core::Placement* part = parts_ ? parts_->placement(core::parameter_of_key(key)) : nullptr;
       if (!part || !part->is_split() || !t.defined() || t.numel() != part->local_numel()) continue;
-      at::Tensor mine = t.detach().contiguous().view({-1});
-      at::Tensor all = at::empty({mine.numel() * comm_->size()}, mine.options());
-      collectives::AllgatherOptions o;
-      o.timeout = timeout_;
-      comm_->allgather(mine, all, o)->wait();
-      t = core::whole_of(*part, all.chunk(comm_->size()));
+      t = core::gather_whole(*comm_, *part, t, timeout_);
     }
   }
 

@@ -212,9 +212,6 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
     const core::Placement* at = weights_ ? weights_->placement(p.name) : nullptr;
     return at && at->is_split() ? at : nullptr;
   }
-  // The whole tensor a split parameter's part `part_flat` (or its optimizer state's) is
-  // part of, assembled over the tensor group (collective over it).
-  at::Tensor whole_over_tensor(const core::Placement& at, const at::Tensor& part_flat);
   void save_split(core::Checkpoint& ckpt, int u);
 
   Options opt_;
@@ -657,15 +654,6 @@ std::vector<Zero::Piece> Zero::pieces(int u) const {
 // ranges of the whole tensor, one per rank of the slice's ranks, so every rank writes its
 // share and nobody holds the whole model. A resume reads each whole tensor its pieces
 // come from and takes its part of it.
-at::Tensor Zero::whole_over_tensor(const core::Placement& at, const at::Tensor& part_flat) {
-  at::Tensor mine = part_flat.contiguous();
-  at::Tensor all = at::empty({mine.numel() * tensor_comm_->size()}, mine.options());
-  AllgatherOptions o;
-  o.timeout = timeout_;
-  tensor_comm_->allgather(mine, all, o)->wait();
-  return core::whole_of(at, all.chunk(tensor_comm_->size()));
-}
-
 void Zero::save_split(core::Checkpoint& ckpt, int u) {
   const auto& bucket = buckets_.buckets()[u];
   bool any = false;
@@ -691,7 +679,7 @@ void Zero::save_split(core::Checkpoint& ckpt, int u) {
     const core::Placement* at = split_of(sl.param);
     if (!at) continue;
     for (const auto& [key, flat] : flats) {
-      at::Tensor whole = whole_over_tensor(*at, flat.narrow(0, sl.offset, sl.numel)).reshape({-1});
+      at::Tensor whole = core::gather_whole(*tensor_comm_, *at, flat.narrow(0, sl.offset, sl.numel), timeout_).reshape({-1});
       const int64_t n = whole.numel(), begin = n * me / writers, end = n * (me + 1) / writers;
       if (begin == end) continue;
       const std::string name = key.empty() ? "model/" + sl.param.name : "optim/" + sl.param.name + "." + key;
