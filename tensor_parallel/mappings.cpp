@@ -160,15 +160,23 @@ struct ColumnLinear : torch::autograd::Function<ColumnLinear> {
     // Under autocast the forward multiplied in dy's dtype (bf16); each gradient goes back
     // in its tensor's own dtype, as autocast's casts would hand it back.
     const at::ScalarType dt = dy.scalar_type();
-    at::Tensor dx = dy.matmul(w.to(dt)).to(input.scalar_type());  // this rank's share of the input gradient
-    at::Tensor out;
-    collectives::WorkPtr work = seq_dim >= 0 ? g->start_reduce_scatter(dx, seq_dim, out) : g->start_allreduce(dx);
+    // A zero-bubble pipeline asks for the input's gradient (B) and the weights' (W) in two
+    // passes (Note [B and W on the autograd graph]): each computes only its own.
+    at::Tensor dx, out;
+    collectives::WorkPtr work;
+    if (ctx->needs_input_grad(0)) {
+      dx = dy.matmul(w.to(dt)).to(input.scalar_type());  // this rank's share of the input gradient
+      work = seq_dim >= 0 ? g->start_reduce_scatter(dx, seq_dim, out) : g->start_allreduce(dx);
+    }
     // Meanwhile: the weight's (and bias') gradients, from this rank's own products.
     const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
-    at::Tensor dw = dy2.t().mm(input.reshape({-1, input.size(-1)}).to(dt)).to(w.scalar_type());
-    at::Tensor db = ctx->saved_data["bias"].toBool() ? dy2.sum(0).to(w.scalar_type()) : at::Tensor();
-    work->wait();
-    if (seq_dim >= 0) dx = out.movedim(0, seq_dim).contiguous();
+    at::Tensor dw, db;
+    if (ctx->needs_input_grad(1)) dw = dy2.t().mm(input.reshape({-1, input.size(-1)}).to(dt)).to(w.scalar_type());
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) db = dy2.sum(0).to(w.scalar_type());
+    if (work) {
+      work->wait();
+      if (seq_dim >= 0) dx = out.movedim(0, seq_dim).contiguous();
+    }
     return {dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
