@@ -73,11 +73,12 @@ AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Cali
 
 StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
                             int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
-                            int ranks, const Calibration& c) {
+                            int ranks, const Calibration& c, double schedule_bubble) {
   StepPrediction p;
   p.ranks = ranks;
   const int pp = static_cast<int>(stages.size());
-  const double bubble = bubble_fraction(pp, micro_batches, virtual_stages);
+  const double bubble =
+      pp > 1 && schedule_bubble >= 0 ? schedule_bubble : bubble_fraction(pp, micro_batches, virtual_stages);
   double busiest = -1;
   size_t slowest = 0;
   std::vector<std::vector<AxisTime>> per_stage(stages.size());

@@ -117,10 +117,11 @@ struct StepPrediction {
 
 // `stages`: one entry per pipeline stage (one for no pipeline); `total_flops`: the whole
 // step's FLOPs (every sample of the global batch through the whole model, forward and
-// backward).
+// backward). `bubble`: the schedule's own idle fraction (RankEstimate::pipeline_bubble,
+// which knows zero-bubble schedules); below 0, the 1F1B formula bubble_fraction().
 StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
                             int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
-                            int ranks, const Calibration& c);
+                            int ranks, const Calibration& c, double bubble = -1);
 
 std::string prediction_text(const StepPrediction& p, const Calibration& c);
 nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c);

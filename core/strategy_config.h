@@ -53,6 +53,9 @@ struct RankEstimate {
   // so that no tool looks into a plugin's options):
   bool hierarchical_data = false;  // the data axis may reduce inside each host first
   int virtual_stages = 1;          // pipeline chunks per rank
+  // The pipeline schedule's idle fraction of a step, as its simulator finds it with a
+  // backward of two forwards (B = W = one under the zero-bubble schedules); -1: no pipeline.
+  double pipeline_bubble = -1;
   // Parameters, gradients and optimizer slots of `params` held whole, as the trainer's
   // own optimizer holds them (buffers untouched).
   void replicated_state(const JobSpec& spec);
@@ -78,6 +81,10 @@ struct StrategyConfig : PluginConfig {
   // The rules this strategy adds to the composition's (Plan::issues), each at the key to
   // change: what the job asks of it that it cannot do.
   virtual std::vector<PlanIssue> issues(const JobSpec& job) const { return {}; }
+  // The rules that need the model (as shapes) and a sample of the data, such as whether
+  // each pipeline stage fits pipeline.memory_gb: `train --check` and the dry run ask them,
+  // on one process; the run meets the same rule where it applies it.
+  virtual std::vector<PlanIssue> model_issues(const PlanInput& input) const { return {}; }
   // How this rank's model is built under the strategy (tensor parallelism's sequence
   // split): the trainer asks every strategy before it builds the model's shapes.
   virtual void shape_model(TensorSlot& slot) const {}

@@ -176,6 +176,15 @@ std::string Trainer::plan() const {
   return out;
 }
 
+void Trainer::check_model() const {
+  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
+  std::string msg;
+  for (const auto& cfg : plan_.strategies())
+    for (const PlanIssue& p : cfg->model_issues(in))
+      msg += (spec_.source.empty() ? std::string() : spec_.source + ": ") + "error: " + p.key + ": " + p.message + "\n";
+  if (!msg.empty()) throw ConfigError(msg);
+}
+
 std::vector<RankEstimate> Trainer::estimate() const {
   PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
   return estimate_ranks(in);

@@ -99,6 +99,8 @@ class Trainer {
   const LayerProbe& probe() const;
   // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
   std::string plan() const;
+  // Throws tetra::ConfigError carrying every strategy's model_issues (`train --check`).
+  void check_model() const;
   // Every process rank's model state, activations and bytes per axis per step, worked
   // out without communicating (Note [Per-rank estimate]). On a dry-run trainer, which
   // still holds the whole model.

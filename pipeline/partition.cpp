@@ -47,31 +47,36 @@ Partition partition_uniform(int layers, int stages) {
 
 Partition partition_min_max(const std::vector<double>& weights, int stages) {
   const int L = static_cast<int>(weights.size());
-  check_fits(L, stages);
   std::vector<double> prefix(L + 1, 0);
   for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + weights[i];
-  // Every part sum is computed as this one expression, so the reconstruction below
-  // compares exactly the doubles the DP compared.
-  auto part = [&](int a, int b) { return prefix[b] - prefix[a]; };
+  return partition_min_max(L, stages, [&](int, int a, int b) { return prefix[b] - prefix[a]; });
+}
 
-  // best[j][i]: the smallest possible largest part when layers [i, L) go to j stages.
+Partition partition_min_max(int L, int stages, const StageCostFn& cost) {
+  check_fits(L, stages);
+  // Every part's cost is this one call, so the reconstruction below compares exactly the
+  // doubles the DP compared.
+  auto part = [&](int j, int a, int b) { return cost(stages - j, a, b); };  // j stages left, from a
+
+  // best[j][i]: the smallest possible largest part when layers [i, L) go to the last j stages.
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<std::vector<double>> best(stages + 1, std::vector<double>(L + 1, inf));
   best[0][L] = 0;
   for (int j = 1; j <= stages; ++j)
     for (int i = L - j; i >= 0; --i)
       for (int e = i + 1; e <= L - (j - 1); ++e)
-        best[j][i] = std::min(best[j][i], std::max(part(i, e), best[j - 1][e]));
+        best[j][i] = std::min(best[j][i], std::max(part(j, i, e), best[j - 1][e]));
   const double target = best[stages][0];
+  if (target == inf) return {};
 
   // Among the optimal partitions take, stage by stage, the shortest feasible part: with
-  // non-negative weights that makes every earlier stage as light as it can be.
+  // costs that grow with the part that makes every earlier stage as light as it can be.
   Partition p;
   p.begin.push_back(0);
   for (int k = 0; k < stages; ++k) {
     const int i = p.begin.back(), left = stages - k - 1;
     int e = i + 1;
-    while (e < L - left && std::max(part(i, e), best[left][e]) > target) ++e;
+    while (e < L - left && std::max(part(left + 1, i, e), best[left][e]) > target) ++e;
     p.begin.push_back(e);
   }
   return p;

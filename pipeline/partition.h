@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,12 @@ Partition partition_uniform(int layers, int stages);
 // The contiguous partition into `stages` non-empty parts minimising the largest part's
 // sum of weights; ties go to the partition whose earlier stages are lighter.
 Partition partition_min_max(const std::vector<double>& weights, int stages);
+// The same over any cost of a part: cost(stage, first, end) for layers [first, end) as
+// stage `stage`, growing with the part; infinity where the part may not be (balance by
+// time under pipeline.memory_gb: a stage that does not fit). Returns an empty partition
+// (no begin) when every cut has an infinite part.
+using StageCostFn = std::function<double(int stage, int first, int end)>;
+Partition partition_min_max(int layers, int stages, const StageCostFn& cost);
 // Explicit counts; every count >= 1 and the sum == layers, else a ConfigError naming
 // what is wrong ("balance [4, 4] adds up to 8 layers, the model has 9").
 Partition partition_explicit(const std::vector<int64_t>& counts, int layers);

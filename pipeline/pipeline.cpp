@@ -24,6 +24,7 @@
 #include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/torch_compat.h"
+#include "pipeline/split_backward.h"
 
 namespace tetra::pipeline {
 
@@ -138,22 +139,132 @@ std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& d
 
 // ---- partitioning ---------------------------------------------------------------------
 
-// The partition for balance uniform | by_params | explicit, or by_time from `costs`.
-Partition partition_for(const Options& opt, torch::nn::Sequential& model, const std::vector<LayerCost>& costs) {
-  const int L = static_cast<int>(model->size());
+// ---- stage memory ----------------------------------------------------------------------
+
+// Note [Stage memory]
+// What a rank holds at its peak for one of its stages, as pipeline.memory_gb counts it:
+// the stage's parameters with their gradients and optimizer state (fp32 and replicated:
+// ZeRO over the data group holds less, so the cap errs safe), and the activations its
+// schedule keeps. Every micro-batch in flight (forward run, backward or B not yet) keeps
+// the stage's layer outputs — under checkpointing only its input, plus one micro-batch
+// being recomputed — and under a zero-bubble schedule every micro-batch between its B and
+// its W keeps the inputs of the stage's layers with parameters (what the weight gradients
+// multiply: the paper's M_W). The counts of micro-batches come from the simulator, per
+// rank (simulate's peak_in_flight and peak_weight_pending). With v chunks on a rank, each
+// stage gets 1/v of the rank's cap.
+class StageMemoryModel {
+ public:
+  StageMemoryModel(const Options& o, const std::vector<LayerCost>& costs, const core::JobSpec& spec)
+      : opt_(o), costs_(costs),
+        sched_(make_schedule(to_string(o.schedule), o.stages, o.micro_batches, o.virtual_stages)),
+        sim_(simulate(sched_)), slots_(core::optimizer_slots(spec.optimizer)) {
+    const size_t L = costs.size();
+    params_.assign(L + 1, 0);
+    acts_.assign(L + 1, 0);
+    weight_inputs_.assign(L + 1, 0);
+    for (size_t i = 0; i < L; ++i) {
+      params_[i + 1] = params_[i] + costs[i].params;
+      acts_[i + 1] = acts_[i] + costs[i].activation_bytes;
+      const int64_t in = i == 0 ? 0 : costs[i - 1].activation_bytes;
+      weight_inputs_[i + 1] = weight_inputs_[i] + (costs[i].params > 0 ? in : 0);
+    }
+  }
+  struct Bytes {
+    int64_t state = 0, activations = 0;
+    int in_flight = 0, weight_pending = 0;  // the micro-batches counted
+    int64_t total() const { return state + activations; }
+  };
+  Bytes operator()(int stage, int first, int end) const {
+    Bytes b;
+    const int r = sched_.rank_of(stage);
+    b.in_flight = sim_.ok ? sim_.peak_in_flight[r] : opt_.micro_batches;
+    b.weight_pending = sim_.ok && sched_.split_backward() ? sim_.peak_weight_pending[r] : 0;
+    b.state = (params_[end] - params_[first]) * 4 * (2 + slots_);
+    const int64_t act = acts_[end] - acts_[first];
+    const int64_t in = first == 0 ? 0 : costs_[first - 1].activation_bytes;
+    b.activations = opt_.checkpoint == Recompute::kNever ? act * b.in_flight : in * b.in_flight + act;
+    b.activations += (weight_inputs_[end] - weight_inputs_[first]) * b.weight_pending;
+    return b;
+  }
+  // The cap on one stage: the rank's share for one of its chunks (0: no cap).
+  double cap() const { return opt_.memory_gb * 1073741824.0 / opt_.virtual_stages; }
+
+ private:
+  const Options& opt_;
+  const std::vector<LayerCost>& costs_;
+  Schedule sched_;
+  Simulation sim_;
+  int64_t slots_;
+  std::vector<int64_t> params_, acts_, weight_inputs_;  // prefix sums over the layers
+};
+
+// The partition for balance uniform | by_params | explicit, or by_time from `costs` (under
+// pipeline.memory_gb: the fastest cut whose every stage fits; when none does, the cut that
+// needs least memory, which model_issues then reports).
+}  // namespace
+
+Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec) {
+  const int L = static_cast<int>(costs.size());
   const int K = opt.stages * opt.virtual_stages;
   if (opt.balance == Balance::kExplicit) return partition_explicit(opt.balance_counts, L);
   if (opt.balance == Balance::kByParams) {
     std::vector<double> w;
-    for (int i = 0; i < L; ++i) w.push_back(static_cast<double>(param_count(*layer(model, i).ptr())));
+    for (const auto& c : costs) w.push_back(static_cast<double>(c.params));
     return partition_min_max(w, K);
   }
   if (opt.balance == Balance::kByTime) {
     std::vector<double> w;
     for (const auto& c : costs) w.push_back(c.forward_s + c.backward_s);
-    return partition_min_max(w, K);
+    if (opt.memory_gb <= 0) return partition_min_max(w, K);
+    std::vector<double> prefix(L + 1, 0);
+    for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + w[i];
+    const StageMemoryModel mem(opt, costs, spec);
+    Partition p = partition_min_max(L, K, [&](int k, int a, int e) {
+      return static_cast<double>(mem(k, a, e).total()) <= mem.cap() ? prefix[e] - prefix[a]
+                                                                     : std::numeric_limits<double>::infinity();
+    });
+    if (!p.begin.empty()) return p;
+    return partition_min_max(L, K, [&](int k, int a, int e) { return static_cast<double>(mem(k, a, e).total()); });
   }
   return partition_uniform(L, K);
+}
+
+std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& part, const std::vector<LayerCost>& costs,
+                                           const core::JobSpec& spec) {
+  std::vector<core::PlanIssue> out;
+  if (opt.memory_gb <= 0) return out;
+  const StageMemoryModel mem(opt, costs, spec);
+  const Schedule sched = make_schedule(to_string(opt.schedule), opt.stages, opt.micro_batches, opt.virtual_stages);
+  for (int k = 0; k < part.stages(); ++k) {
+    const auto b = mem(k, part.first(k), part.end(k));
+    if (static_cast<double>(b.total()) <= mem.cap()) continue;
+    std::ostringstream os;
+    os << "stage " << k << " (rank " << sched.rank_of(k) << ", layers " << part.first(k) << "-" << part.end(k) - 1
+       << ") needs " << core::human_bytes(b.total()) << " (" << b.total() << " bytes: parameters, gradients and optimizer state "
+       << core::human_bytes(b.state) << ", activations " << core::human_bytes(b.activations) << " for " << b.in_flight
+       << " micro-batches in flight" << (b.weight_pending ? " and " + std::to_string(b.weight_pending) + " waiting for W" : "")
+       << "), over pipeline.memory_gb " << opt.memory_gb << " per rank"
+       << (opt.virtual_stages > 1 ? " (" + core::human_bytes(static_cast<int64_t>(mem.cap())) + " per chunk)" : "");
+    if (opt.balance == Balance::kByTime)
+      os << "; no cut of the " << costs.size() << " layers into " << part.stages()
+         << " stages fits, and this one needs least; ";
+    else
+      os << "; ";
+    os << "raise pipeline.memory_gb, add pipeline stages, use more micro-batches or checkpoint: always"
+       << (opt.balance == Balance::kByTime ? "" : ", or balance: by_time to cut by time within the cap");
+    out.push_back({"pipeline.memory_gb", os.str()});
+  }
+  return out;
+}
+
+namespace {
+
+// cut_stages from `costs`, or (empty: a cut that needs no timing) the model's sizes.
+Partition partition_for(const Options& opt, torch::nn::Sequential& model, std::vector<LayerCost> costs,
+                        const core::JobSpec& spec) {
+  if (costs.empty())
+    for (int i = 0; i < static_cast<int>(model->size()); ++i) costs.push_back({"", param_count(*layer(model, i).ptr())});
+  return cut_stages(opt, costs, spec);
 }
 
 // ---- links between neighbouring ranks -------------------------------------------------
@@ -194,7 +305,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     device_ = state.device;
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
     sched_ = make_schedule(to_string(opt_.schedule), P, opt_.micro_batches, v);
-    micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches;
+    micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches / state.spec.train.accumulation_steps;
 
     // Everything that can be wrong with the job is found here, on every rank alike,
     // before any rank sends a byte.
@@ -206,10 +317,18 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
                         " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
                         ") that must each hold one");
     boundaries_ = probe(model, *data_, bf16_);
+    std::vector<LayerCost> costs;
     if (opt_.balance == Balance::kByTime) {
-      partition_ = by_time_partition(model, state);
+      partition_ = by_time_partition(model, state, costs);
     } else {
-      partition_ = partition_for(opt_, model, {});
+      partition_ = partition_for(opt_, model, {}, state.spec);
+    }
+    if (opt_.memory_gb > 0) {  // the rule `train --check` applies (model_issues), met here too
+      if (costs.empty()) costs = measure_layers(model, *data_, micro_size_, bf16_, false);
+      std::string msg;
+      for (const core::PlanIssue& p : memory_issues(opt_, partition_, costs, state.spec))
+        msg += "error: " + p.key + ": " + p.message + "\n";
+      if (!msg.empty()) throw ConfigError(msg);
     }
     if (state.mesh && P > 1) make_links(*state.mesh);
 
@@ -245,7 +364,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
   void gather_state(core::TensorMap& tensors) override;
 
  private:
-  Partition by_time_partition(torch::nn::Sequential& model, core::TrainState& state);
+  Partition by_time_partition(torch::nn::Sequential& model, core::TrainState& state, std::vector<LayerCost>& costs);
   void make_links(const core::Mesh& mesh);
   int stage(int chunk) const { return sched_.stage_of(rank_, chunk); }
   bool first(int chunk) const { return stage(chunk) == 0; }
@@ -257,10 +376,15 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     return opt_.checkpoint == Recompute::kAlways ||
            (opt_.checkpoint == Recompute::kExceptLast && micro != opt_.micro_batches - 1);
   }
+  // Neighbouring stages' ranks (this rank itself when they hand over locally).
+  int prev_rank(int chunk) const { return sched_.rank_of(stage(chunk) - 1); }
+  int next_rank(int chunk) const { return sched_.rank_of(stage(chunk) + 1); }
+  int prev_chunk(int chunk) const { return sched_.chunk_of(stage(chunk) - 1); }
+  int next_chunk(int chunk) const { return sched_.chunk_of(stage(chunk) + 1); }
   void broadcast_from_last(at::Tensor t) {
     if (!pp_ || pp_->size() == 1) return;
     collectives::BroadcastOptions o;
-    o.root = pp_->size() - 1;
+    o.root = sched_.rank_of(sched_.total_stages() - 1);  // rank 0 under ZBV's V
     o.timeout = timeout_;
     pp_->broadcast(t, o)->wait();
   }
@@ -291,7 +415,11 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     }
   }
   CommunicatorPtr pp_;
-  Link act_out_, act_in_, grad_out_, grad_in_;
+  // This rank's links, by (from, to) pipeline rank: activations flow from stage s to s+1,
+  // gradients back. Under ZBV's V both kinds flow both ways between neighbours.
+  std::map<std::pair<int, int>, Link> act_links_, grad_links_;
+  const Link& act_link(int from, int to) const { return act_links_.at({from, to}); }
+  const Link& grad_link(int from, int to) const { return grad_links_.at({from, to}); }
   PipelineStats stats_;
 };
 
@@ -398,52 +526,52 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
 
 namespace {
 
-Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainState& state) {
+Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainState& state,
+                                       std::vector<LayerCost>& costs) {
   // Ranks time the layers differently; world rank 0 measures and everyone takes its
-  // numbers, so every rank cuts the model at the same places.
+  // numbers, so every rank cuts the model at the same places. The sizes (parameters,
+  // outputs) every rank counts alike.
   const int L = static_cast<int>(model->size());
   at::Tensor t = at::zeros({2 * L}, at::kDouble);
   const bool measure = !state.mesh || state.mesh->rank() == 0;
-  if (measure) {
-    auto costs = measure_layers(model, *data_, micro_size_, bf16_, true);
+  costs = measure_layers(model, *data_, micro_size_, bf16_, measure);
+  if (measure)
     for (int i = 0; i < L; ++i) {
       t[2 * i] = costs[i].forward_s;
       t[2 * i + 1] = costs[i].backward_s;
     }
-  }
   if (state.mesh && state.mesh->world()->size() > 1) {
     collectives::BroadcastOptions o;
     o.timeout = timeout_;
     state.mesh->world()->broadcast(t, o)->wait();
   }
-  std::vector<LayerCost> costs(L);
   for (int i = 0; i < L; ++i) {
     costs[i].forward_s = t[2 * i].item<double>();
     costs[i].backward_s = t[2 * i + 1].item<double>();
   }
-  return partition_for(opt_, model, costs);
+  return partition_for(opt_, model, costs, state.spec);
 }
 
 void Pipeline::make_links(const core::Mesh& mesh) {
   pp_ = mesh.axis("pipeline");
-  const int P = pp_->size(), me = pp_->rank();
-  // Edges r -> r+1, and P-1 -> 0 when chunks wrap around the ranks (interleaving). Every
-  // pipeline rank takes part in every split, in the same order.
-  for (int a = 0; a < P; ++a) {
-    if (a == P - 1 && opt_.virtual_stages == 1) break;
-    const int b = (a + 1) % P;
+  const int me = pp_->rank();
+  // The rank pairs activations cross, in stage order: r -> r+1, P-1 -> 0 when chunks wrap
+  // around the ranks (interleaving), r -> r-1 on the way back up a V. Every pipeline rank
+  // takes part in every split, in the same order.
+  std::vector<std::pair<int, int>> pairs;
+  for (int st = 0; st + 1 < sched_.total_stages(); ++st) {
+    const std::pair<int, int> ab{sched_.rank_of(st), sched_.rank_of(st + 1)};
+    if (ab.first != ab.second && std::find(pairs.begin(), pairs.end(), ab) == pairs.end()) pairs.push_back(ab);
+  }
+  for (const auto& [a, b] : pairs) {
     const bool in = me == a || me == b;
     const std::string edge = std::to_string(a) + "->" + std::to_string(b);
     CommunicatorPtr act = pp_->split(in ? 0 : -1, me == a ? 0 : 1, "pipeline activations " + edge, timeout_);
     CommunicatorPtr grad = pp_->split(in ? 0 : -1, me == b ? 0 : 1,
                                       "pipeline gradients " + std::to_string(b) + "->" + std::to_string(a), timeout_);
-    if (me == a) {
-      act_out_.comm = act;
-      grad_in_.comm = grad;
-    }
-    if (me == b) {
-      act_in_.comm = act;
-      grad_out_.comm = grad;
+    if (in) {
+      act_links_[{a, b}].comm = act;
+      grad_links_[{b, a}].comm = grad;
     }
   }
 }
@@ -497,6 +625,8 @@ struct Slot {
   at::Tensor loss;    // last stage: the micro-batch's weighted loss
   at::Tensor targets;
   at::Tensor out_grad;
+  at::Tensor input_grad;  // what the backward (or B) computed for the previous stage
+  SplitBackward split;    // between a B and its W: what the W needs
 };
 
 }  // namespace
@@ -507,30 +637,45 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
   const auto& prog = sched_.ranks[rank_];
   // Each micro-batch's rows, dropout key and loss weight, the step's loss and its times
   // (Note [One step runner]).
-  core::MicroBatches micro(step, m);
+  // With train.accumulation_steps A the schedule runs A times, each round on the next m of
+  // the step's A x m micro-batches; the gradients accumulate over the rounds and the other
+  // strategies' hooks send them after the last round's last backward.
+  const int rounds = spec_->train.accumulation_steps;
+  core::MicroBatches micro(step, m * rounds);
   core::StepOutput& out = micro.out();
+  std::vector<WorkPtr> sends;
+  double wait_s = 0;
+  const auto t_begin = Clock::now();
+  for (int round = 0; round < rounds; ++round) {
+  const int base = round * m;  // the round's first micro-batch in the step
   std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
 
-  Inbox acts(act_in_, opt_.prefetch, timeout_, device_), grads(grad_in_, opt_.prefetch, timeout_, device_);
+  // One inbox per link this rank receives on, told in order what the schedule takes from it.
+  std::map<std::pair<int, int>, Inbox> acts, grads;
+  for (const auto& [key, link] : act_links_)
+    if (key.second == rank_) acts.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
+  for (const auto& [key, link] : grad_links_)
+    if (key.second == rank_) grads.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
+  // The instruction after which the step's gradients are complete: the last fused backward
+  // or W (the data-parallel and ZeRO hooks then send what they have).
   int last_backward = -1;
   for (size_t k = 0; k < prog.size(); ++k) {
     const Instr& in = prog[k];
-    if (in.op == Op::kRecvAct) acts.expect(input_of(in.chunk).shape(micro.rows(in.micro)), input_of(in.chunk).dtype);
-    if (in.op == Op::kRecvGrad) grads.expect(output_of(in.chunk).shape(micro.rows(in.micro)), output_of(in.chunk).dtype);
-    if (in.op == Op::kBackward) last_backward = static_cast<int>(k);
+    if (in.op == Op::kRecvAct)
+      acts.at({prev_rank(in.chunk), rank_}).expect(input_of(in.chunk).shape(micro.rows(base + in.micro)), input_of(in.chunk).dtype);
+    if (in.op == Op::kRecvGrad)
+      grads.at({next_rank(in.chunk), rank_}).expect(output_of(in.chunk).shape(micro.rows(base + in.micro)), output_of(in.chunk).dtype);
+    if ((in.op == Op::kBackward || in.op == Op::kBackwardWeight) && round == rounds - 1) last_backward = static_cast<int>(k);
   }
-  const auto t_begin = Clock::now();
-  if (act_in_.comm) acts.start();
-  if (grad_in_.comm) grads.start();
+  for (auto& [key, inbox] : acts) inbox.start();
+  for (auto& [key, inbox] : grads) inbox.start();
 
-  std::vector<WorkPtr> sends;
-  double wait_s = 0;
   const bool tracing = trace_->enabled();
   auto span = [&](int chunk, const std::string& what, Clock::time_point a, Clock::time_point b) {
     if (tracing) trace_->span("stage " + std::to_string(stage(chunk)), what, trace_->us_at(a), trace_->us_at(b));
   };
   auto load = [&](int i, Slot& s, int chunk) {
-    core::Batch b = micro.load(i);
+    core::Batch b = micro.load(base + i);
     if (first(chunk)) s.input = b.inputs;
     s.targets = b.targets;
   };
@@ -538,12 +683,12 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
   // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
   // The last stage's forward returns the micro-batch's mean loss (s.loss is it weighted).
   auto run_forward = [&](int i, int chunk, Slot& s) {
-    core::RandomContext::Scope random(micro.random(i));
+    core::RandomContext::Scope random(micro.random(base + i));
     core::compat::Autocast autocast(step.bf16, step.device.type());
     s.output = chunks_[chunk]->forward(s.input);
     if (!last(chunk)) return at::Tensor();
     at::Tensor l = loss_->loss(s.output, s.targets);
-    s.loss = micro.weighted(i, l);
+    s.loss = micro.weighted(base + i, l);
     return l;
   };
   auto send = [&](const Link& link, const at::Tensor& t) {
@@ -555,6 +700,22 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
                 sends.end());
     sends.push_back(link.comm->send(t.detach().contiguous(), link.peer(), o));
   };
+  // A backward (fused or B) begins with its output's gradient: received, or handed over by
+  // the next stage when it is on this rank; under checkpointing it recomputes the forward.
+  auto begin_backward = [&](const Instr& in, Slot& s) {
+    if (!last(in.chunk) && !s.out_grad.defined()) {
+      Slot& next = slots[next_chunk(in.chunk)][in.micro];
+      s.out_grad = next.input_grad;
+      next.input = next.input_grad = at::Tensor();
+    }
+    if (checkpointed(in.micro)) run_forward(in.micro, in.chunk, s);  // again, now with its graph (GPipe)
+  };
+  // What a backward leaves: its input's gradient, until it is sent or handed over, and
+  // (after a B) what its W needs, which the slot's SplitBackward holds.
+  auto end_backward = [&](Slot& s, int chunk) {
+    s.output = s.loss = s.out_grad = s.targets = at::Tensor();
+    if (first(chunk)) s.input = at::Tensor();
+  };
 
   for (size_t k = 0; k < prog.size(); ++k) {
     const Instr& in = prog[k];
@@ -562,22 +723,23 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
     switch (in.op) {
       case Op::kRecvAct: {
         auto t0 = Clock::now();
-        s.input = acts.take(&wait_s);
+        s.input = acts.at({prev_rank(in.chunk), rank_}).take(&wait_s);
         if (s.input.is_floating_point()) s.input.requires_grad_(true);
         span(in.chunk, "wait " + to_string(in), t0, Clock::now());
         break;
       }
       case Op::kRecvGrad: {
         auto t0 = Clock::now();
-        s.out_grad = grads.take(&wait_s);
+        s.out_grad = grads.at({next_rank(in.chunk), rank_}).take(&wait_s);
         span(in.chunk, "wait " + to_string(in), t0, Clock::now());
         break;
       }
       case Op::kForward: {
         if (first(in.chunk) || last(in.chunk)) load(in.micro, s, in.chunk);
         if (!first(in.chunk) && !s.input.defined()) {
-          // The previous stage is on this rank (one rank, several chunks): hand over.
-          Slot& prev = slots[in.chunk - 1][in.micro];
+          // The previous stage is on this rank (one rank with several chunks, the V's
+          // turn): hand over.
+          Slot& prev = slots[prev_chunk(in.chunk)][in.micro];
           s.input = prev.output.detach();
           if (s.input.is_floating_point()) s.input.requires_grad_(true);
         }
@@ -589,52 +751,63 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
         } else {
           loss = run_forward(in.micro, in.chunk, s);
         }
-        if (loss.defined()) micro.add_loss(in.micro, loss.item<double>());
+        if (loss.defined()) micro.add_loss(base + in.micro, loss.item<double>());
         auto t1 = Clock::now();
         out.forward_s += seconds(t0, t1);
         span(in.chunk, to_string(in), t0, t1);
         break;
       }
       case Op::kSendAct:
-        send(act_out_, s.output);
+        send(act_link(rank_, next_rank(in.chunk)), s.output);
         break;
       case Op::kBackward: {
         if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
-        if (!last(in.chunk) && !s.out_grad.defined()) {
-          Slot& next = slots[in.chunk + 1][in.micro];
-          s.out_grad = next.input.grad();
-          next = Slot{};
-        }
+        begin_backward(in, s);
         auto t0 = Clock::now();
-        if (checkpointed(in.micro)) {
-          // Re-materialise (GPipe): the forward again, now with its graph.
-          run_forward(in.micro, in.chunk, s);
-        }
         // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
         if (last(in.chunk)) {
           if (s.loss.requires_grad()) s.loss.backward();
         } else if (s.output.requires_grad()) {
           torch::autograd::backward({s.output}, {s.out_grad});
         }
+        if (!first(in.chunk) && s.input.requires_grad()) s.input_grad = s.input.grad();
         auto t1 = Clock::now();
         out.backward_s += seconds(t0, t1);
         span(in.chunk, to_string(in), t0, t1);
-        s.output = at::Tensor();
-        s.loss = at::Tensor();
-        s.out_grad = at::Tensor();
-        s.targets = at::Tensor();
-        if (first(in.chunk)) s.input = at::Tensor();
+        end_backward(s, in.chunk);
+        break;
+      }
+      case Op::kBackwardInput: {
+        begin_backward(in, s);
+        auto t0 = Clock::now();
+        const at::Tensor& root = last(in.chunk) ? s.loss : s.output;
+        s.input_grad = s.split.input_pass(root, last(in.chunk) ? at::Tensor() : s.out_grad,
+                                          first(in.chunk) ? at::Tensor() : s.input);
+        auto t1 = Clock::now();
+        out.backward_s += seconds(t0, t1);
+        span(in.chunk, to_string(in), t0, t1);
+        end_backward(s, in.chunk);
+        break;
+      }
+      case Op::kBackwardWeight: {
+        if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
+        auto t0 = Clock::now();
+        s.split.weight_pass();
+        auto t1 = Clock::now();
+        out.backward_s += seconds(t0, t1);
+        span(in.chunk, to_string(in), t0, t1);
         break;
       }
       case Op::kSendGrad: {
-        at::Tensor g = s.input.grad();
+        at::Tensor g = s.input_grad;
         if (!g.defined()) g = at::zeros_like(s.input);
-        send(grad_out_, g);
-        s.input = at::Tensor();
+        send(grad_link(rank_, prev_rank(in.chunk)), g);
+        s.input = s.input_grad = at::Tensor();
         break;
       }
     }
   }
+  }  // rounds
   for (auto& w : sends) {
     auto t0 = Clock::now();
     w->wait();
@@ -663,20 +836,21 @@ core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
   double loss_sum = 0;
   int64_t correct = 0, predictions = 0;
   std::vector<WorkPtr> sends;
-  std::vector<at::Tensor> outputs(pieces);
+  std::vector<std::vector<at::Tensor>> outputs(v, std::vector<at::Tensor>(pieces));
   for (int c = 0; c < v; ++c) {
     for (int64_t j = 0; j < pieces; ++j) {
       const int64_t b = n * j / pieces, e = n * (j + 1) / pieces;
       at::Tensor x;
       if (first(c)) {
         x = batch.inputs.slice(0, b, e);
-      } else if (opt_.stages > 1) {
+      } else if (prev_rank(c) != rank_) {
         x = at::empty(input_of(c).shape(e - b), at::TensorOptions().dtype(input_of(c).dtype).device(device_));
         collectives::RecvOptions o;
         o.timeout = timeout_;
-        act_in_.comm->recv(x, act_in_.peer(), o)->wait();
+        const Link& link = act_link(prev_rank(c), rank_);
+        link.comm->recv(x, link.peer(), o)->wait();
       } else {
-        x = outputs[j];  // the previous chunk is on this rank
+        x = std::move(outputs[prev_chunk(c)][j]);  // the previous stage is on this rank
       }
       at::Tensor y;
       {
@@ -689,12 +863,13 @@ core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
         loss_sum += loss_->loss(y, t).item<double>() * static_cast<double>(e - b);
         correct += loss_->correct(y, t);
         predictions += t.numel();
-      } else if (opt_.stages > 1) {
+      } else if (next_rank(c) != rank_) {
         collectives::SendOptions o;
         o.timeout = timeout_;
-        sends.push_back(act_out_.comm->send(y.contiguous(), act_out_.peer(), o));
+        const Link& link = act_link(rank_, next_rank(c));
+        sends.push_back(link.comm->send(y.contiguous(), link.peer(), o));
       } else {
-        outputs[j] = y;
+        outputs[c][j] = y;
       }
     }
   }
@@ -751,7 +926,7 @@ std::string Options::plan(const core::PlanInput& input) const {
                       " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
                       ") that must each hold one");
   std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true, kDryRunTimedFlops, &input.probe);
-  Partition part = partition_for(*this, input.model, costs);
+  Partition part = partition_for(*this, input.model, costs, input.spec);
   std::vector<StageCost> sc = stage_costs(part, costs);
   Schedule s = make_schedule(to_string(schedule), P, micro_batches, v);
   Simulation sim = simulate(s);
@@ -764,16 +939,17 @@ std::string Options::plan(const core::PlanInput& input) const {
   // The activations of the micro-batches in flight (under checkpointing: their inputs, and
   // one at a time); the rank's whole memory is the estimate's (core::RankEstimate).
   char line[512];
-  std::snprintf(line, sizeof(line), "  %-5s %-4s %-32s %10s %8s %8s %11s %9s %11s\n", "stage", "rank", "layers",
-                "params", "fwd ms", "bwd ms", "act/micro", "in flight", "activations");
-  // "in flight": the most micro-batches whose backward is still to come, on the rank.
+  std::snprintf(line, sizeof(line), "  %-5s %-4s %-32s %10s %8s %8s %11s %9s %11s %11s\n", "stage", "rank", "layers",
+                "params", "fwd ms", "bwd ms", "act/micro", "in flight", "activations", "memory");
+  // "in flight": the most micro-batches whose backward is still to come, on the rank;
+  // "memory": Note [Stage memory] (state and activations), against pipeline.memory_gb.
   os << line;
+  const StageMemoryModel mem(*this, costs, input.spec);
   for (int k = 0; k < K; ++k) {
-    const int r = k % P;
-    const int in_flight = sim.ok ? sim.peak_in_flight[r] : micro_batches;
-    const int64_t in_bytes = k == 0 ? 0 : costs[part.first(k) - 1].activation_bytes;
-    int64_t act = checkpoint == Recompute::kNever ? sc[k].activation_bytes * in_flight
-                                        : in_bytes * in_flight + sc[k].activation_bytes;
+    const int r = s.rank_of(k);
+    const StageMemoryModel::Bytes bytes = mem(k, part.first(k), part.end(k));
+    const int in_flight = bytes.in_flight;
+    const int64_t act = bytes.activations;
     // "Flatten 3xLinear 3xReLU": the kinds of layer, in order of first appearance.
     std::vector<std::pair<std::string, int>> kinds;
     for (int i = part.first(k); i < part.end(k); ++i) {
@@ -787,11 +963,18 @@ std::string Options::plan(const core::PlanInput& input) const {
     std::string range = std::to_string(part.first(k)) + (part.size(k) > 1 ? "-" + std::to_string(part.end(k) - 1) : "");
     std::string label = range + ": " + names;
     if (label.size() > 32) label = label.substr(0, 29) + "...";
-    std::snprintf(line, sizeof(line), "  %-5d %-4d %-32s %10lld %8.3f %8.3f %11s %9d %11s\n", k, r, label.c_str(),
+    const bool over = memory_gb > 0 && static_cast<double>(bytes.total()) > mem.cap();
+    std::snprintf(line, sizeof(line), "  %-5d %-4d %-32s %10lld %8.3f %8.3f %11s %9d %11s %11s%s\n", k, r, label.c_str(),
                   static_cast<long long>(sc[k].params), sc[k].forward_s * 1e3, sc[k].backward_s * 1e3,
-                  core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(act).c_str());
+                  core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(act).c_str(),
+                  core::human_bytes(bytes.total()).c_str(), over ? "  over the cap" : "");
     os << line;
   }
+  if (memory_gb > 0)
+    os << "  pipeline.memory_gb " << memory_gb << " per rank"
+       << (v > 1 ? " (" + core::human_bytes(static_cast<int64_t>(mem.cap())) + " per chunk)" : "")
+       << ": memory = parameters, gradients and optimizer state (fp32, replicated) + activations"
+       << (s.split_backward() ? " + the inputs W keeps for the micro-batches between their B and W" : "") << "\n";
   if (!costs.empty() && costs.front().scaled)
     os << "  fwd/bwd ms: each layer timed on one sample (at most 64 tokens) and scaled by its FLOPs on the "
           "micro-batch, which is too big to time here (Note [Layer costs])\n";
@@ -799,8 +982,10 @@ std::string Options::plan(const core::PlanInput& input) const {
      << (checkpoint == Recompute::kNever ? "" : " (their inputs, under checkpointing, + one micro-batch recomputed)")
      << "; each rank's whole memory is in the estimate below\n";
   if (sim.ok) {
-    os << "  bubble " << fmt("%.1f%%", 100 * sim.bubble_fraction) << " (ideal (P-1)/(v*m+P-1) = "
-       << fmt("%.1f%%", 100 * ideal_bubble(P, micro_batches, v)) << "), forward = 1 slot, backward = 2:\n";
+    const std::string kind = to_string(schedule);
+    os << "  bubble " << fmt("%.1f%%", 100 * sim.bubble_fraction) << " (ideal " << bubble_formula(kind) << " = "
+       << fmt("%.1f%%", 100 * ideal_bubble(kind, P, micro_batches, v)) << "), forward = 1 slot, "
+       << (s.split_backward() ? "B (input gradient) = 1, W (weight gradient) = 1" : "backward = 2") << ":\n";
     std::istringstream d(draw(s, sim));
     for (std::string l; std::getline(d, l);) os << "  " << l << "\n";
   } else {
@@ -816,16 +1001,18 @@ std::string Options::plan(const core::PlanInput& input) const {
 void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
   const int P = stages, v = virtual_stages;
   rank.virtual_stages = v;
+  if (P > 1) {
+    const Simulation sim = simulate(make_schedule(to_string(schedule), P, micro_batches, v));
+    if (sim.ok) rank.pipeline_bubble = sim.bubble_fraction;
+  }
   const int64_t micro = input.plan.micro_batch_size();
   const bool bf16 = input.spec.train.precision == core::Precision::kBf16;
   const auto it = rank.coord.find("pipeline");
   const int r = it == rank.coord.end() ? 0 : it->second;
   std::vector<LayerCost> costs =
       measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime, kDryRunTimedFlops, &input.probe);
-  const Partition part = partition_for(*this, input.model, costs);
-  const std::vector<StageCost> sc = stage_costs(part, costs);
+  const Partition part = partition_for(*this, input.model, costs, input.spec);
   const Schedule sched = make_schedule(to_string(schedule), P, micro_batches, v);
-  const Simulation sim = simulate(sched);
   if (balance == Balance::kByTime)
     rank.notes.push_back("pipeline.balance by_time: the cut is timed here; a run times it again and may cut elsewhere");
 
@@ -835,13 +1022,11 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
     for (int i = part.first(sched.stage_of(r, c)); i < part.end(sched.stage_of(r, c)); ++i) rank.layers.push_back(i);
   rank.replicated_state(input.spec);
 
-  const int in_flight = sim.ok ? sim.peak_in_flight[r] : micro_batches;
+  const StageMemoryModel mem(*this, costs, input.spec);
   rank.activations = 0;
   for (int c = 0; c < v; ++c) {
     const int k = sched.stage_of(r, c);
-    const int64_t in_bytes = k == 0 ? 0 : costs[part.first(k) - 1].activation_bytes;
-    rank.activations += checkpoint == Recompute::kNever ? sc[k].activation_bytes * in_flight
-                                                        : in_bytes * in_flight + sc[k].activation_bytes;
+    rank.activations += mem(k, part.first(k), part.end(k)).activations;
   }
   if (P == 1) return;  // one rank: the stages hand over in memory
 
@@ -883,6 +1068,8 @@ void pipeline_fields(V& v, Options& o) {
   if constexpr (V::kReads)
     if (o.micro_batches == 0) o.micro_batches = 4 * o.stages;
   v.integer("micro_batches", o.micro_batches, 1, 1 << 20);
+  if constexpr (V::kReads)
+    if (o.schedule == ScheduleKind::kZBV) o.virtual_stages = 2;  // ZBV's V: two chunks per rank
   v.integer("virtual_stages", o.virtual_stages, 1, 1024);
   // balance: a word, or a list of layer counts.
   bool counts = o.balance == Balance::kExplicit;
@@ -903,6 +1090,7 @@ void pipeline_fields(V& v, Options& o) {
     v.word("balance", o.balance, words);
   }
   v.word("checkpoint", o.checkpoint, recompute_names());
+  v.number("memory_gb", o.memory_gb, 0);
   v.integer("prefetch", o.prefetch, 0, 64);
 }
 const auto kFields = [](auto& v, Options& o) { pipeline_fields(v, o); };
@@ -911,13 +1099,42 @@ const auto kFields = [](auto& v, Options& o) { pipeline_fields(v, o); };
 
 YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
-core::StrategyRole Options::role(const core::JobSpec&) const {
+std::vector<core::PlanIssue> Options::model_issues(const core::PlanInput& input) const {
+  if (memory_gb <= 0) return {};
+  // Whether a cut fits does not depend on the layers' times: the sizes are enough here
+  // (by_time then finds a cut that fits when any does).
+  const std::vector<LayerCost> costs = measure_layers(input.model, input.data, input.plan.micro_batch_size(),
+                                                      input.spec.train.precision == core::Precision::kBf16, false,
+                                                      kDryRunTimedFlops, &input.probe);
+  return memory_issues(*this, partition_for(*this, input.model, costs, input.spec), costs, input.spec);
+}
+
+std::vector<core::PlanIssue> Options::issues(const core::JobSpec& job) const {
+  std::vector<core::PlanIssue> out;
+  const bool split = schedule == ScheduleKind::kZBH1 || schedule == ScheduleKind::kZBV;
+  // ZeRO-3 gathers a layer's parameters around its backward and frees them after; a
+  // zero-bubble W runs later, when they are gone. (The pipeline links core only: it reads
+  // the zero section's stage from its YAML.)
+  if (const auto zero = job.plugin<core::StrategyConfig>("zero"); split && zero) {
+    const YAML::Node stage = zero->to_yaml()["stage"];
+    if (stage && stage.as<int>() == 3)
+      out.push_back({"pipeline.schedule",
+                     "pipeline.schedule " + to_string(schedule) +
+                         " splits each backward into B and W, and zero.stage 3 gathers a layer's parameters only around "
+                         "its whole backward; use zero.stage 1 or 2 with a zero-bubble schedule, or schedule 1f1b"});
+  }
+  return out;
+}
+
+core::StrategyRole Options::role(const core::JobSpec& job) const {
   core::StrategyRole r;
   r.axis = "pipeline";
   r.why = "splits the model into " + std::to_string(stages * virtual_stages) + " stages (" + to_string(schedule) + ", " +
           std::to_string(micro_batches) + " micro-batches, balance " + to_string(balance) + ")";
-  r.micro_batches = micro_batches;
-  r.micro_batches_key = "pipeline.micro_batches";
+  // Accumulation runs the schedule train.accumulation_steps times: the batch splits into both.
+  r.micro_batches = micro_batches * job.train.accumulation_steps;
+  r.micro_batches_key = job.train.accumulation_steps > 1 ? "pipeline.micro_batches x train.accumulation_steps"
+                                                         : "pipeline.micro_batches";
   return r;
 }
 
@@ -935,11 +1152,7 @@ void register_pipeline(core::SectionRegistry& registry) {
         if (!given && P == 1) return nullptr;  // off: no pipeline
         const std::string problem = schedule_problem(to_string(o->schedule), P, o->micro_batches, o->virtual_stages);
         if (!problem.empty())
-          s.error(o->virtual_stages != 1 && o->schedule != ScheduleKind::kInterleaved1F1B ? "virtual_stages" : "micro_batches",
-                  problem);
-        if (job.train.accumulation_steps != 1)
-          s.error("micro_batches", "a pipeline splits the batch into micro_batches itself: set train.accumulation_steps to 1 (it is " +
-                                       std::to_string(job.train.accumulation_steps) + ")");
+          s.error(problem.find("virtual") != std::string::npos ? "virtual_stages" : "micro_batches", problem);
         return o;
       },
       "pipeline");

@@ -40,7 +40,7 @@
 namespace tetra::pipeline {
 
 // pipeline.schedule, in the order of schedule_kinds() (the words the job file takes).
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B };
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kZBH1, kZBV };
 // pipeline.balance: how layers are cut into stages (a list in the file: kExplicit).
 enum class Balance { kUniform, kByParams, kByTime, kExplicit };
 const std::vector<std::string>& balance_names();  // uniform by_params by_time explicit
@@ -59,6 +59,10 @@ struct Options : core::StrategyConfig {
   Balance balance = Balance::kUniform;
   std::vector<int64_t> balance_counts;  // balance kExplicit: [4, 3, ...] (P x v counts)
   Recompute checkpoint = Recompute::kNever;
+  // Each rank's memory for its stages in GiB (Note [Stage memory]); 0 = no cap. With
+  // balance by_time the cut is the fastest whose every stage fits; any other balance's cut
+  // must fit. A cut that does not is a `train --check` error naming the stage and bytes.
+  double memory_gb = 0;
   // Receives posted on each link before the schedule needs them. Posting ahead overlaps
   // a transfer with compute, but the link's progress thread then polls for it beside
   // the compute thread: on a CPU with a core per rank that cost more than it hid
@@ -70,6 +74,8 @@ struct Options : core::StrategyConfig {
   core::StrategyRole role(const core::JobSpec& job) const override;
   std::string plan(const core::PlanInput& input) const override;
   void estimate(const core::PlanInput& input, core::RankEstimate& rank) const override;
+  std::vector<core::PlanIssue> issues(const core::JobSpec& job) const override;
+  std::vector<core::PlanIssue> model_issues(const core::PlanInput& input) const override;
   YAML::Node to_yaml() const override;
 };
 
@@ -86,6 +92,15 @@ struct PipelineStats {
   // (the rest is its own work: compute, loading its data, the loss).
   double bubble() const { return wall_s > 0 ? wait_s / wall_s : 0.0; }
 };
+
+// The cut a run makes from its layers' costs (partition.h; measure_layers): by the
+// balance, and under pipeline.memory_gb with balance by_time the fastest cut whose every
+// stage fits (Note [Stage memory]); when none fits, the one that needs least.
+Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec);
+// The stages of `part` over pipeline.memory_gb, one issue each, naming the stage, its rank,
+// its layers and its bytes (none when memory_gb is 0).
+std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& part, const std::vector<LayerCost>& costs,
+                                           const core::JobSpec& spec);
 
 // The strategy object, for code that wants its stats (dynamic_cast from Strategy).
 class PipelineStrategy : public core::Strategy {

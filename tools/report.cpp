@@ -881,13 +881,15 @@ std::string micro_batch(const std::string& name) {
 void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t wanted_step) {
   page.open("pipeline", "Pipeline timeline");
   int p = 0, m = 0, v = 1;  // p = 0: not known
+  std::string kind = "1f1b";
   const double summary_p = number(member(run.summary, "mesh"), "pipeline");
   if (std::isfinite(summary_p)) p = static_cast<int>(summary_p);
   if (est.resolved.IsMap()) {
     try {
       p = est.resolved["mesh"]["pipeline"].as<int>(1);
       m = est.resolved["pipeline"]["micro_batches"].as<int>(0);
-      v = est.resolved["pipeline"]["virtual_stages"].as<int>(1);
+      kind = est.resolved["pipeline"]["schedule"].as<std::string>(kind);
+      v = est.resolved["pipeline"]["virtual_stages"].as<int>(kind == "zbv" ? 2 : 1);
     } catch (const YAML::Exception&) {
     }
   }
@@ -1004,8 +1006,9 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
       if (track.rfind("stage ", 0) != 0) continue;
       for (const auto& s : spans) {
         if (s.end <= b || s.begin >= e) continue;
+        // A zero-bubble schedule's weight pass (W3) is backward work too.
         const bool wait = s.name.rfind("wait", 0) == 0, fwd = !wait && s.name[0] == 'F',
-                   bwd = !wait && s.name[0] == 'B';
+                   bwd = !wait && (s.name[0] == 'B' || s.name[0] == 'W');
         if (!wait && !fwd && !bwd) continue;
         row.blocks.push_back({(std::max(s.begin, b) - t0) / 1e3, (std::min(s.end, e) - t0) / 1e3,
                               wait  ? size_t{2}
@@ -1045,11 +1048,10 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
              table);
   std::string textbook;
   if (p > 1 && m > 0)
-    textbook = "Textbook bubble for p=" + std::to_string(p) + " stages, m=" + std::to_string(m) +
-               " micro-batches" +
-               (v > 1 ? ", v=" + std::to_string(v) + " virtual stages: (p-1)/(v*m+p-1) = "
-                      : ": (p-1)/(m+p-1) = ") +
-               pct(tetra::pipeline::ideal_bubble(p, m, v)) + "; measured overall: " + pct(overall) +
+    textbook = "Textbook bubble of " + kind + " for p=" + std::to_string(p) + " stages, m=" + std::to_string(m) +
+               " micro-batches" + (v > 1 ? ", v=" + std::to_string(v) + " virtual stages" : "") + ": " +
+               tetra::pipeline::bubble_formula(kind) + " = " + pct(tetra::pipeline::ideal_bubble(kind, p, m, v)) +
+               "; measured overall: " + pct(overall) +
                " of the step (idle includes gradient sync, the optimizer and data loading).";
   else
     textbook = "No textbook bubble: " +

@@ -247,6 +247,7 @@ int train_main(int argc, char** argv) {
       TrainerOptions dry;
       dry.dry_run = true;
       const Trainer trainer(spec, dry);
+      trainer.check_model();
       if (const std::string problem = space_problem(spec, trainer.model_parameters()); !problem.empty())
         throw ConfigError(problem);
       std::printf("%s: ok (%s; model %lld parameters%s)\n", job.c_str(), trainer.dataset().info().description.c_str(),

@@ -245,7 +245,8 @@ TEST(Pipeline, ImpossibleNumbersAreClearErrorsBeforeAnyRankTalks) {
       "interleaved_1f1b needs micro_batches to be a multiple of the 4 pipeline stages, got 6");
   has(parse_error({"mesh.pipeline=2", "pipeline.virtual_stages=2"}), "set schedule: interleaved_1f1b");
   has(parse_error({"mesh.pipeline=2", "pipeline.schedule=1f1f"}), "pipeline.schedule");
-  has(parse_error({"mesh.pipeline=2", "train.accumulation_steps=2"}), "set train.accumulation_steps to 1");
+  has(parse_error({"mesh.pipeline=2", "train.accumulation_steps=5"}),
+      "does not split into 1 data-parallel rank x 40 micro-batches (pipeline.micro_batches x train.accumulation_steps)");
   has(parse_error({"mesh.pipeline=2", "pipeline.balance=[4, 2, 2]"}), "lists 3 layer counts, but there are 2 stages");
   has(parse_error({"mesh.pipeline=2", "pipeline.micro_batch=4"}), "micro_batch");  // a typo is not ignored
 
@@ -273,9 +274,16 @@ TEST(Pipeline, DryRunPlanShowsStagesCostsAndTheSchedule) {
   const std::string plan = t.plan();
   EXPECT_NE(plan.find("pipeline: 2 ranks, schedule 1f1b, 4 micro-batches of 24"), std::string::npos) << plan;
   EXPECT_NE(plan.find("balance by_params [2, 6]"), std::string::npos) << plan;  // 784x64 outweighs the rest
-  EXPECT_NE(plan.find("bubble 20.0% (ideal (P-1)/(v*m+P-1) = 20.0%)"), std::string::npos) << plan;
+  EXPECT_NE(plan.find("bubble 20.0% (ideal (P-1)/(m+P-1) = 20.0%)"), std::string::npos) << plan;
   EXPECT_NE(plan.find("rank 0 | F0 F1 .. .. B0 B0"), std::string::npos) << plan;
   EXPECT_NE(plan.find("rank 1 | .. F0 B0 B0 F1"), std::string::npos) << plan;
+  // The zero-bubble schedules are drawn and priced as the others: B and W a slot each.
+  Trainer zb(job({"mesh.pipeline=2", "pipeline.micro_batches=4", "pipeline.schedule=zbh1", "pipeline.memory_gb=1"}), o);
+  const std::string zplan = zb.plan();
+  EXPECT_NE(zplan.find("ideal (P-1)/(3m+P-1) = 7.7%"), std::string::npos) << zplan;
+  EXPECT_NE(zplan.find("B (input gradient) = 1, W (weight gradient) = 1"), std::string::npos) << zplan;
+  EXPECT_NE(zplan.find("rank 1 | .. F0 B0 F1 B1 W0 F2 B2 W1"), std::string::npos) << zplan;
+  EXPECT_NE(zplan.find("pipeline.memory_gb 1 per rank"), std::string::npos) << zplan;
 }
 
 // Note [Layer costs]: over the budget, each layer is timed on one short sample and scaled

@@ -100,6 +100,7 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   // Replicas compose the data group hierarchically (collectives/hierarchical.h).
   const bool hierarchical = R > 1 || (!estimates.empty() && estimates.front().hierarchical_data);
   const int virtual_stages = estimates.empty() ? 1 : estimates.front().virtual_stages;
+  const double bubble = estimates.empty() ? -1 : estimates.front().pipeline_bubble;
   std::vector<AxisLinks> links;
   bool data_seen = false;
   for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(per_host)) {
@@ -121,7 +122,7 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   // count (forward_flops: Linears and attention) is split into T.
   total *= plan.spec().mesh.size("tensor");
   return predict_step(work, links, static_cast<int>(plan.micro_batches()), virtual_stages, batch, total,
-                      plan.process_count() * R, cal);
+                      plan.process_count() * R, cal, bubble);
 }
 
 // Note [This machine's figures]
