@@ -647,166 +647,166 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
   double wait_s = 0;
   const auto t_begin = Clock::now();
   for (int round = 0; round < rounds; ++round) {
-  const int base = round * m;  // the round's first micro-batch in the step
-  std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
+    const int base = round * m;  // the round's first micro-batch in the step
+    std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
 
-  // One inbox per link this rank receives on, told in order what the schedule takes from it.
-  std::map<std::pair<int, int>, Inbox> acts, grads;
-  for (const auto& [key, link] : act_links_)
-    if (key.second == rank_) acts.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
-  for (const auto& [key, link] : grad_links_)
-    if (key.second == rank_) grads.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
-  // The instruction after which the step's gradients are complete: the last fused backward
-  // or W (the data-parallel and ZeRO hooks then send what they have).
-  int last_backward = -1;
-  for (size_t k = 0; k < prog.size(); ++k) {
-    const Instr& in = prog[k];
-    if (in.op == Op::kRecvAct)
-      acts.at({prev_rank(in.chunk), rank_}).expect(input_of(in.chunk).shape(micro.rows(base + in.micro)), input_of(in.chunk).dtype);
-    if (in.op == Op::kRecvGrad)
-      grads.at({next_rank(in.chunk), rank_}).expect(output_of(in.chunk).shape(micro.rows(base + in.micro)), output_of(in.chunk).dtype);
-    if ((in.op == Op::kBackward || in.op == Op::kBackwardWeight) && round == rounds - 1) last_backward = static_cast<int>(k);
-  }
-  for (auto& [key, inbox] : acts) inbox.start();
-  for (auto& [key, inbox] : grads) inbox.start();
-
-  const bool tracing = trace_->enabled();
-  auto span = [&](int chunk, const std::string& what, Clock::time_point a, Clock::time_point b) {
-    if (tracing) trace_->span("stage " + std::to_string(stage(chunk)), what, trace_->us_at(a), trace_->us_at(b));
-  };
-  auto load = [&](int i, Slot& s, int chunk) {
-    core::Batch b = micro.load(base + i);
-    if (first(chunk)) s.input = b.inputs;
-    s.targets = b.targets;
-  };
-  // A micro-batch's dropout draws by its rows' places in the global batch: its forward and
-  // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
-  // The last stage's forward returns the micro-batch's mean loss (s.loss is it weighted).
-  auto run_forward = [&](int i, int chunk, Slot& s) {
-    core::RandomContext::Scope random(micro.random(base + i));
-    core::compat::Autocast autocast(step.bf16, step.device.type());
-    s.output = chunks_[chunk]->forward(s.input);
-    if (!last(chunk)) return at::Tensor();
-    at::Tensor l = loss_->loss(s.output, s.targets);
-    s.loss = micro.weighted(base + i, l);
-    return l;
-  };
-  auto send = [&](const Link& link, const at::Tensor& t) {
-    collectives::SendOptions o;
-    o.timeout = timeout_;
-    // A finished send lets go of its tensor now rather than at the step's end (a
-    // gradient a stage sent is memory it no longer needs).
-    sends.erase(std::remove_if(sends.begin(), sends.end(), [](const WorkPtr& w) { return w->done() && !w->exception(); }),
-                sends.end());
-    sends.push_back(link.comm->send(t.detach().contiguous(), link.peer(), o));
-  };
-  // A backward (fused or B) begins with its output's gradient: received, or handed over by
-  // the next stage when it is on this rank; under checkpointing it recomputes the forward.
-  auto begin_backward = [&](const Instr& in, Slot& s) {
-    if (!last(in.chunk) && !s.out_grad.defined()) {
-      Slot& next = slots[next_chunk(in.chunk)][in.micro];
-      s.out_grad = next.input_grad;
-      next.input = next.input_grad = at::Tensor();
+    // One inbox per link this rank receives on, told in order what the schedule takes from it.
+    std::map<std::pair<int, int>, Inbox> acts, grads;
+    for (const auto& [key, link] : act_links_)
+      if (key.second == rank_) acts.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
+    for (const auto& [key, link] : grad_links_)
+      if (key.second == rank_) grads.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
+    // The instruction after which the step's gradients are complete: the last fused backward
+    // or W (the data-parallel and ZeRO hooks then send what they have).
+    int last_backward = -1;
+    for (size_t k = 0; k < prog.size(); ++k) {
+      const Instr& in = prog[k];
+      if (in.op == Op::kRecvAct)
+        acts.at({prev_rank(in.chunk), rank_}).expect(input_of(in.chunk).shape(micro.rows(base + in.micro)), input_of(in.chunk).dtype);
+      if (in.op == Op::kRecvGrad)
+        grads.at({next_rank(in.chunk), rank_}).expect(output_of(in.chunk).shape(micro.rows(base + in.micro)), output_of(in.chunk).dtype);
+      if ((in.op == Op::kBackward || in.op == Op::kBackwardWeight) && round == rounds - 1) last_backward = static_cast<int>(k);
     }
-    if (checkpointed(in.micro)) run_forward(in.micro, in.chunk, s);  // again, now with its graph (GPipe)
-  };
-  // What a backward leaves: its input's gradient, until it is sent or handed over, and
-  // (after a B) what its W needs, which the slot's SplitBackward holds.
-  auto end_backward = [&](Slot& s, int chunk) {
-    s.output = s.loss = s.out_grad = s.targets = at::Tensor();
-    if (first(chunk)) s.input = at::Tensor();
-  };
+    for (auto& [key, inbox] : acts) inbox.start();
+    for (auto& [key, inbox] : grads) inbox.start();
 
-  for (size_t k = 0; k < prog.size(); ++k) {
-    const Instr& in = prog[k];
-    Slot& s = slots[in.chunk][in.micro];
-    switch (in.op) {
-      case Op::kRecvAct: {
-        auto t0 = Clock::now();
-        s.input = acts.at({prev_rank(in.chunk), rank_}).take(&wait_s);
-        if (s.input.is_floating_point()) s.input.requires_grad_(true);
-        span(in.chunk, "wait " + to_string(in), t0, Clock::now());
-        break;
+    const bool tracing = trace_->enabled();
+    auto span = [&](int chunk, const std::string& what, Clock::time_point a, Clock::time_point b) {
+      if (tracing) trace_->span("stage " + std::to_string(stage(chunk)), what, trace_->us_at(a), trace_->us_at(b));
+    };
+    auto load = [&](int i, Slot& s, int chunk) {
+      core::Batch b = micro.load(base + i);
+      if (first(chunk)) s.input = b.inputs;
+      s.targets = b.targets;
+    };
+    // A micro-batch's dropout draws by its rows' places in the global batch: its forward and
+    // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
+    // The last stage's forward returns the micro-batch's mean loss (s.loss is it weighted).
+    auto run_forward = [&](int i, int chunk, Slot& s) {
+      core::RandomContext::Scope random(micro.random(base + i));
+      core::compat::Autocast autocast(step.bf16, step.device.type());
+      s.output = chunks_[chunk]->forward(s.input);
+      if (!last(chunk)) return at::Tensor();
+      at::Tensor l = loss_->loss(s.output, s.targets);
+      s.loss = micro.weighted(base + i, l);
+      return l;
+    };
+    auto send = [&](const Link& link, const at::Tensor& t) {
+      collectives::SendOptions o;
+      o.timeout = timeout_;
+      // A finished send lets go of its tensor now rather than at the step's end (a
+      // gradient a stage sent is memory it no longer needs).
+      sends.erase(std::remove_if(sends.begin(), sends.end(), [](const WorkPtr& w) { return w->done() && !w->exception(); }),
+                  sends.end());
+      sends.push_back(link.comm->send(t.detach().contiguous(), link.peer(), o));
+    };
+    // A backward (fused or B) begins with its output's gradient: received, or handed over by
+    // the next stage when it is on this rank; under checkpointing it recomputes the forward.
+    auto begin_backward = [&](const Instr& in, Slot& s) {
+      if (!last(in.chunk) && !s.out_grad.defined()) {
+        Slot& next = slots[next_chunk(in.chunk)][in.micro];
+        s.out_grad = next.input_grad;
+        next.input = next.input_grad = at::Tensor();
       }
-      case Op::kRecvGrad: {
-        auto t0 = Clock::now();
-        s.out_grad = grads.at({next_rank(in.chunk), rank_}).take(&wait_s);
-        span(in.chunk, "wait " + to_string(in), t0, Clock::now());
-        break;
-      }
-      case Op::kForward: {
-        if (first(in.chunk) || last(in.chunk)) load(in.micro, s, in.chunk);
-        if (!first(in.chunk) && !s.input.defined()) {
-          // The previous stage is on this rank (one rank with several chunks, the V's
-          // turn): hand over.
-          Slot& prev = slots[prev_chunk(in.chunk)][in.micro];
-          s.input = prev.output.detach();
+      if (checkpointed(in.micro)) run_forward(in.micro, in.chunk, s);  // again, now with its graph (GPipe)
+    };
+    // What a backward leaves: its input's gradient, until it is sent or handed over, and
+    // (after a B) what its W needs, which the slot's SplitBackward holds.
+    auto end_backward = [&](Slot& s, int chunk) {
+      s.output = s.loss = s.out_grad = s.targets = at::Tensor();
+      if (first(chunk)) s.input = at::Tensor();
+    };
+
+    for (size_t k = 0; k < prog.size(); ++k) {
+      const Instr& in = prog[k];
+      Slot& s = slots[in.chunk][in.micro];
+      switch (in.op) {
+        case Op::kRecvAct: {
+          auto t0 = Clock::now();
+          s.input = acts.at({prev_rank(in.chunk), rank_}).take(&wait_s);
           if (s.input.is_floating_point()) s.input.requires_grad_(true);
+          span(in.chunk, "wait " + to_string(in), t0, Clock::now());
+          break;
         }
-        auto t0 = Clock::now();
-        at::Tensor loss;
-        if (checkpointed(in.micro)) {
-          torch::NoGradGuard no_grad;
-          loss = run_forward(in.micro, in.chunk, s);
-        } else {
-          loss = run_forward(in.micro, in.chunk, s);
+        case Op::kRecvGrad: {
+          auto t0 = Clock::now();
+          s.out_grad = grads.at({next_rank(in.chunk), rank_}).take(&wait_s);
+          span(in.chunk, "wait " + to_string(in), t0, Clock::now());
+          break;
         }
-        if (loss.defined()) micro.add_loss(base + in.micro, loss.item<double>());
-        auto t1 = Clock::now();
-        out.forward_s += seconds(t0, t1);
-        span(in.chunk, to_string(in), t0, t1);
-        break;
-      }
-      case Op::kSendAct:
-        send(act_link(rank_, next_rank(in.chunk)), s.output);
-        break;
-      case Op::kBackward: {
-        if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
-        begin_backward(in, s);
-        auto t0 = Clock::now();
-        // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
-        if (last(in.chunk)) {
-          if (s.loss.requires_grad()) s.loss.backward();
-        } else if (s.output.requires_grad()) {
-          torch::autograd::backward({s.output}, {s.out_grad});
+        case Op::kForward: {
+          if (first(in.chunk) || last(in.chunk)) load(in.micro, s, in.chunk);
+          if (!first(in.chunk) && !s.input.defined()) {
+            // The previous stage is on this rank (one rank with several chunks, the V's
+            // turn): hand over.
+            Slot& prev = slots[prev_chunk(in.chunk)][in.micro];
+            s.input = prev.output.detach();
+            if (s.input.is_floating_point()) s.input.requires_grad_(true);
+          }
+          auto t0 = Clock::now();
+          at::Tensor loss;
+          if (checkpointed(in.micro)) {
+            torch::NoGradGuard no_grad;
+            loss = run_forward(in.micro, in.chunk, s);
+          } else {
+            loss = run_forward(in.micro, in.chunk, s);
+          }
+          if (loss.defined()) micro.add_loss(base + in.micro, loss.item<double>());
+          auto t1 = Clock::now();
+          out.forward_s += seconds(t0, t1);
+          span(in.chunk, to_string(in), t0, t1);
+          break;
         }
-        if (!first(in.chunk) && s.input.requires_grad()) s.input_grad = s.input.grad();
-        auto t1 = Clock::now();
-        out.backward_s += seconds(t0, t1);
-        span(in.chunk, to_string(in), t0, t1);
-        end_backward(s, in.chunk);
-        break;
-      }
-      case Op::kBackwardInput: {
-        begin_backward(in, s);
-        auto t0 = Clock::now();
-        const at::Tensor& root = last(in.chunk) ? s.loss : s.output;
-        s.input_grad = s.split.input_pass(root, last(in.chunk) ? at::Tensor() : s.out_grad,
-                                          first(in.chunk) ? at::Tensor() : s.input);
-        auto t1 = Clock::now();
-        out.backward_s += seconds(t0, t1);
-        span(in.chunk, to_string(in), t0, t1);
-        end_backward(s, in.chunk);
-        break;
-      }
-      case Op::kBackwardWeight: {
-        if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
-        auto t0 = Clock::now();
-        s.split.weight_pass();
-        auto t1 = Clock::now();
-        out.backward_s += seconds(t0, t1);
-        span(in.chunk, to_string(in), t0, t1);
-        break;
-      }
-      case Op::kSendGrad: {
-        at::Tensor g = s.input_grad;
-        if (!g.defined()) g = at::zeros_like(s.input);
-        send(grad_link(rank_, prev_rank(in.chunk)), g);
-        s.input = s.input_grad = at::Tensor();
-        break;
+        case Op::kSendAct:
+          send(act_link(rank_, next_rank(in.chunk)), s.output);
+          break;
+        case Op::kBackward: {
+          if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
+          begin_backward(in, s);
+          auto t0 = Clock::now();
+          // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
+          if (last(in.chunk)) {
+            if (s.loss.requires_grad()) s.loss.backward();
+          } else if (s.output.requires_grad()) {
+            torch::autograd::backward({s.output}, {s.out_grad});
+          }
+          if (!first(in.chunk) && s.input.requires_grad()) s.input_grad = s.input.grad();
+          auto t1 = Clock::now();
+          out.backward_s += seconds(t0, t1);
+          span(in.chunk, to_string(in), t0, t1);
+          end_backward(s, in.chunk);
+          break;
+        }
+        case Op::kBackwardInput: {
+          begin_backward(in, s);
+          auto t0 = Clock::now();
+          const at::Tensor& root = last(in.chunk) ? s.loss : s.output;
+          s.input_grad = s.split.input_pass(root, last(in.chunk) ? at::Tensor() : s.out_grad,
+                                            first(in.chunk) ? at::Tensor() : s.input);
+          auto t1 = Clock::now();
+          out.backward_s += seconds(t0, t1);
+          span(in.chunk, to_string(in), t0, t1);
+          end_backward(s, in.chunk);
+          break;
+        }
+        case Op::kBackwardWeight: {
+          if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
+          auto t0 = Clock::now();
+          s.split.weight_pass();
+          auto t1 = Clock::now();
+          out.backward_s += seconds(t0, t1);
+          span(in.chunk, to_string(in), t0, t1);
+          break;
+        }
+        case Op::kSendGrad: {
+          at::Tensor g = s.input_grad;
+          if (!g.defined()) g = at::zeros_like(s.input);
+          send(grad_link(rank_, prev_rank(in.chunk)), g);
+          s.input = s.input_grad = at::Tensor();
+          break;
+        }
       }
     }
-  }
   }  // rounds
   for (auto& w : sends) {
     auto t0 = Clock::now();
