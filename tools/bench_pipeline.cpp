@@ -3,18 +3,16 @@
 //
 //   mpirun --oversubscribe --bind-to none -np 2 build/bin/bench-pipeline [--steps 20] [--balance "[8, 10]"] [--set k=v]...
 //
-// On a deep MLP (784-512x8-10, batch 256, one thread per rank; by_time balance, but a
-// fixed cut for the bubble runs):
-//   bubble      the idle fraction of each stage measured over the run (time blocked
-//               on a neighbour / step wall time), for gpipe and 1f1b at 2, 4, 8, 16 micro-batches,
-//               beside the theoretical (P-1)/(m+P-1);
-//   memory      the peak bytes a stage allocates during a step above what it holds
-//               between steps (activations, their gradients, received buffers), for
-//               gpipe and 1f1b at 16 micro-batches, with and without checkpointing —
-//               counted by LibTorch's CPU allocator reporting on the stage's thread;
-//   throughput  samples/s of the pipeline against one process with one thread (rank 0
-//               alone, while rank 1 sleeps in a barrier), at 8 and 16 micro-batches,
-//               beside the bound 2m/(m+1).
+// On a deep MLP (784-512x8-10, batch 256, one thread per rank, a fixed cut), for gpipe,
+// 1f1b, interleaved 1F1B (two chunks per rank), zbh1 and zbv at 8 and 16 micro-batches:
+//   throughput  samples/s against one process with one thread (rank 0 alone, while rank
+//               1 sleeps in a barrier) and the ratio to the bound 2m/(m+1) x one process
+//               on the same micro-batches;
+//   bubble      the idle fraction of each stage measured over the run (time blocked on
+//               a neighbour / step wall time), beside the simulator's for the schedule;
+//   memory      per rank at batch 2048: the peak bytes a step allocates above what the
+//               stage holds between steps (LibTorch's CPU allocator, reporting on the
+//               stage's thread) and the process's peak RSS over the run.
 // Every figure comes from this one run, so the ratios share the machine's conditions.
 #include <CLI/CLI.hpp>
 #include <c10/core/Allocator.h>
@@ -24,6 +22,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <fstream>
+#include <string>
 #include <memory>
 
 #include "collectives/backends.h"
@@ -78,7 +78,19 @@ struct Run {
   double samples_per_s = 0;
   double bubble = 0;       // this rank
   int64_t step_bytes = 0;  // this rank's peak above its resting state (memory runs)
+  int64_t peak_rss = 0;    // the process's VmHWM over the run (memory runs)
+  pipeline::Schedule schedule;
 };
+
+// The process's peak resident set (VmHWM) in bytes, and its reset (Linux: writing 5 to
+// clear_refs starts the peak again from the current RSS).
+int64_t peak_rss() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 }  // namespace
 
@@ -113,8 +125,7 @@ int main(int argc, char** argv) {
       return parse_job_string(kJob, "bench-pipeline", all, plugins).spec;
     };
     set_threads(1);
-    auto pipelined = [&](const std::string& schedule, int m, const std::string& checkpoint, bool meter,
-                         std::vector<std::string> extra = {}, const std::string& balance = "by_time") {
+    auto pipelined = [&](int m, const std::string& checkpoint, bool meter, std::vector<std::string> extra) {
       Run r;
       TrainerOptions o;
       o.world = world;
@@ -126,16 +137,20 @@ int main(int argc, char** argv) {
         o.on_step = [&](int64_t step, double) {
           if (step == 1) mm->reset();
         };
+        reset_peak_rss();
       }
-      extra.insert(extra.end(), {"mesh.pipeline=2", "pipeline.schedule=" + schedule,
-                                 "pipeline.micro_batches=" + std::to_string(m), "pipeline.checkpoint=" + checkpoint,
-                                 "pipeline.balance=" + balance});
+      extra.insert(extra.end(), {"mesh.pipeline=2", "pipeline.micro_batches=" + std::to_string(m),
+                                 "pipeline.checkpoint=" + checkpoint});
       Trainer t(parse(extra), o);
       TrainResult res = t.run();
       r.samples_per_s = res.samples_per_s;
       for (const auto& s : t.strategies())
-        if (auto* p = dynamic_cast<const pipeline::PipelineStrategy*>(s.get())) r.bubble = p->stats().bubble();
+        if (auto* p = dynamic_cast<const pipeline::PipelineStrategy*>(s.get())) {
+          r.bubble = p->stats().bubble();
+          r.schedule = p->schedule();
+        }
       r.step_bytes = mm->peak_above_base();
+      r.peak_rss = meter ? peak_rss() : 0;
       return r;
     };
     // Each rank's figure, on rank 0: [rank 0's, rank 1's].
@@ -149,61 +164,87 @@ int main(int argc, char** argv) {
     if (rank0)
       std::printf("bench-pipeline: mlp 784-512x8-10, batch 256, sgd, %lld steps, 2 ranks x 1 thread, %s\n",
                   static_cast<long long>(steps), blas_description().c_str());
-    if (rank0) std::printf("\nbubble (idle fraction of each stage over the run)\n%-6s %4s %9s %9s %9s %9s\n",
-                           "sched", "m", "stage 0", "stage 1", "theory", "max diff");
-    for (const char* sched : {"gpipe", "1f1b"})
-      for (int m : {2, 4, 8, 16}) {
-        Run r = pipelined(sched, m, "never", false, {}, balance);
-        auto [b0, b1] = both(r.bubble);
-        const double ideal = 1.0 / (m + 1);
-        if (rank0)
-          std::printf("%-6s %4d %8.1f%% %8.1f%% %8.1f%% %8.1f pp\n", sched, m, 100 * b0, 100 * b1, 100 * ideal,
-                      100 * std::max(std::abs(b0 - ideal), std::abs(b1 - ideal)));
-      }
 
-    // Memory with a batch of 2048 (micro-batches of 128): activations then dwarf the
-    // few MiB of per-step workspace (weight-gradient temporaries, buffers in flight).
-    if (rank0) std::printf("\nactivation memory at 16 micro-batches of 128 (batch 2048; peak a step allocates above the\n"
-                           "resting state, per stage)\n%-6s %-11s %11s %11s\n", "sched", "checkpoint", "stage 0", "stage 1");
-    for (const char* sched : {"gpipe", "1f1b"})
-      for (const char* ck : {"never", "except_last", "always"}) {
-        Run r = pipelined(sched, 16, ck, true, {"data.batch_size=2048", "train.max_steps=4"});
-        auto [m0, m1] = both(static_cast<double>(r.step_bytes));
-        if (rank0)
-          std::printf("%-6s %-11s %11s %11s\n", sched, ck, human_bytes(static_cast<int64_t>(m0)).c_str(),
-                      human_bytes(static_cast<int64_t>(m1)).c_str());
-      }
-
+    // The schedules side by side: gpipe, 1f1b and zbh1 on the 2-stage cut, interleaved
+    // 1F1B and ZBV on 4 stages (two chunks per rank, each rank holding 8 or 10 layers as
+    // the 2-stage cut does: [4, 4, 4, 6] puts stages 0+2 / 1+3 on ranks 0 / 1 interleaved,
+    // 0+3 / 1+2 in the V).
+    struct Kind {
+      const char* name;
+      std::vector<std::string> sets;
+    };
+    const std::vector<Kind> kinds = {
+        {"gpipe", {"pipeline.schedule=gpipe", "pipeline.balance=" + balance}},
+        {"1f1b", {"pipeline.schedule=1f1b", "pipeline.balance=" + balance}},
+        {"interleaved", {"pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.balance=[4, 4, 4, 6]"}},
+        {"zbh1", {"pipeline.schedule=zbh1", "pipeline.balance=" + balance}},
+        {"zbv", {"pipeline.schedule=zbv", "pipeline.balance=[4, 4, 4, 6]"}},
+    };
     // Two baselines on one process with one thread (rank 0 alone; rank 1 sleeps in a
     // barrier): the same arithmetic (the batch as m accumulated micro-batches, what the
     // bound 2m/(m+1) compares against), and the whole batch at once (what a user would
-    // otherwise run; its larger matrix products are faster per sample).
-    if (rank0) std::printf("\nthroughput, 1f1b on 2 processes x 1 thread against 1 process x 1 thread\n"
-                           "%4s %11s %16s %16s %9s %14s %15s\n", "m", "samples/s", "1 proc, m micro", "1 proc, whole",
-                           "bound", "speedup (same)", "of bound (same)");
+    // otherwise run; its larger matrix products are faster per sample). Runs of 3x the
+    // steps, each 3 times alternating with the pipeline's, the best kept: a shared
+    // machine's noise only ever slows a run down.
     collectives::BarrierOptions bo;
     bo.timeout = std::chrono::minutes(30);
-    // Runs of 3x the steps, each mode 3 times alternating, the best kept: a shared
-    // machine's noise only ever slows a run down.
     const std::string longer = "train.max_steps=" + std::to_string(3 * steps);
     double whole = 0;
     for (int rep = 0; rep < 3 && rank0; ++rep) whole = std::max(whole, Trainer(parse({longer})).run().samples_per_s);
+    world->barrier(bo)->wait();
+    if (rank0)
+      std::printf("\none process x 1 thread, the whole batch: %.0f samples/s\n"
+                  "\n%-11s %3s %10s %9s %9s %9s %8s %8s %10s %10s\n",
+                  whole, "schedule", "m", "samples/s", "bubble 0", "bubble 1", "simulated", "x bound", "x whole",
+                  "1 proc, m", "bound");
     for (int m : {8, 16}) {
       double same = 0;
-      Run r;
-      for (int rep = 0; rep < 3; ++rep) {
-        if (rank0)
-          same = std::max(same, Trainer(parse({longer, "train.accumulation_steps=" + std::to_string(m)})).run().samples_per_s);
-        world->barrier(bo)->wait();  // rank 1 sleeps here while rank 0 runs alone
-        Run got = pipelined("1f1b", m, "never", false, {longer});
-        if (got.samples_per_s > r.samples_per_s) r = got;
-      }
+      for (int rep = 0; rep < 3 && rank0; ++rep)
+        same = std::max(same, Trainer(parse({longer, "train.accumulation_steps=" + std::to_string(m)})).run().samples_per_s);
+      world->barrier(bo)->wait();  // rank 1 sleeps here while rank 0 runs alone
       const double bound = 2.0 * m / (m + 1);
-      if (rank0)
-        std::printf("%4d %11.0f %16.0f %16.0f %8.2fx %13.2fx %15.2f   (%.2fx the whole-batch process)\n", m,
-                    r.samples_per_s, same, whole, bound, r.samples_per_s / same, r.samples_per_s / same / bound,
-                    r.samples_per_s / whole);
+      for (const Kind& k : kinds) {
+        Run r;
+        for (int rep = 0; rep < 3; ++rep) {
+          std::vector<std::string> extra = k.sets;
+          extra.push_back(longer);
+          Run got = pipelined(m, "never", false, extra);
+          if (got.samples_per_s > r.samples_per_s) r = got;
+        }
+        auto [b0, b1] = both(r.bubble);
+        const auto& sched = r.schedule;
+        const pipeline::Simulation sim = pipeline::simulate(sched);
+        if (rank0)
+          std::printf("%-11s %3d %10.0f %8.1f%% %8.1f%% %8.1f%% %8.2f %8.2f %10.0f %9.2fx\n", k.name, m, r.samples_per_s,
+                      100 * b0, 100 * b1, 100 * sim.bubble_fraction, r.samples_per_s / same / bound,
+                      r.samples_per_s / whole, same, bound);
+      }
     }
+    if (rank0)
+      std::printf("bubble: time a stage waited for a neighbour / its step time (PipelineStats); simulated: the\n"
+                  "schedule's idle fraction for backward = 2 forwards (B = W = 1); x bound: samples/s over\n"
+                  "(one process on the same m micro-batches x 2m/(m+1)); x whole: over the whole-batch process\n");
+
+    // Memory with a batch of 2048 (micro-batches of 128): activations then dwarf the
+    // few MiB of per-step workspace (weight-gradient temporaries, buffers in flight).
+    if (rank0)
+      std::printf("\nmemory at 16 micro-batches of 128 (batch 2048), per rank: the peak a step allocates above\n"
+                  "the resting state (LibTorch's allocator) and the process's peak RSS over the run (VmHWM,\n"
+                  "reset before it)\n%-11s %-11s %11s %11s %11s %11s\n",
+                  "schedule", "checkpoint", "alloc 0", "alloc 1", "RSS 0", "RSS 1");
+    for (const Kind& k : kinds)
+      for (const char* ck : {"never", "always"}) {
+        if (std::string(ck) == "always" && std::string(k.name) != "1f1b" && std::string(k.name) != "zbh1") continue;
+        std::vector<std::string> extra = k.sets;
+        extra.insert(extra.end(), {"data.batch_size=2048", "train.max_steps=4"});
+        Run r = pipelined(16, ck, true, extra);
+        auto [m0, m1] = both(static_cast<double>(r.step_bytes));
+        auto [r0, r1] = both(static_cast<double>(r.peak_rss));
+        if (rank0)
+          std::printf("%-11s %-11s %11s %11s %11s %11s\n", k.name, ck, human_bytes(static_cast<int64_t>(m0)).c_str(),
+                      human_bytes(static_cast<int64_t>(m1)).c_str(), human_bytes(static_cast<int64_t>(r0)).c_str(),
+                      human_bytes(static_cast<int64_t>(r1)).c_str());
+      }
     return 0;
   } catch (const ConfigError& e) {
     std::fprintf(stderr, "bench-pipeline: %s\n", e.what());

@@ -809,11 +809,12 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
 // "step N" on its "step" track (the trainer's, Note [Run folder]). The step shown is
 // --step, else the last one
 // every such rank has whole. Per rank: busy = the union of its forward (F<m>) and
-// backward (B<m>) spans in the step; idle = step span - busy, so it counts the waits for
+// backward (B<m>, and W<m> under a zero-bubble schedule) spans in the step; idle = step span - busy, so it counts the waits for
 // a neighbour (wait recvA/recvG) and everything else the step does outside the stages
 // (gradient sync, optimizer). The idle fraction between the rank's first and last
 // forward/backward is the part the schedule's bubble explains, set beside the textbook
-// (p-1)/(v*m+p-1) of the job's mesh.pipeline, pipeline.micro_batches and virtual_stages.
+// bubble of the job's schedule (pipeline::ideal_bubble: (P-1)/(m+P-1) for 1F1B) at its mesh.pipeline,
+// pipeline.micro_batches and virtual_stages.
 
 struct Span {
   double begin, end;

@@ -407,7 +407,7 @@ TEST(Report, HandWrittenRunGivesEveryChartWithTheSeriesItsFilesImply) {
   EXPECT_TRUE(std::regex_search(pipe, row0)) << pct(expected_idle(0, 2)) << "\n" << pipe;
   EXPECT_TRUE(std::regex_search(pipe, row1)) << pct(expected_idle(1, 2)) << "\n" << pipe;
   EXPECT_TRUE(std::regex_search(pipe, all)) << pct(expected_overall_idle(2)) << "\n" << pipe;
-  EXPECT_NE(pipe.find("(p-1)/(m+p-1) = 20.0%"), std::string::npos) << pipe;
+  EXPECT_NE(pipe.find("(P-1)/(m+P-1) = 20.0%"), std::string::npos) << pipe;
   EXPECT_NE(pipe.find("Pipeline bubble per logged interval"), std::string::npos);
 
   // The job, escaped; the header from summary.json.
@@ -529,7 +529,7 @@ TEST(Report, RealPipelineRunUnderMpirun) {
   EXPECT_GE(count(pipe, "<svg class=\"plot\""), 1u) << pipe;
   EXPECT_EQ(count(pipe, "data-kind=\"forward\""), 8u) << "4 micro-batches on each of 2 stages";
   EXPECT_EQ(count(pipe, "data-kind=\"backward\""), 8u);
-  EXPECT_NE(pipe.find("(p-1)/(m+p-1) = 20.0%"), std::string::npos) << pipe;
+  EXPECT_NE(pipe.find("(P-1)/(m+P-1) = 20.0%"), std::string::npos) << pipe;
   EXPECT_EQ(count(section(html, "memory"), "class=\"bar\" fill-opacity=\"0.35\""), 2u * 5)
       << "both ranks' estimates";
 }

@@ -466,6 +466,15 @@ TEST(TrainMpi, InterleavedPipelineWithCheckpointingFollowsOneProcess) {
   expect_mpi_follows_single(2, "128", {"mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
                                        "pipeline.micro_batches=4", "pipeline.checkpoint=always"});
 }
+// The zero-bubble schedules over MPI: ZBV's V sends activations and gradients both ways
+// between the two ranks; zbh1 x data 2 with ZeRO-2 (its hooks fire at the last W), plain SGD.
+TEST(TrainMpi, ZeroBubblePipelinesFollowOneProcess) {
+  expect_mpi_follows_single(2, "128", {"mesh.pipeline=2", "pipeline.schedule=zbv", "pipeline.micro_batches=4"},
+                            {"optimizer.type=sgd", "optimizer.lr=0.05"});
+  expect_mpi_follows_single(4, "128", {"mesh.pipeline=2", "mesh.data=2", "pipeline.schedule=zbh1",
+                                       "pipeline.micro_batches=4", "zero.stage=2"},
+                            {"optimizer.type=sgd", "optimizer.lr=0.05"});
+}
 TEST(TrainMpi, PipelineTimesDataOnFourProcessesFollowsOneProcess) {
   expect_mpi_follows_single(4, "128", {"mesh.pipeline=2", "mesh.data=2", "pipeline.schedule=1f1b", "pipeline.micro_batches=4",
                                        "pipeline.balance=by_time"});
@@ -1174,7 +1183,7 @@ comp "train job.yaml --dry"
   ASSERT_EQ(out.status, 0) << out.out;
   EXPECT_NE(out.out.find("[train job.yaml --set model.ty] model.type=\n"), std::string::npos) << out.out;
   EXPECT_NE(out.out.find("[train job.yaml --set model.type=g] gpt\n"), std::string::npos) << out.out;
-  EXPECT_NE(out.out.find("[train job.yaml --set pipeline.schedule=] gpipe 1f1b interleaved_1f1b\n"), std::string::npos)
+  EXPECT_NE(out.out.find("[train job.yaml --set pipeline.schedule=] gpipe 1f1b interleaved_1f1b zbh1 zbv\n"), std::string::npos)
       << out.out;
   EXPECT_NE(out.out.find("[train job.yaml --set zero.] zero.bucket_mb zero.overlap zero.prefetch zero.stage\n"),
             std::string::npos)
