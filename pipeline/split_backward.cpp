@@ -60,16 +60,46 @@ void collect_parameters(Node* node, const std::unordered_map<Node*, Kind>& kind,
   for (const Edge& e : node->next_edges()) collect_parameters(e.function.get(), kind, seen, out);
 }
 
+// W's stand-in for a boundary: the boundary's weight edges only, so the one autograd pass
+// W makes from every boundary at once cannot walk down an activation edge to another
+// boundary (and compute its weights twice). It calls the boundary itself, inside that
+// pass: the boundary's Node::task_should_compute_output then finds its activation edges
+// outside the pass and computes only its weights' gradients.
+struct WeightProxy final : Node {
+  WeightProxy(std::shared_ptr<Node> boundary, std::vector<uint32_t> inputs, std::vector<uint32_t> outputs,
+              torch::autograd::edge_list&& edges)
+      : Node(boundary->sequence_nr(), std::move(edges)),  // the fused backward's order
+        boundary_(std::move(boundary)),
+        inputs_(std::move(inputs)),
+        outputs_(std::move(outputs)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list all(boundary_->num_inputs());
+    for (size_t j = 0; j < inputs_.size(); ++j) all[inputs_[j]] = std::move(grads[j]);
+    torch::autograd::variable_list out = (*boundary_)(std::move(all));
+    torch::autograd::variable_list mine;
+    for (uint32_t o : outputs_) mine.push_back(std::move(out[o]));
+    return mine;
+  }
+  std::string name() const override { return "tetra::WeightProxy(" + boundary_->name() + ")"; }
+  void release_variables() override { boundary_.reset(); }
+
+ private:
+  std::shared_ptr<Node> boundary_;
+  std::vector<uint32_t> inputs_;   // the boundary's inputs, for the proxy's
+  std::vector<uint32_t> outputs_;  // the boundary's weight edges, for the proxy's
+};
+
 }  // namespace
 
 at::Tensor SplitBackward::input_pass(const at::Tensor& root, const at::Tensor& grad, const at::Tensor& input) {
-  boundaries_.clear();
+  proxies_.clear();
+  grads_.clear();
+  params_.clear();
   fused_ = false;
   const at::Tensor g = grad.defined() ? grad : (root.defined() ? at::ones_like(root) : at::Tensor());
   const bool wants_input = input.defined() && input.requires_grad();
-  auto whole = [&] {  // the fused backward: nothing to split, or weights tied
+  auto whole = [&] {  // the fused backward: nothing to split
     fused_ = true;
-    boundaries_.clear();
     if (root.requires_grad()) torch::autograd::backward({root}, {g});
     return wants_input ? input.grad() : at::Tensor();
   };
@@ -79,68 +109,74 @@ at::Tensor SplitBackward::input_pass(const at::Tensor& root, const at::Tensor& g
   const auto kind = classify(root_edge.function.get(), input_edge.function.get());
   if (weight_side(kind.at(root_edge.function.get()))) return whole();
 
-  // The boundaries, in the order a fused backward reaches them (latest forward first), so
-  // W fires the gradient hooks in the order the buckets expect; each with its weights.
-  std::vector<Node*> nodes;
+  // The boundaries, in the order a fused backward reaches them (latest forward first).
+  std::vector<Node*> boundaries;
   for (const auto& [node, k] : kind)
     if (k == Kind::kActivation &&
         std::any_of(node->next_edges().begin(), node->next_edges().end(),
                     [&](const Edge& e) { return e.is_valid() && weight_side(kind.at(e.function.get())); }))
-      nodes.push_back(node);
-  if (nodes.empty()) return whole();
-  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->sequence_nr() > b->sequence_nr(); });
-  std::unordered_set<Node*> reached;  // every weight-side node under some boundary
-  for (Node* n : nodes) {
-    Boundary b;
-    b.node = n->shared_from_this();
-    std::unordered_set<Node*> mine;
-    for (const Edge& e : n->next_edges())
-      if (e.is_valid() && weight_side(kind.at(e.function.get()))) collect_parameters(e.function.get(), kind, mine, b.params);
-    // A weight reached from two boundaries (tied): W from one would run the other.
-    for (Node* w : mine)
-      if (!reached.insert(w).second) return whole();
-    boundaries_.push_back(std::move(b));
-  }
+      boundaries.push_back(node);
+  if (boundaries.empty()) return whole();
+  std::sort(boundaries.begin(), boundaries.end(), [](Node* a, Node* b) { return a->sequence_nr() > b->sequence_nr(); });
 
   // B: capture the gradient reaching every boundary (and the input's).
   torch::autograd::edge_list targets;
   if (wants_input) targets.push_back(input_edge);
-  for (Boundary& b : boundaries_)
-    for (uint32_t i = 0; i < b.node->num_inputs(); ++i) targets.emplace_back(b.node, i);
+  for (Node* b : boundaries)
+    for (uint32_t i = 0; i < b->num_inputs(); ++i) targets.emplace_back(b->shared_from_this(), i);
   torch::autograd::variable_list captured = torch::autograd::Engine::get_default_engine().execute(
       {root_edge}, {g}, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, targets);
   size_t at = 0;
   at::Tensor input_grad = wants_input ? captured[at++] : at::Tensor();
-  for (Boundary& b : boundaries_)
-    for (uint32_t i = 0; i < b.node->num_inputs(); ++i) b.grads.push_back(captured[at++]);
+
+  // What W needs: a proxy per boundary (its weight edges, fed its captured gradients), and
+  // the weights as the pass's outputs.
+  std::unordered_set<Node*> seen;
+  for (Node* b : boundaries) {
+    std::vector<uint32_t> inputs, outputs;
+    for (uint32_t i = 0; i < b->num_inputs(); ++i, ++at)
+      if (captured[at].defined()) inputs.push_back(i);
+    torch::autograd::edge_list edges;
+    for (uint32_t o = 0; o < b->num_outputs(); ++o) {
+      const Edge& e = b->next_edge(o);
+      if (!e.is_valid() || !weight_side(kind.at(e.function.get()))) continue;
+      outputs.push_back(o);
+      edges.push_back(e);
+      collect_parameters(e.function.get(), kind, seen, params_);
+    }
+    if (inputs.empty()) continue;  // no gradient reached it: its weights get none
+    auto proxy = std::make_shared<WeightProxy>(b->shared_from_this(), inputs, std::move(outputs), std::move(edges));
+    const size_t first = at - b->num_inputs();
+    for (uint32_t i : inputs) {
+      proxy->add_input_metadata(captured[first + i]);
+      grads_.push_back(std::move(captured[first + i]));
+    }
+    proxies_.push_back(std::move(proxy));
+  }
 
   // B kept the graph for W, which needs only the boundaries and what is under their
   // weights: the other activation nodes let go of what they saved now (as a fused
   // backward's nodes do once they have run).
-  std::unordered_set<Node*> kept;
-  for (const Boundary& b : boundaries_) kept.insert(b.node.get());
+  std::unordered_set<Node*> kept(boundaries.begin(), boundaries.end());
   for (const auto& [node, k] : kind)
     if (k == Kind::kActivation && !kept.count(node)) node->release_variables();
   return input_grad;
 }
 
 void SplitBackward::weight_pass() {
-  // One autograd pass per boundary, from its captured gradient to its own weights only:
-  // the engine then runs the boundary for the weights' outputs alone, and nothing under
-  // its activation edges (they reach no weight of this boundary).
-  for (Boundary& b : boundaries_) {
+  // One autograd pass from every boundary's proxy to the weights: a weight two boundaries
+  // reach (tied) gets both contributions summed before it accumulates, as in the fused
+  // backward, and the gradient hooks fire in the fused backward's order.
+  if (!proxies_.empty() && !params_.empty()) {
     torch::autograd::edge_list roots;
-    torch::autograd::variable_list grads;
-    for (uint32_t i = 0; i < b.grads.size(); ++i)
-      if (b.grads[i].defined()) {
-        roots.emplace_back(b.node, i);
-        grads.push_back(b.grads[i]);
-      }
-    if (!roots.empty() && !b.params.empty())
-      torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
-                                                            /*create_graph=*/false, /*accumulate_grad=*/true, b.params);
+    for (const auto& p : proxies_)
+      for (uint32_t j = 0; j < p->num_inputs(); ++j) roots.emplace_back(p, j);
+    torch::autograd::Engine::get_default_engine().execute(roots, grads_, /*keep_graph=*/false, /*create_graph=*/false,
+                                                          /*accumulate_grad=*/true, params_);
   }
-  boundaries_.clear();
+  proxies_.clear();
+  grads_.clear();
+  params_.clear();
 }
 
 }  // namespace tetra::pipeline

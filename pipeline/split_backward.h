@@ -27,13 +27,13 @@
 //
 // After B the activation nodes other than the boundaries let go of what they saved (as a
 // fused backward's nodes do once run), so between B and W a micro-batch holds only what
-// its weight gradients need. W runs one autograd pass per boundary, from its captured
-// gradient with that boundary's weights as the only outputs: the engine runs nothing under
-// the boundary's activation edges, which reach none of its weights. A weight reached from
-// two boundaries (tied inside a stage) would break that — W from one would walk down to
-// the other — so such a stage's backward runs whole in B and its W does nothing (correct,
-// only not split). Every gradient is the fused backward's: the same nodes run on the same
-// incoming gradients.
+// its weight gradients need. W is one autograd pass from every boundary at once, each
+// through a proxy node that carries only the boundary's weight edges: the pass cannot walk
+// down an activation edge to another boundary (and compute its weights a second time),
+// and the boundary, called inside it, computes only its weights' outputs. A weight several
+// boundaries reach (tied inside a stage) has their contributions summed before it
+// accumulates, as in the fused backward. Every gradient is the fused backward's: the same
+// nodes run on the same incoming gradients.
 #pragma once
 
 #include <torch/torch.h>
@@ -51,16 +51,13 @@ class SplitBackward {
   at::Tensor input_pass(const at::Tensor& root, const at::Tensor& grad, const at::Tensor& input);
   // W: accumulates the weights' gradients; frees what B kept. Runs once, after B.
   void weight_pass();
-  // True when B ran the whole backward (tied weights, or no graph): W has nothing to do.
+  // True when B ran the whole backward (no weights under an activation): W does nothing.
   bool fused() const { return fused_; }
 
  private:
-  struct Boundary {
-    std::shared_ptr<torch::autograd::Node> node;
-    std::vector<at::Tensor> grads;              // the gradient reaching each of its inputs
-    std::vector<torch::autograd::Edge> params;  // the weights W accumulates from it
-  };
-  std::vector<Boundary> boundaries_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> proxies_;  // one per boundary (split_backward.cpp)
+  std::vector<at::Tensor> grads_;                                 // what B captured for them, in order
+  std::vector<torch::autograd::Edge> params_;                     // the weights W accumulates
   bool fused_ = false;
 };
 
