@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <malloc.h>
 #include <fstream>
 #include <string>
 #include <memory>
@@ -78,19 +79,26 @@ struct Run {
   double samples_per_s = 0;
   double bubble = 0;       // this rank
   int64_t step_bytes = 0;  // this rank's peak above its resting state (memory runs)
-  int64_t peak_rss = 0;    // the process's VmHWM over the run (memory runs)
+  int64_t peak_rss = 0;    // the process's peak RSS over the run above its RSS before (memory runs)
+  double busy_ms = 0;      // this rank's forward + backward per step
   pipeline::Schedule schedule;
 };
 
-// The process's peak resident set (VmHWM) in bytes, and its reset (Linux: writing 5 to
-// clear_refs starts the peak again from the current RSS).
-int64_t peak_rss() {
+// The process's resident set now (VmRSS) or at its peak (VmHWM), in bytes.
+int64_t status_bytes(const char* key) {
   std::ifstream f("/proc/self/status");
+  const std::string k = key;
   for (std::string line; std::getline(f, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
   return 0;
 }
-void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+// Starts the peak again from the resident set, after handing the heap's free pages back
+// (what earlier runs freed would otherwise absorb this run's growth); returns the RSS.
+int64_t reset_peak_rss() {
+  malloc_trim(0);
+  std::ofstream("/proc/self/clear_refs") << "5";  // Linux: resets VmHWM to VmRSS
+  return status_bytes("VmRSS:");
+}
 
 }  // namespace
 
@@ -127,6 +135,7 @@ int main(int argc, char** argv) {
     set_threads(1);
     auto pipelined = [&](int m, const std::string& checkpoint, bool meter, std::vector<std::string> extra) {
       Run r;
+      int64_t rss_before = 0;
       TrainerOptions o;
       o.world = world;
       auto mm = std::make_shared<MemoryMeter>();
@@ -137,7 +146,7 @@ int main(int argc, char** argv) {
         o.on_step = [&](int64_t step, double) {
           if (step == 1) mm->reset();
         };
-        reset_peak_rss();
+        rss_before = reset_peak_rss();
       }
       extra.insert(extra.end(), {"mesh.pipeline=2", "pipeline.micro_batches=" + std::to_string(m),
                                  "pipeline.checkpoint=" + checkpoint});
@@ -147,10 +156,11 @@ int main(int argc, char** argv) {
       for (const auto& s : t.strategies())
         if (auto* p = dynamic_cast<const pipeline::PipelineStrategy*>(s.get())) {
           r.bubble = p->stats().bubble();
+          r.busy_ms = 1e3 * p->stats().busy_s / std::max<int64_t>(1, p->stats().steps);
           r.schedule = p->schedule();
         }
       r.step_bytes = mm->peak_above_base();
-      r.peak_rss = meter ? peak_rss() : 0;
+      r.peak_rss = meter ? status_bytes("VmHWM:") - rss_before : 0;
       return r;
     };
     // Each rank's figure, on rank 0: [rank 0's, rank 1's].
@@ -194,9 +204,9 @@ int main(int argc, char** argv) {
     world->barrier(bo)->wait();
     if (rank0)
       std::printf("\none process x 1 thread, the whole batch: %.0f samples/s\n"
-                  "\n%-11s %3s %10s %9s %9s %9s %8s %8s %10s %10s\n",
+                  "\n%-11s %3s %10s %9s %9s %9s %8s %8s %10s %10s %15s\n",
                   whole, "schedule", "m", "samples/s", "bubble 0", "bubble 1", "simulated", "x bound", "x whole",
-                  "1 proc, m", "bound");
+                  "1 proc, m", "bound", "busy ms 0 / 1");
     for (int m : {8, 16}) {
       double same = 0;
       for (int rep = 0; rep < 3 && rank0; ++rep)
@@ -212,25 +222,27 @@ int main(int argc, char** argv) {
           if (got.samples_per_s > r.samples_per_s) r = got;
         }
         auto [b0, b1] = both(r.bubble);
+        auto [u0, u1] = both(r.busy_ms);
         const auto& sched = r.schedule;
         const pipeline::Simulation sim = pipeline::simulate(sched);
         if (rank0)
-          std::printf("%-11s %3d %10.0f %8.1f%% %8.1f%% %8.1f%% %8.2f %8.2f %10.0f %9.2fx\n", k.name, m, r.samples_per_s,
-                      100 * b0, 100 * b1, 100 * sim.bubble_fraction, r.samples_per_s / same / bound,
-                      r.samples_per_s / whole, same, bound);
+          std::printf("%-11s %3d %10.0f %8.1f%% %8.1f%% %8.1f%% %8.2f %8.2f %10.0f %9.2fx %7.1f / %5.1f\n", k.name, m,
+                      r.samples_per_s, 100 * b0, 100 * b1, 100 * sim.bubble_fraction, r.samples_per_s / same / bound,
+                      r.samples_per_s / whole, same, bound, u0, u1);
       }
     }
     if (rank0)
       std::printf("bubble: time a stage waited for a neighbour / its step time (PipelineStats); simulated: the\n"
                   "schedule's idle fraction for backward = 2 forwards (B = W = 1); x bound: samples/s over\n"
-                  "(one process on the same m micro-batches x 2m/(m+1)); x whole: over the whole-batch process\n");
+                  "(one process on the same m micro-batches x 2m/(m+1)); x whole: over the whole-batch process;\n"
+                  "busy: a rank's forward and backward (B and W) time per step\n");
 
     // Memory with a batch of 2048 (micro-batches of 128): activations then dwarf the
     // few MiB of per-step workspace (weight-gradient temporaries, buffers in flight).
     if (rank0)
       std::printf("\nmemory at 16 micro-batches of 128 (batch 2048), per rank: the peak a step allocates above\n"
-                  "the resting state (LibTorch's allocator) and the process's peak RSS over the run (VmHWM,\n"
-                  "reset before it)\n%-11s %-11s %11s %11s %11s %11s\n",
+                  "the resting state (LibTorch's allocator) and how far the process's RSS rose over the run\n"
+                  "(VmHWM, reset before it, less the RSS then)\n%-11s %-11s %11s %11s %11s %11s\n",
                   "schedule", "checkpoint", "alloc 0", "alloc 1", "RSS 0", "RSS 1");
     for (const Kind& k : kinds)
       for (const char* ck : {"never", "always"}) {
