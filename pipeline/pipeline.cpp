@@ -198,11 +198,11 @@ class StageMemoryModel {
   std::vector<int64_t> params_, acts_, weight_inputs_;  // prefix sums over the layers
 };
 
-// The partition for balance uniform | by_params | explicit, or by_time from `costs` (under
-// pipeline.memory_gb: the fastest cut whose every stage fits; when none does, the cut that
-// needs least memory, which model_issues then reports).
 }  // namespace
 
+// By the balance: uniform | by_params | explicit, or by_time from `costs` (under
+// pipeline.memory_gb the fastest cut whose every stage fits; when none does, the cut that
+// needs least memory, which memory_issues then reports).
 Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec) {
   const int L = static_cast<int>(costs.size());
   const int K = opt.stages * opt.virtual_stages;
