@@ -188,6 +188,9 @@ class StageMemoryModel {
   }
   // The cap on one stage: the rank's share for one of its chunks (0: no cap).
   double cap() const { return opt_.memory_gb * 1073741824.0 / opt_.virtual_stages; }
+  // The schedule the counts come from, and its simulation (plan and estimate use them too).
+  const Schedule& schedule() const { return sched_; }
+  const Simulation& simulation() const { return sim_; }
 
  private:
   const Options& opt_;
@@ -234,7 +237,7 @@ std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& 
   std::vector<core::PlanIssue> out;
   if (opt.memory_gb <= 0) return out;
   const StageMemoryModel mem(opt, costs, spec);
-  const Schedule sched = make_schedule(to_string(opt.schedule), opt.stages, opt.micro_batches, opt.virtual_stages);
+  const Schedule& sched = mem.schedule();
   for (int k = 0; k < part.stages(); ++k) {
     const auto b = mem(k, part.first(k), part.end(k));
     if (static_cast<double>(b.total()) <= mem.cap()) continue;
@@ -716,6 +719,14 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
       s.output = s.loss = s.out_grad = s.targets = at::Tensor();
       if (first(chunk)) s.input = at::Tensor();
     };
+    // Runs an instruction's compute, adds its time to `total` and traces it.
+    auto timed = [&](const Instr& in, double& total, auto&& work) {
+      const auto t0 = Clock::now();
+      work();
+      const auto t1 = Clock::now();
+      total += seconds(t0, t1);
+      span(in.chunk, to_string(in), t0, t1);
+    };
 
     for (size_t k = 0; k < prog.size(); ++k) {
       const Instr& in = prog[k];
@@ -743,18 +754,16 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
             s.input = prev.output.detach();
             if (s.input.is_floating_point()) s.input.requires_grad_(true);
           }
-          auto t0 = Clock::now();
-          at::Tensor loss;
-          if (checkpointed(in.micro)) {
-            torch::NoGradGuard no_grad;
-            loss = run_forward(in.micro, in.chunk, s);
-          } else {
-            loss = run_forward(in.micro, in.chunk, s);
-          }
-          if (loss.defined()) micro.add_loss(base + in.micro, loss.item<double>());
-          auto t1 = Clock::now();
-          out.forward_s += seconds(t0, t1);
-          span(in.chunk, to_string(in), t0, t1);
+          timed(in, out.forward_s, [&] {
+            at::Tensor loss;
+            if (checkpointed(in.micro)) {
+              torch::NoGradGuard no_grad;
+              loss = run_forward(in.micro, in.chunk, s);
+            } else {
+              loss = run_forward(in.micro, in.chunk, s);
+            }
+            if (loss.defined()) micro.add_loss(base + in.micro, loss.item<double>());
+          });
           break;
         }
         case Op::kSendAct:
@@ -763,39 +772,31 @@ core::StepOutput Pipeline::run(const core::StepInput& step) {
         case Op::kBackward: {
           if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
           begin_backward(in, s);
-          auto t0 = Clock::now();
-          // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
-          if (last(in.chunk)) {
-            if (s.loss.requires_grad()) s.loss.backward();
-          } else if (s.output.requires_grad()) {
-            torch::autograd::backward({s.output}, {s.out_grad});
-          }
-          if (!first(in.chunk) && s.input.requires_grad()) s.input_grad = s.input.grad();
-          auto t1 = Clock::now();
-          out.backward_s += seconds(t0, t1);
-          span(in.chunk, to_string(in), t0, t1);
+          timed(in, out.backward_s, [&] {
+            // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
+            if (last(in.chunk)) {
+              if (s.loss.requires_grad()) s.loss.backward();
+            } else if (s.output.requires_grad()) {
+              torch::autograd::backward({s.output}, {s.out_grad});
+            }
+            if (!first(in.chunk) && s.input.requires_grad()) s.input_grad = s.input.grad();
+          });
           end_backward(s, in.chunk);
           break;
         }
         case Op::kBackwardInput: {
           begin_backward(in, s);
-          auto t0 = Clock::now();
-          const at::Tensor& root = last(in.chunk) ? s.loss : s.output;
-          s.input_grad = s.split.input_pass(root, last(in.chunk) ? at::Tensor() : s.out_grad,
-                                            first(in.chunk) ? at::Tensor() : s.input);
-          auto t1 = Clock::now();
-          out.backward_s += seconds(t0, t1);
-          span(in.chunk, to_string(in), t0, t1);
+          timed(in, out.backward_s, [&] {
+            const at::Tensor& root = last(in.chunk) ? s.loss : s.output;
+            s.input_grad = s.split.input_pass(root, last(in.chunk) ? at::Tensor() : s.out_grad,
+                                              first(in.chunk) ? at::Tensor() : s.input);
+          });
           end_backward(s, in.chunk);
           break;
         }
         case Op::kBackwardWeight: {
           if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
-          auto t0 = Clock::now();
-          s.split.weight_pass();
-          auto t1 = Clock::now();
-          out.backward_s += seconds(t0, t1);
-          span(in.chunk, to_string(in), t0, t1);
+          timed(in, out.backward_s, [&] { s.split.weight_pass(); });
           break;
         }
         case Op::kSendGrad: {
@@ -928,8 +929,9 @@ std::string Options::plan(const core::PlanInput& input) const {
   std::vector<LayerCost> costs = measure_layers(input.model, input.data, micro, bf16, true, kDryRunTimedFlops, &input.probe);
   Partition part = partition_for(*this, input.model, costs, input.spec);
   std::vector<StageCost> sc = stage_costs(part, costs);
-  Schedule s = make_schedule(to_string(schedule), P, micro_batches, v);
-  Simulation sim = simulate(s);
+  const StageMemoryModel mem(*this, costs, input.spec);
+  const Schedule& s = mem.schedule();
+  const Simulation& sim = mem.simulation();
   os << "pipeline: " << P << " rank" << (P == 1 ? "" : "s");
   if (v > 1) os << " x " << v << " virtual stages = " << K << " stages";
   os << ", schedule " << to_string(schedule) << ", " << micro_batches << " micro-batches of " << micro << " (batch "
@@ -944,7 +946,6 @@ std::string Options::plan(const core::PlanInput& input) const {
   // "in flight": the most micro-batches whose backward is still to come, on the rank;
   // "memory": Note [Stage memory] (state and activations), against pipeline.memory_gb.
   os << line;
-  const StageMemoryModel mem(*this, costs, input.spec);
   for (int k = 0; k < K; ++k) {
     const int r = s.rank_of(k);
     const StageMemoryModel::Bytes bytes = mem(k, part.first(k), part.end(k));
@@ -1001,10 +1002,6 @@ std::string Options::plan(const core::PlanInput& input) const {
 void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
   const int P = stages, v = virtual_stages;
   rank.virtual_stages = v;
-  if (P > 1) {
-    const Simulation sim = simulate(make_schedule(to_string(schedule), P, micro_batches, v));
-    if (sim.ok) rank.pipeline_bubble = sim.bubble_fraction;
-  }
   const int64_t micro = input.plan.micro_batch_size();
   const bool bf16 = input.spec.train.precision == core::Precision::kBf16;
   const auto it = rank.coord.find("pipeline");
@@ -1012,7 +1009,9 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   std::vector<LayerCost> costs =
       measure_layers(input.model, input.data, micro, bf16, balance == Balance::kByTime, kDryRunTimedFlops, &input.probe);
   const Partition part = partition_for(*this, input.model, costs, input.spec);
-  const Schedule sched = make_schedule(to_string(schedule), P, micro_batches, v);
+  const StageMemoryModel mem(*this, costs, input.spec);
+  const Schedule& sched = mem.schedule();
+  if (P > 1 && mem.simulation().ok) rank.pipeline_bubble = mem.simulation().bubble_fraction;
   if (balance == Balance::kByTime)
     rank.notes.push_back("pipeline.balance by_time: the cut is timed here; a run times it again and may cut elsewhere");
 
@@ -1022,7 +1021,6 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
     for (int i = part.first(sched.stage_of(r, c)); i < part.end(sched.stage_of(r, c)); ++i) rank.layers.push_back(i);
   rank.replicated_state(input.spec);
 
-  const StageMemoryModel mem(*this, costs, input.spec);
   rank.activations = 0;
   for (int c = 0; c < v; ++c) {
     const int k = sched.stage_of(r, c);
