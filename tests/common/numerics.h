@@ -106,6 +106,28 @@ inline Outcome run_parallel(const std::string& yaml, int processes, const std::v
   return run_parallel(job(yaml, sets), processes);
 }
 
+// Two small jobs with dropout on and plain SGD, for the tests that hold a layout against one
+// process (the dropout layouts, the zero-bubble schedules). kDropoutMlp: 8 layers, a
+// dropout in each half: Flatten, (Linear, ReLU, Dropout) x 2, Linear. kDropoutGpt:
+// embedding, 2 blocks, head: 7 dropouts (embedding; attention, projection, MLP per block);
+// it wants data.path.
+inline const char* const kDropoutMlp = R"(
+model: {type: mlp, hidden: [32, 32], dropout: 0.3}
+data: {type: synthetic, shape: [24], classes: 4, train_samples: 512, test_samples: 64, batch_size: 16}
+optimizer: {type: sgd, lr: 0.2}
+train: {max_steps: 6, seed: 3, threads: 1}
+checkpoint: {dir: ""}
+log: {metrics: "", progress: off}
+)";
+inline const char* const kDropoutGpt = R"(
+model: {type: gpt, layers: 2, heads: 2, d_model: 16, d_ff: 32, dropout: 0.2}
+data: {type: text, seq_len: 16, batch_size: 8, eval_samples: 16}
+optimizer: {type: sgd, lr: 0.5}
+train: {max_steps: 5, seed: 4, threads: 1}
+checkpoint: {dir: ""}
+log: {metrics: "", progress: off}
+)";
+
 // A small text file for the gpt jobs (numbered lines of one sentence), written once under
 // the test's temporary folder as `name`; its path.
 inline std::string small_text(const std::string& name) {

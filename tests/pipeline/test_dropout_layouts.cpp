@@ -21,25 +21,8 @@ using namespace tetra::core;
 
 namespace {
 
-// 8 layers, a dropout in each half: Flatten, (Linear, ReLU, Dropout) x 2, Linear.
-const char* kMlp = R"(
-model: {type: mlp, hidden: [32, 32], dropout: 0.3}
-data: {type: synthetic, shape: [24], classes: 4, train_samples: 512, test_samples: 64, batch_size: 16}
-optimizer: {type: sgd, lr: 0.2}
-train: {max_steps: 6, seed: 3, threads: 1}
-checkpoint: {dir: ""}
-log: {metrics: "", progress: off}
-)";
-
-// Embedding, 2 blocks, head: 7 dropouts (embedding; attention, projection, MLP per block).
-const char* kGpt = R"(
-model: {type: gpt, layers: 2, heads: 2, d_model: 16, d_ff: 32, dropout: 0.2}
-data: {type: text, seq_len: 16, batch_size: 8, eval_samples: 16}
-optimizer: {type: sgd, lr: 0.5}
-train: {max_steps: 5, seed: 4, threads: 1}
-checkpoint: {dir: ""}
-log: {metrics: "", progress: off}
-)";
+using numerics::kDropoutGpt;
+using numerics::kDropoutMlp;
 
 std::string text_file() {
   const std::string path = testing::TempDir() + "/tetra_dropout_text_" + std::to_string(::getpid()) + ".txt";
@@ -91,8 +74,8 @@ void expect_every_layout_follows(const char* yaml, const std::vector<std::string
 
 }  // namespace
 
-TEST(DropoutLayouts, MlpFollowsOneProcessInEveryLayout) { expect_every_layout_follows(kMlp); }
+TEST(DropoutLayouts, MlpFollowsOneProcessInEveryLayout) { expect_every_layout_follows(kDropoutMlp); }
 
 TEST(DropoutLayouts, GptFollowsOneProcessInEveryLayout) {
-  expect_every_layout_follows(kGpt, {"data.path=" + text_file()});
+  expect_every_layout_follows(kDropoutGpt, {"data.path=" + text_file()});
 }

@@ -21,26 +21,11 @@ using namespace tetra::core;
 namespace {
 
 // 8 layers (Flatten, (Linear, ReLU, Dropout) x 2, Linear): up to 4 ranks of ZBV's 2 chunks.
-const char* kMlp = R"(
-model: {type: mlp, hidden: [32, 32], dropout: 0.3}
-data: {type: synthetic, shape: [24], classes: 4, train_samples: 512, test_samples: 64, batch_size: 16}
-optimizer: {type: sgd, lr: 0.2}
-train: {max_steps: 6, seed: 3, threads: 1}
-checkpoint: {dir: ""}
-log: {metrics: "", progress: off}
-)";
-
-// Embedding, 4 blocks, head: LayerNorms, attention and the tensor-parallel layers.
-const char* kGpt = R"(
-model: {type: gpt, layers: 4, heads: 2, d_model: 16, d_ff: 32, dropout: 0.2}
-data: {type: text, seq_len: 16, batch_size: 8, eval_samples: 16}
-optimizer: {type: sgd, lr: 0.5}
-train: {max_steps: 5, seed: 4, threads: 1}
-checkpoint: {dir: ""}
-log: {metrics: "", progress: off}
-)";
-
+const char* const kMlp = numerics::kDropoutMlp;
+// The GPT with 4 blocks: LayerNorms, attention and the tensor-parallel layers per stage.
+const char* const kGpt = numerics::kDropoutGpt;
 std::vector<std::string> gpt(std::vector<std::string> sets) {
+  sets.insert(sets.begin(), "model.layers=4");
   sets.push_back("data.path=" + numerics::small_text("tetra_zb_text_" + std::to_string(::getpid()) + ".txt"));
   return sets;
 }
