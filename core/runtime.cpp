@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -87,8 +88,17 @@ int default_threads(int ranks_per_process) {
 int set_threads(int threads, int ranks_per_process) {
   if (threads <= 0) threads = default_threads(ranks_per_process);
   at::set_num_threads(threads);
+  // Whichever BLAS serves LibTorch: OpenBLAS's pool, or BLIS's (one thread unless told).
   using SetFn = void (*)(int);
   if (auto fn = find_symbol<SetFn>("openblas_set_num_threads")) fn(threads);
+  using BlisSetFn = void (*)(int64_t);  // dim_t
+  if (auto fn = find_symbol<BlisSetFn>("bli_thread_set_num_threads")) {
+    fn(threads);
+  } else if (!std::getenv("BLIS_NUM_THREADS")) {
+    // BLIS behind Debian's libblas.so.3 hides its API and reads this once, at its first call
+    // (a process's later set_threads cannot change it; BLIS alone runs one thread otherwise).
+    setenv("BLIS_NUM_THREADS", std::to_string(threads).c_str(), 1);
+  }
   return threads;
 }
 
@@ -138,18 +148,39 @@ std::string stop_reason(int reason) {
 }
 
 std::string blas_description() {
-  using ConfigFn = char* (*)();
-  if (auto fn = find_symbol<ConfigFn>("openblas_get_config")) {
+  // The library that serves sgemm_, which LibTorch calls through libblas.so.3: OpenBLAS
+  // may be loaded beside another BLAS (as the LAPACK behind liblapack.so.3), so finding
+  // its symbols proves nothing.
+  Dl_info info{};
+  void* gemm = dlsym(RTLD_DEFAULT, "sgemm_");
+  const std::string lib = gemm && dladdr(gemm, &info) && info.dli_fname ? info.dli_fname : "";
+  // RTLD_NOLOAD takes a reference to the loaded library; the guard gives it back.
+  std::unique_ptr<void, int (*)(void*)> handle(lib.empty() ? nullptr : dlopen(lib.c_str(), RTLD_LAZY | RTLD_NOLOAD),
+                                               [](void* h) { return h ? dlclose(h) : 0; });
+  // That library and what it loads (Debian's OpenBLAS libblas.so.3 forwards to libopenblas.so.0).
+  auto in_gemm_lib = [&](const char* name) -> void* { return handle ? dlsym(handle.get(), name) : nullptr; };
+  using StrFn = char* (*)();
+  if (auto config = reinterpret_cast<StrFn>(in_gemm_lib("openblas_get_config"))) {
     // "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH ..." -> "OpenBLAS 0.3.21 (Haswell)"
-    std::string config = fn();
-    size_t second_space = config.find(' ', config.find(' ') + 1);
-    std::string s = config.substr(0, second_space);
-    using CoreFn = char* (*)();
-    if (auto core = find_symbol<CoreFn>("openblas_get_corename")) s += std::string(" (") + core() + ")";
+    std::string c = config();
+    std::string s = c.substr(0, c.find(' ', c.find(' ') + 1));
+    if (auto core = reinterpret_cast<StrFn>(in_gemm_lib("openblas_get_corename"))) s += std::string(" (") + core() + ")";
     return s;
   }
-  if (find_symbol<void*>("mkl_get_version")) return "Intel MKL";
-  return "reference BLAS (slow: install libopenblas0-pthread)";
+  if (auto version = reinterpret_cast<StrFn>(in_gemm_lib("bli_info_get_version_str"))) {
+    std::string s = std::string("BLIS ") + version();
+    using ArchFn = int (*)();  // arch_t, an enum
+    using NameFn = char* (*)(int);
+    auto arch = reinterpret_cast<ArchFn>(in_gemm_lib("bli_arch_query_id"));
+    auto name = reinterpret_cast<NameFn>(in_gemm_lib("bli_arch_string"));
+    if (arch && name) s += std::string(" (") + name(arch()) + ")";
+    return s;
+  }
+  if (in_gemm_lib("mkl_get_version")) return "Intel MKL";
+  // Debian's blis-*/libblas.so.3 exports the BLAS alone (no bli_* symbols): known by its path.
+  if (lib.find("blis") != std::string::npos) return "BLIS (" + lib + ")";
+  if (lib.empty()) return "no BLAS found";
+  return "reference BLAS (slow: install libblis4-pthread or libopenblas0-pthread): " + lib;
 }
 
 }  // namespace tetra::core

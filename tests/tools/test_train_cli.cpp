@@ -805,6 +805,33 @@ TEST(TrainCli, TrainRunsReplicasAsThreadsAndTopoPlanReadsTheSamePlan) {
       << bad.out;
 }
 
+// Every benchmark and `topo` name the BLAS that LibTorch's matrix products run on: the
+// library serving sgemm_, not whichever BLAS happens to be loaded (OpenBLAS's is, for
+// LAPACK, whatever libblas.so.3 points to). Under another libblas.so.3 on the library path
+// the description follows it.
+TEST(TrainCli, TopoNamesTheBlasThatServesTheMatrixProducts) {
+  const std::string topo = std::string(TETRA_BIN_DIR) + "/topo";
+  auto blas_of = [&](const char* library_path) {
+    if (library_path) setenv("LD_LIBRARY_PATH", library_path, 1);
+    Outcome r = run_program(topo, {"--json"});
+    if (library_path) unsetenv("LD_LIBRARY_PATH");
+    EXPECT_EQ(r.status, 0) << r.out;
+    const size_t at = r.out.find("\"blas\": \"");
+    return at == std::string::npos ? r.out : r.out.substr(at + 9, r.out.find('"', at + 9) - at - 9);
+  };
+  std::error_code ec;
+  const std::string system = fs::canonical("/usr/lib/x86_64-linux-gnu/libblas.so.3", ec).string();
+  if (system.find("openblas") != std::string::npos) {
+    EXPECT_EQ(blas_of(nullptr).rfind("OpenBLAS ", 0), 0u) << system;
+  }
+  if (fs::exists("/usr/lib/x86_64-linux-gnu/blas/libblas.so.3")) {
+    EXPECT_EQ(blas_of("/usr/lib/x86_64-linux-gnu/blas").rfind("reference BLAS (slow", 0), 0u);
+  }
+  if (fs::exists("/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3")) {
+    EXPECT_EQ(blas_of("/usr/lib/x86_64-linux-gnu/blis-pthread"), "BLIS (/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3)");
+  }
+}
+
 TEST(TrainCli, ZeroConfigsAreValidAndTheDryRunShowsTheShardedState) {
   for (const char* cfg : {"zero.yaml", "zero3-gpt.yaml"}) {
     Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
