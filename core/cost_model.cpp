@@ -32,6 +32,56 @@ double hierarchical_allreduce_s(int hosts, int per_host, double bytes, const Lin
 
 double p2p_s(double bytes, const LinkCost& link) { return link.alpha_s + bytes / link.bytes_per_s; }
 
+const LinkCost& Calibration::link(bool across, const std::string& kind) const {
+  const auto& kinds = across ? inter_kinds : intra_kinds;
+  auto it = kinds.find(kind);
+  return it != kinds.end() ? it->second : across ? inter_host : intra_host;
+}
+
+double core_share(int cores_per_host, int ranks_per_host, int threads_per_rank) {
+  const double want = double(std::max(1, ranks_per_host)) * std::max(1, threads_per_rank);
+  return cores_per_host <= 0 ? 1.0 : std::min(1.0, cores_per_host / want);
+}
+
+// Note [Fitted collectives]
+// An op's time over payloads B is close to a line t = A + S x B on any backend (a fixed
+// cost per op, then the bytes). Read through the ring formula of its kind on a group of
+// n, A and S give the per-step alpha and beta that the cost model's formulas take:
+//   allreduce                   A = 2(n-1) alpha,  S = 2(n-1)/n / beta
+//   reduce_scatter, allgather,
+//   broadcast                   A = (n-1) alpha,   S = (n-1)/n / beta
+//   send                        A = alpha,         S = 1 / beta
+// so a group of another size is priced by the same formula with the fitted step. The
+// fit: A is the smallest size's time (latency alone), S the least-squares slope of t - A
+// over the other sizes (unweighted, so it follows the large payloads a step carries;
+// Open MPI switches algorithms with the size, so no one line fits every size).
+LinkCost fit_collective(const std::string& kind, int n, const std::vector<double>& bytes,
+                        const std::vector<double>& seconds) {
+  const size_t k = std::min(bytes.size(), seconds.size());
+  size_t smallest = 0;
+  for (size_t i = 1; i < k; ++i)
+    if (bytes[i] < bytes[smallest]) smallest = i;
+  double a = k ? seconds[smallest] : 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < k; ++i) {
+    if (i == smallest) continue;
+    sxx += bytes[i] * bytes[i];
+    sxy += bytes[i] * (seconds[i] - a);
+  }
+  double slope = sxx > 0 ? sxy / sxx : 0;
+  slope = std::max(slope, 1e-15);  // at least 1 PB/s: a line never falls
+  a = std::max(a, 0.0);
+  const int m = std::max(2, n);
+  double steps = 1, share = 1;  // A = steps x alpha, S = share / beta
+  if (kind == "allreduce") {
+    steps = 2.0 * (m - 1);
+    share = 2.0 * (m - 1) / m;
+  } else if (kind != "send" && kind != "recv") {
+    steps = m - 1;
+    share = double(m - 1) / m;
+  }
+  return LinkCost{a / steps, share / slope};
+}
+
 double bubble_fraction(int stages, int micro_batches, int virtual_stages) {
   if (stages <= 1) return 0;
   return double(stages - 1) / (double(std::max(1, virtual_stages)) * std::max(1, micro_batches) + stages - 1);
@@ -40,7 +90,7 @@ double bubble_fraction(int stages, int micro_batches, int virtual_stages) {
 AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Calibration& c) {
   using K = collectives::Traffic;
   const bool across = l.hosts > 1;
-  const LinkCost& link = across ? c.inter_host : c.intra_host;
+  auto link = [&](K::Kind k) -> const LinkCost& { return c.link(across, K::name(k)); };
   AxisTime out;
   out.axis = l.axis;
   out.ops = t.ops;
@@ -54,11 +104,11 @@ AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Cali
   const bool hier = l.hierarchical && across && l.per_host > 1;
   out.seconds += each(K::kAllreduce, [&](double b) {
     return hier ? hierarchical_allreduce_s(l.hosts, l.per_host, b, c.intra_host, c.inter_host)
-                : ring_allreduce_s(n, b, link);
+                : ring_allreduce_s(n, b, link(K::kAllreduce));
   });
   for (K::Kind k : {K::kReduceScatter, K::kAllgather, K::kBroadcast})
-    out.seconds += each(k, [&](double b) { return ring_collect_s(n, b, link); });
-  out.seconds += each(K::kSend, [&](double b) { return p2p_s(b, link); });
+    out.seconds += each(k, [&](double b) { return ring_collect_s(n, b, link(k)); });
+  out.seconds += each(K::kSend, [&](double b) { return p2p_s(b, link(K::kSend)); });
   std::ostringstream how;
   if (t.count[K::kSend] && !t.count[K::kAllreduce] && !t.count[K::kReduceScatter] && !t.count[K::kAllgather])
     how << "point-to-point ";
@@ -73,9 +123,13 @@ AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Cali
 
 StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
                             int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
-                            int ranks, const Calibration& c, double schedule_bubble) {
+                            int ranks, const Calibration& c, double schedule_bubble, double share) {
   StepPrediction p;
   p.ranks = ranks;
+  p.core_share = share = std::clamp(share, 1e-6, 1.0);
+  // A stage's forward and backward: timed here (alone, so shared out), else FLOPs over
+  // the calibrated rate (measured per rank with the host's ranks running).
+  auto compute_of = [&](const StageWork& w) { return w.timed_s >= 0 ? w.timed_s / share : w.flops / c.flops_per_s; };
   const int pp = static_cast<int>(stages.size());
   const double bubble =
       pp > 1 && schedule_bubble >= 0 ? schedule_bubble : bubble_fraction(pp, micro_batches, virtual_stages);
@@ -99,7 +153,7 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
       (l.axis == "pipeline" ? pipe : rest) += a.seconds;
       per_stage[s].push_back(std::move(a));
     }
-    busy[s] = stages[s].flops / c.flops_per_s + pipe;
+    busy[s] = compute_of(stages[s]) + pipe;
     other[s] = rest;
     if (busy[s] > busiest) {
       busiest = busy[s];
@@ -107,14 +161,20 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
     }
   }
   if (stages.empty()) return p;
-  p.compute_s = stages[slowest].flops / c.flops_per_s;
+  p.timed = stages[slowest].timed_s >= 0;
+  p.compute_s = compute_of(stages[slowest]);
   p.pipeline_s = busy[slowest] - p.compute_s;
   p.bubble_s = busy[slowest] / (1 - bubble) - busy[slowest];
   p.other_s = *std::max_element(other.begin(), other.end());
+  for (const StageWork& w : stages) p.optimizer_s = std::max(p.optimizer_s, w.optimizer_s / share);
   p.axes = per_stage[slowest];
-  p.total_s = busy[slowest] + p.bubble_s + p.other_s;
+  p.total_s = busy[slowest] + p.bubble_s + p.other_s + p.optimizer_s;
   p.samples_per_s = p.total_s > 0 ? double(global_batch) / p.total_s : 0;
-  p.single_rank_s = total_flops / c.flops_per_s;
+  // One rank with the whole batch: the slowest stage's rate (timed: its seconds per FLOP
+  // with a core to itself) for every FLOP of the step.
+  const StageWork& sw = stages[slowest];
+  const double rate = p.timed && sw.timed_s > 0 && sw.flops > 0 ? sw.flops / sw.timed_s : c.flops_per_s;
+  p.single_rank_s = total_flops / rate;
   p.efficiency = p.total_s > 0 ? p.single_rank_s / (double(ranks) * p.total_s) : 0;
   return p;
 }
@@ -187,17 +247,34 @@ std::string prediction_text(const StepPrediction& p, const Calibration& c) {
   char b[256];
   os << "cost model (Note [Cost model]; " << c.source << "):\n";
   os << "  inside a host " << rate(c.intra_host) << "; across hosts " << rate(c.inter_host) << "; compute ";
-  std::snprintf(b, sizeof(b), "%.1f GFLOP/s per rank\n", c.flops_per_s / 1e9);
-  os << b;
-  os << "  compute      " << ms(p.compute_s) << " (the slowest stage)\n";
-  if (p.pipeline_s > 0 || p.bubble_s > 0)
-    os << "  pipeline     " << ms(p.pipeline_s) << " sends, " << ms(p.bubble_s) << " bubble\n";
-  for (const AxisTime& a : p.axes) {
-    if (a.axis == "pipeline") continue;
-    std::snprintf(b, sizeof(b), "  %-12s %s, %lld ops, %s\n", a.axis.c_str(), ms(a.seconds).c_str(),
-                  static_cast<long long>(a.ops), a.how.c_str());
+  if (p.timed)
+    os << "the layers as timed\n";
+  else {
+    std::snprintf(b, sizeof(b), "%.1f GFLOP/s per rank\n", c.flops_per_s / 1e9);
     os << b;
   }
+  if (p.core_share < 1) {
+    std::snprintf(b, sizeof(b), "  each rank gets %s of a core (its host's ranks x threads outnumber its %d cores)\n",
+                  percent(p.core_share).c_str(), c.cores_per_host);
+    os << b;
+  }
+  // Each term with its share of the step, so that what makes a plan slow is in sight.
+  std::vector<std::pair<std::string, double>> terms;
+  auto line = [&](const std::string& name, double s, const std::string& what) {
+    if (name != "compute" && s <= 0) return;
+    terms.emplace_back(name, s);
+    std::snprintf(b, sizeof(b), "  %-12s %-9s %4s  %s\n", name.c_str(), ms(s).c_str(),
+                  percent(p.total_s > 0 ? s / p.total_s : 0).c_str(), what.c_str());
+    os << b;
+  };
+  line("compute", p.compute_s, "the slowest stage's forward and backward");
+  line("pipeline", p.pipeline_s, "its sends and receives");
+  line("bubble", p.bubble_s, "idle while the pipeline fills and drains");
+  for (const AxisTime& a : p.axes) {
+    if (a.axis == "pipeline") continue;
+    line(a.axis, a.seconds, std::to_string(a.ops) + " ops, " + a.how);
+  }
+  line("optimizer", p.optimizer_s, "the update of what the rank owns");
   if (p.ranks == 1)
     std::snprintf(b, sizeof(b), "  step         %s predicted: %.0f samples/s on 1 rank\n", ms(p.total_s).c_str(),
                   p.samples_per_s);
@@ -206,6 +283,12 @@ std::string prediction_text(const StepPrediction& p, const Calibration& c) {
                   ms(p.total_s).c_str(), p.samples_per_s, p.ranks, percent(p.efficiency).c_str(), p.ranks,
                   ms(p.single_rank_s).c_str());
   os << b;
+  std::sort(terms.begin(), terms.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+  if (terms.size() > 1 && p.total_s > 0) {
+    os << "  dominated by " << terms[0].first << " (" << percent(terms[0].second / p.total_s) << ")";
+    if (terms[1].second > 0) os << ", then " << terms[1].first << " (" << percent(terms[1].second / p.total_s) << ")";
+    os << "\n";
+  }
   return os.str();
 }
 
@@ -215,6 +298,7 @@ nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c) {
   nlohmann::json cal = calibration_json(c);
   cal["source"] = c.source;  // which figures, measured or assumed (Note [This machine's figures])
   return {{"calibration", cal}, {"ranks", p.ranks},       {"compute_s", p.compute_s},
+          {"compute_timed", p.timed},           {"core_share", p.core_share}, {"optimizer_s", p.optimizer_s},
           {"pipeline_s", p.pipeline_s},         {"bubble_s", p.bubble_s}, {"other_s", p.other_s},
           {"step_s", p.total_s},                {"samples_per_s", p.samples_per_s},
           {"single_rank_s", p.single_rank_s},   {"efficiency", p.efficiency}, {"axes", axes}};
@@ -225,6 +309,14 @@ nlohmann::json calibration_json(const Calibration& c, const std::string& measure
                       {"intra_host", {{"alpha_us", c.intra_host.alpha_s * 1e6}, {"beta_gbytes_per_s", c.intra_host.bytes_per_s / 1e9}}},
                       {"inter_host", {{"alpha_us", c.inter_host.alpha_s * 1e6}, {"beta_gbytes_per_s", c.inter_host.bytes_per_s / 1e9}}},
                       {"compute", {{"gflops_per_s", c.flops_per_s / 1e9}}}};
+  auto kinds = [](const std::map<std::string, LinkCost>& m) {
+    nlohmann::json k = nlohmann::json::object();
+    for (const auto& [name, l] : m) k[name] = {{"alpha_us", l.alpha_s * 1e6}, {"beta_gbytes_per_s", l.bytes_per_s / 1e9}};
+    return k;
+  };
+  if (!c.intra_kinds.empty()) j["intra_host"]["kinds"] = kinds(c.intra_kinds);
+  if (!c.inter_kinds.empty()) j["inter_host"]["kinds"] = kinds(c.inter_kinds);
+  if (c.cores_per_host > 0) j["host"] = {{"cores", c.cores_per_host}};
   if (!measured.empty()) j["measured"] = measured;
   return j;
 }
@@ -249,8 +341,31 @@ Calibration load_calibration(const std::string& path) {
     if (!j[name].is_object()) throw ConfigError("calibration " + path + ": " + name + " must be an object");
     number(j[name], name, "alpha_us", 1e-6, link->alpha_s);
     number(j[name], name, "beta_gbytes_per_s", 1e9, link->bytes_per_s);
+    if (!j[name].contains("kinds")) continue;
+    const auto& kinds = j[name]["kinds"];
+    const std::string where = std::string(name) + ".kinds";
+    if (!kinds.is_object()) throw ConfigError("calibration " + path + ": " + where + " must be an object");
+    auto& into = link == &c.intra_host ? c.intra_kinds : c.inter_kinds;
+    for (const auto& [kind, v] : kinds.items()) {
+      bool known = false;
+      for (int k = 0; k < collectives::Traffic::kKinds; ++k)
+        known = known || kind == collectives::Traffic::name(static_cast<collectives::Traffic::Kind>(k));
+      if (!known)
+        throw ConfigError("calibration " + path + ": " + where + "." + kind +
+                          ": not a collective (allreduce, reduce_scatter, allgather, broadcast, send)");
+      if (!v.is_object()) throw ConfigError("calibration " + path + ": " + where + "." + kind + " must be an object");
+      LinkCost l = *link;
+      number(v, where + "." + kind, "alpha_us", 1e-6, l.alpha_s);
+      number(v, where + "." + kind, "beta_gbytes_per_s", 1e9, l.bytes_per_s);
+      into[kind] = l;
+    }
   }
   if (j.contains("compute")) number(j["compute"], "compute", "gflops_per_s", 1e9, c.flops_per_s);
+  if (j.contains("host")) {
+    double cores = 0;
+    number(j["host"], "host", "cores", 1, cores);
+    c.cores_per_host = static_cast<int>(cores);
+  }
   c.source = "calibration " + path + (j.contains("measured") ? " (" + j.value("measured", "") + ")" : "");
   return c;
 }

@@ -21,15 +21,24 @@
 // estimate]: the same ops the run issues, counted by kind) is priced with the link its
 // groups use (inside a host when every group is; otherwise across) and with the
 // algorithm the plan runs (hierarchical when data parallelism turns it on).
-// Compute: a stage's FLOPs per step (forward x 3: backward costs two forwards) over the
-// calibrated rate. A pipeline of p stages and m micro-batches (v virtual stages each) is
-// busy for a fraction 1 - bubble of its time, bubble = (p-1)/(v m + p - 1); its slowest
-// stage's compute and point-to-point transfers (what it sends and what it waits to
-// receive) are spread over the step that way. The other
-// axes' communication (data parallelism's allreduce, ZeRO's gathers) is added after it:
-// no overlap with compute is assumed, so the prediction is an upper bound for a run that
-// hides communication behind backward. Efficiency is one rank's time for the whole
-// global batch (its FLOPs at the same rate, no communication) over N ranks' time x N.
+// Each collective kind may have its own alpha and beta, fitted from that op timed at
+// several sizes on the backend in use (Note [Fitted collectives]); a kind without is
+// priced with its link class.
+// Compute: a stage's layers timed forward and backward on this machine for the rows it
+// runs in a step (Note [This machine's figures]), or, for a cluster known by a
+// calibration file alone, its FLOPs per step (forward x 3: backward costs two forwards)
+// over the calibrated rate. Timed work is divided by the share of a core each rank gets
+// when a host's ranks x threads outnumber its cores (Note [Ranks sharing cores]). A
+// pipeline of p stages and m micro-batches (v virtual stages each) is busy for a
+// fraction 1 - bubble of its time (the schedule's simulated bubble, else (p-1)/(v m + p
+// - 1)); its slowest stage's compute and point-to-point transfers (what it sends and
+// what it waits to receive) are spread over the step that way. The other axes'
+// communication (data parallelism's allreduce, ZeRO's gathers) is added after it, and
+// then the optimizer's update of what the rank owns (timed alike): no overlap with
+// compute is assumed. On a CPU host whose cores the ranks fill, communication is CPU
+// work too and cannot hide behind backward; on GPUs the prediction is an upper bound for
+// a run that hides it. Efficiency is one rank's time for the whole global batch (its
+// FLOPs at the same rate, no communication) over N ranks' time x N.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -54,14 +63,25 @@ struct Calibration {
   LinkCost intra_host{3e-6, 150e9};
   LinkCost inter_host{10e-6, 100e9};
   double flops_per_s = 150e12;  // sustained, per rank
+  // Each collective kind's own ring-step alpha and beta, fitted from that op timed at
+  // several sizes on a group of every rank (bench-collectives --calibrate; Note [Fitted
+  // collectives]), by Traffic::name ("allreduce", "send", ...). A kind left out is priced
+  // with the link above.
+  std::map<std::string, LinkCost> intra_kinds, inter_kinds;
+  // Cores of a host that its ranks share (0: every rank has its own, as a GPU does).
+  // Ranks x threads beyond them divide the compute rate (Note [Ranks sharing cores]).
+  int cores_per_host = 0;
   std::string source = "built-in defaults (an A100-class GPU cluster)";
+  // The link an op of `kind` crosses, fitted for its kind where the calibration has it.
+  const LinkCost& link(bool across, const std::string& kind) const;
 };
 
 // A calibration file (JSON, as `bench-collectives --calibrate` writes it):
 //   {"format": "tetra calibration 1",
-//    "intra_host": {"alpha_us": 3, "beta_gbytes_per_s": 150},
-//    "inter_host": {"alpha_us": 10, "beta_gbytes_per_s": 100},
-//    "compute": {"gflops_per_s": 150000}, "measured": "..."}
+//    "intra_host": {"alpha_us": 3, "beta_gbytes_per_s": 150,
+//                   "kinds": {"allreduce": {"alpha_us": 4, "beta_gbytes_per_s": 90}, ...}},
+//    "inter_host": {"alpha_us": 10, "beta_gbytes_per_s": 100, "kinds": {...}},
+//    "compute": {"gflops_per_s": 150000}, "host": {"cores": 64}, "measured": "..."}
 // Keys left out keep the defaults. A ConfigError names the file and what is wrong.
 Calibration load_calibration(const std::string& path);
 nlohmann::json calibration_json(const Calibration& c, const std::string& measured = "");
@@ -99,15 +119,31 @@ AxisTime axis_time(const collectives::Traffic& traffic, const AxisLinks& links, 
 // What one rank of a pipeline stage does in a step.
 struct StageWork {
   double flops = 0;                                     // forward + backward, its share of the batch
+  // Its layers' forward and backward timed on this machine for the step's rows (Note
+  // [This machine's figures]), one rank alone: when set (>= 0), compute is this, not
+  // flops over the calibrated rate.
+  double timed_s = -1;
+  double optimizer_s = 0;  // the optimizer's update of what the rank owns, timed alike
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis
 };
 
+// Note [Ranks sharing cores]
+// A host's ranks x threads beyond its cores take turns on them: each rank computes at
+// cores / (ranks x threads) of the rate it has alone (4 single-thread ranks on 2 cores:
+// half). Timings taken alone are divided by that share; so is the optimizer. The
+// collectives' figures are not: bench-collectives --calibrate times them with every rank
+// of the host running, so they already pay for the turns.
+double core_share(int cores_per_host, int ranks_per_host, int threads_per_rank);
+
 struct StepPrediction {
   int ranks = 1;
-  double compute_s = 0;   // the slowest stage's FLOPs / rate
+  double core_share = 1;  // of a core's rate each rank gets (Note [Ranks sharing cores])
+  bool timed = false;     // compute from the layers timed here, not FLOPs over a rate
+  double compute_s = 0;   // the slowest stage's forward and backward
   double pipeline_s = 0;  // its point-to-point sends
   double bubble_s = 0;    // idle while the pipeline fills and drains
   double other_s = 0;     // the other axes' communication (the slowest stage's)
+  double optimizer_s = 0; // its optimizer update, after the pipeline has drained
   double total_s = 0;
   double samples_per_s = 0;
   double single_rank_s = 0;  // the whole global batch on one rank
@@ -119,9 +155,17 @@ struct StepPrediction {
 // step's FLOPs (every sample of the global batch through the whole model, forward and
 // backward). `bubble`: the schedule's own idle fraction (RankEstimate::pipeline_bubble,
 // which knows zero-bubble schedules); below 0, the 1F1B formula bubble_fraction().
+// `share`: core_share() of the layout (timed work is divided by it; a rate from a
+// calibration file was measured per rank and is not).
 StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
                             int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
-                            int ranks, const Calibration& c, double bubble = -1);
+                            int ranks, const Calibration& c, double bubble = -1, double share = 1);
+
+// A fitted collective (Note [Fitted collectives]): the ring-step alpha and beta of `kind`
+// on a group of n whose measured times were seconds[i] for bytes[i] (least squares of
+// t = A + B x bytes, then A and B read through the kind's ring formula).
+LinkCost fit_collective(const std::string& kind, int n, const std::vector<double>& bytes,
+                        const std::vector<double>& seconds);
 
 std::string prediction_text(const StepPrediction& p, const Calibration& c);
 nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c);

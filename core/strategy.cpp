@@ -86,12 +86,14 @@ std::vector<NamedParam> RankEstimate::params() const {
 void RankEstimate::replicated_state(const JobSpec& spec) {
   const int64_t slots = optimizer_slots(spec.optimizer);
   state.parameters = state.gradients = state.optimizer = 0;
+  updated_elements = 0;
   for (const auto& p : params()) {
     const auto bytes = static_cast<int64_t>(p.tensor.nbytes());
     state.parameters += bytes;
     if (p.tensor.requires_grad()) {
       state.gradients += bytes;
       state.optimizer += slots * bytes;
+      updated_elements += p.tensor.numel();
     }
   }
 }

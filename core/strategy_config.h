@@ -46,6 +46,9 @@ struct RankEstimate {
   // The parameters this rank trains: those of `layers`, in order.
   std::vector<NamedParam> params() const;
   ModelStateBytes state;
+  // Elements the optimizer updates on this rank each step (the cost model times that
+  // update): the trainable parameters it holds, or under ZeRO its shard of them.
+  int64_t updated_elements = 0;
   int64_t activations = 0;  // saved for backward at the peak (an estimate: not measured)
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis, one step
   std::vector<std::string> notes;                       // what an estimate assumed

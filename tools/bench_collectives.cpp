@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <thread>
 
 #include "collectives/backends.h"
@@ -46,6 +47,7 @@
 #include "collectives/topology_gather.h"
 #include "core/cost_model.h"
 #include "core/runtime.h"
+#include "hardware/host.h"
 
 using namespace tetra::collectives;
 
@@ -313,6 +315,45 @@ double matmul_flops_per_s(Communicator& world) {
   return rate.item<double>() / world.size();
 }
 
+// Note [Fitted collectives] (core/cost_model.h): each collective kind timed on the whole
+// world at sizes from 8 bytes to 16 MiB, every rank taking part (so ranks that share
+// cores share them here as in training), and fitted to the ring step's alpha and beta.
+// Each size's time is rank 0's median over its repetitions (what a step meets on a
+// shared machine, not its luckiest run), from a barrier to the op's end.
+std::map<std::string, tetra::core::LinkCost> fit_kinds(Communicator& world) {
+  using K = Traffic;
+  const int n = world.size();
+  const std::vector<int64_t> sizes = {8, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20};
+  std::map<std::string, tetra::core::LinkCost> out;
+  for (K::Kind kind : {K::kAllreduce, K::kReduceScatter, K::kAllgather, K::kBroadcast}) {
+    std::vector<double> bytes, seconds;
+    for (int64_t b : sizes) {
+      const int64_t elems = std::max<int64_t>(n, b / 4 / n * n);  // whole floats, a multiple of n
+      at::Tensor whole = at::ones({elems}), part = at::ones({elems / n});
+      const int reps = b <= (1 << 20) ? 15 : 5;
+      std::vector<double> times;
+      for (int i = 0; i < reps + 1; ++i) {
+        world.barrier()->wait();
+        const auto t0 = Clock::now();
+        switch (kind) {
+          case K::kAllreduce: world.allreduce(whole)->wait(); break;
+          case K::kReduceScatter: world.reduce_scatter(whole, part)->wait(); break;
+          case K::kAllgather: world.allgather(part, whole)->wait(); break;
+          default: world.broadcast(whole)->wait(); break;
+        }
+        if (i > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());  // one warm-up
+      }
+      std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+      at::Tensor t = at::full({1}, world.rank() == 0 ? times[times.size() / 2] : 0.0, at::kDouble);
+      world.allreduce(t)->wait();  // rank 0's, to everyone
+      bytes.push_back(double(elems * 4));  // the payload as Note [Traffic counters] counts it
+      seconds.push_back(t.item<double>());
+    }
+    out[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, seconds);
+  }
+  return out;
+}
+
 int calibrate(Communicator& world, const std::string& path) {
   const HostMap hosts = gather_hosts(world);
   const int n = world.size();
@@ -327,11 +368,14 @@ int calibrate(Communicator& world, const std::string& path) {
   else notes += "; no two ranks share a host: inside a host keeps the default";
   if (inter_b > 0) c.inter_host = tetra::core::measure_link(world, 0, inter_b);
   else notes += "; every rank is on one host: across hosts keeps the default";
+  // The collectives by kind on every rank: a group inside one host, or one that crosses.
+  if (n > 1) (hosts.hosts.size() > 1 ? c.inter_kinds : c.intra_kinds) = fit_kinds(world);
   c.flops_per_s = matmul_flops_per_s(world);
+  c.cores_per_host = tetra::hardware::usable_cores();
   if (world.rank() != 0) return 0;
   const std::string measured = "bench-collectives --calibrate, " + std::to_string(n) + " ranks on " +
                                std::to_string(hosts.hosts.size()) + " host" + (hosts.hosts.size() == 1 ? "" : "s") +
-                               " (" + hosts.describe() + ")" + notes;
+                               " (" + hosts.describe() + "), backend " + world.backend() + notes;
   std::ofstream out(path);
   out << tetra::core::calibration_json(c, measured).dump(2) << "\n";
   if (!out) throw std::runtime_error("cannot write " + path);
@@ -339,6 +383,10 @@ int calibrate(Communicator& world, const std::string& path) {
               intra_b > 0 ? ("  (ranks 0 and " + std::to_string(intra_b) + ")").c_str() : "  (default: no pair)");
   std::printf("across hosts   alpha %8.1f us  beta %8.3f GB/s%s\n", c.inter_host.alpha_s * 1e6, c.inter_host.bytes_per_s / 1e9,
               inter_b > 0 ? ("  (ranks 0 and " + std::to_string(inter_b) + ")").c_str() : "  (default: no pair)");
+  for (const auto* kinds : {&c.intra_kinds, &c.inter_kinds})
+    for (const auto& [kind, l] : *kinds)
+      std::printf("%-14s alpha %8.1f us  beta %8.3f GB/s  (fitted on all %d ranks, %s)\n", kind.c_str(), l.alpha_s * 1e6,
+                  l.bytes_per_s / 1e9, n, kinds == &c.intra_kinds ? "inside a host" : "across hosts");
   std::printf("compute        %8.1f GFLOP/s per rank (fp32 matmul, 1 thread, every rank at once)\nwrote %s\n", c.flops_per_s / 1e9, path.c_str());
   return 0;
 }

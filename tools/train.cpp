@@ -116,6 +116,7 @@ int train_main(int argc, char** argv) {
   bool check = false, print_config = false, dry_run = false, json = false, schema = false, list_keys = false;
   int np = 0, ranks_per_host = 0;
   std::string calibration;
+  bool time_layers = false;
   app.add_option("job", job, "the job file (YAML)")->group("Run");
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->group("Run")
@@ -138,6 +139,10 @@ int train_main(int argc, char** argv) {
                  "with --dry-run: the links and compute rate the cost model predicts a step with: a file from "
                  "bench-collectives --calibrate, or gpu-cluster (an A100-class cluster's); default: "
                  "$TETRA_CALIBRATION, else this machine's, measured")
+      ->group("Check and plan");
+  app.add_flag("--time-layers", time_layers,
+               "with --dry-run --calibration FILE: price compute by timing the job's layers and optimizer on this "
+               "machine (as without a file), not by the file's FLOP rate")
       ->group("Check and plan");
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)")->group("Check and plan");
   app.add_flag("--list-keys", list_keys,
@@ -184,8 +189,12 @@ int train_main(int argc, char** argv) {
   }
   // The plan's options without --dry-run: a user who typed --np wanted that many
   // processes, which only a launcher starts.
-  if (!dry_run && (np > 0 || ranks_per_host > 0 || !calibration.empty() || json)) {
-    const std::string option = np > 0 ? "--np" : ranks_per_host > 0 ? "--ranks-per-host" : !calibration.empty() ? "--calibration" : "--json";
+  if (!dry_run && (np > 0 || ranks_per_host > 0 || !calibration.empty() || json || time_layers)) {
+    const std::string option = np > 0                  ? "--np"
+                               : ranks_per_host > 0    ? "--ranks-per-host"
+                               : !calibration.empty()  ? "--calibration"
+                               : time_layers           ? "--time-layers"
+                                                       : "--json";
     std::fprintf(stderr, "train: error: %s is an option of --dry-run (it plans the job for that launch, and runs nothing)",
                  option.c_str());
     if (np > 0)
@@ -269,6 +278,7 @@ int train_main(int argc, char** argv) {
       how.ranks_per_host = ranks_per_host;
       how.json = json;
       how.calibration = calibration;
+      how.time_layers = time_layers;
       const std::string plan = tetra::dry_run(spec, {}, how);
       if (speak) std::printf("%s", plan.c_str());
       return 0;

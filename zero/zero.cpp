@@ -888,6 +888,8 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const auto& o = input.spec.optimizer;
   const int64_t micro = input.plan.micro_batches();
   rank.state = state_bytes(padded, n, parts, core::optimizer_slots(o), e, micro, prefetch);
+  rank.updated_elements = 0;  // each rank updates its shard of every unit
+  for (int64_t p : padded) rank.updated_elements += p / n;
   if (parts.parameters && input.plan.pipeline_stages() > 1)
     rank.notes.push_back("zero stage 3 under a pipeline: gathers and their buffers counted as if the micro-batches ran one after another");
   if (n == 1) return;  // nothing travels

@@ -131,6 +131,88 @@ TEST(CostModel, ACalibrationFileOverridesWhatItSaysAndNamesWhatIsWrong) {
   fs::remove_all(dir);
 }
 
+// Note [Fitted collectives]: times that follow a ring exactly give back its alpha and beta,
+// which then price a group of another size by the same formula.
+TEST(CostModel, AFittedCollectiveGivesBackTheRingsStep) {
+  const LinkCost truth{20e-6, 2e9};
+  const std::vector<double> bytes = {8, 1 << 20, 4 << 20, 16 << 20};
+  for (const char* kind : {"allreduce", "allgather", "send"}) {
+    std::vector<double> seconds;
+    for (double b : bytes)
+      seconds.push_back(std::string(kind) == "allreduce" ? ring_allreduce_s(4, b, truth)
+                        : std::string(kind) == "send"    ? p2p_s(b, truth)
+                                                         : ring_collect_s(4, b, truth));
+    const LinkCost fit = fit_collective(kind, 4, bytes, seconds);
+    // The smallest size's bytes land in alpha (8 bytes at 2 GB/s: 4 ns a step at most).
+    EXPECT_NEAR(fit.alpha_s, truth.alpha_s, 5e-9) << kind;
+    EXPECT_NEAR(fit.bytes_per_s / truth.bytes_per_s, 1, 1e-6) << kind;
+  }
+  // A calibration with a fitted kind prices that kind with it, the others with the link.
+  Calibration c = calibration();
+  c.intra_kinds["allreduce"] = truth;
+  Traffic t;
+  t.record(Traffic::kAllreduce, 1'000'000, 8);
+  t.record(Traffic::kAllgather, 1'000'000, 8);
+  const AxisTime a = axis_time(t, {"data", 8, 1, 8, false}, c);
+  EXPECT_NEAR(a.seconds, ring_allreduce_s(8, 1e6, truth) + ring_collect_s(8, 1e6, kIntra), 1e-12);
+}
+
+// Note [Ranks sharing cores]: 4 single-thread ranks on 2 cores each get half; timed work
+// stretches by it, a calibrated FLOP rate (measured with the ranks running) does not.
+TEST(CostModel, RanksThatOutnumberTheCoresShareThemAndTimedWorkStretches) {
+  EXPECT_DOUBLE_EQ(core_share(2, 4, 1), 0.5);
+  EXPECT_DOUBLE_EQ(core_share(2, 1, 2), 1.0);
+  EXPECT_DOUBLE_EQ(core_share(16, 4, 8), 0.5);
+  EXPECT_DOUBLE_EQ(core_share(0, 64, 1), 1.0);  // unknown cores: a device per rank
+  const Calibration c = calibration();
+  StageWork w;
+  w.flops = 1e9;  // 1 s at the rate
+  w.timed_s = 0.25;
+  w.optimizer_s = 0.05;
+  w.traffic["data"].record(Traffic::kAllreduce, 1'000'000, 4);
+  const std::vector<AxisLinks> links = {{"data", 4, 1, 4, false}};
+  const StepPrediction p = predict_step({w}, links, 1, 1, 64, 4e9, 4, c, -1, 0.5);
+  EXPECT_TRUE(p.timed);
+  EXPECT_DOUBLE_EQ(p.core_share, 0.5);
+  EXPECT_NEAR(p.compute_s, 0.5, 1e-12);
+  EXPECT_NEAR(p.optimizer_s, 0.1, 1e-12);
+  EXPECT_NEAR(p.other_s, ring_allreduce_s(4, 1e6, kIntra), 1e-12);
+  EXPECT_NEAR(p.total_s, 0.6 + p.other_s, 1e-12);
+  EXPECT_NEAR(p.single_rank_s, 4e9 * 0.25 / 1e9, 1e-12);  // the timed rate, a core to itself
+  w.timed_s = -1;  // untimed: FLOPs over the rate, not stretched
+  EXPECT_NEAR(predict_step({w}, links, 1, 1, 64, 4e9, 4, c, -1, 0.5).compute_s, 1.0, 1e-12);
+  // The dry run names the terms with their shares and the one that dominates.
+  const std::string text = prediction_text(p, c);
+  for (const char* want : {"each rank gets 50% of a core", "optimizer", "dominated by compute"})
+    EXPECT_NE(text.find(want), std::string::npos) << want << "\n" << text;
+}
+
+TEST(CostModel, FittedKindsAndHostCoresRoundTripThroughTheFile) {
+  const fs::path dir = fs::temp_directory_path() / ("cost_kinds_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  Calibration c = calibration();
+  c.intra_kinds["allreduce"] = {7e-6, 3e9};
+  c.inter_kinds["allgather"] = {30e-6, 0.1e9};
+  c.cores_per_host = 48;
+  const fs::path f = dir / "kinds.json";
+  std::ofstream(f) << calibration_json(c, "here").dump();
+  const Calibration back = load_calibration(f.string());
+  EXPECT_DOUBLE_EQ(back.link(false, "allreduce").alpha_s, 7e-6);
+  EXPECT_DOUBLE_EQ(back.link(true, "allgather").bytes_per_s, 0.1e9);
+  EXPECT_DOUBLE_EQ(back.link(false, "broadcast").bytes_per_s, kIntra.bytes_per_s);  // not fitted: the link
+  EXPECT_EQ(back.cores_per_host, 48);
+  const fs::path bad = dir / "bad.json";
+  std::ofstream(bad) << R"({"format": "tetra calibration 1", "intra_host": {"kinds": {"allreduse": {"alpha_us": 1}}}})";
+  try {
+    load_calibration(bad.string());
+    FAIL() << "an unknown kind was taken";
+  } catch (const tetra::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.json: intra_host.kinds.allreduse: not a collective"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(CostModel, ForwardFlopsCountTheMatmulsAndAttention) {
   ModelSpec mlp;
   mlp.type = "mlp";

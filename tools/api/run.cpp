@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "collectives/watchdog.h"
 #include "core/cost_model.h"
 #include "core/models.h"
+#include "core/optim.h"
 #include "core/plan.h"
 #include "core/preflight.h"
 #include "core/report.h"
@@ -78,11 +81,57 @@ std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes) {
   return rows;
 }
 
+// The job's layers timed on this machine (Note [This machine's figures]): each layer's
+// forward and backward on one rank's micro-batch, at the job's threads, this process
+// alone.
+struct LayerTimes {
+  std::vector<pipeline::LayerCost> costs;
+  int64_t micro = 1;  // the rows they were timed on
+  int threads = 1;
+};
+
+LayerTimes time_layers(Trainer& trainer) {
+  const Plan& plan = trainer.job_plan();
+  LayerTimes t;
+  t.micro = std::max<int64_t>(1, plan.micro_batch_size());
+  t.threads = at::get_num_threads();
+  t.costs = pipeline::measure_layers(trainer.model(), trainer.dataset(), t.micro,
+                                     plan.spec().train.precision == Precision::kBf16, /*time=*/true,
+                                     pipeline::kDryRunTimedFlops, &trainer.probe());
+  return t;
+}
+
+// One step of the optimizer over `elements` (the trainer's fused update, then the
+// gradients zeroed for the next step), the best of a few: what a rank spends after its
+// backward on what it owns.
+double time_optimizer(const OptimizerSpec& spec, int64_t elements) {
+  if (elements <= 0) return 0;
+  at::Tensor param = at::randn({elements}), grad = at::randn({elements}).mul_(1e-3);
+  UpdateSlots slots;
+  if (spec.type != "sgd") {
+    slots.exp_avg = at::zeros({elements});
+    slots.exp_avg_sq = at::zeros({elements});
+  } else if (spec.momentum != 0) {
+    slots.momentum = at::zeros({elements});
+  }
+  double best = 1e300;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fused_update(spec, spec.lr, i + 1, param, grad, slots);
+    grad.zero_();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    grad.normal_().mul_(1e-3);
+  }
+  return best;
+}
+
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
 // traffic per step from the per-rank estimate, and where each axis's groups lie when
-// `per_host` consecutive processes share a host.
+// `per_host` consecutive processes share a host. With `timed`, a stage's compute is its
+// layers' measured seconds for the step's rows and its optimizer update is timed too,
+// both shared out when the host's ranks outnumber its cores (Note [Ranks sharing cores]).
 StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estimates, int per_host,
-                       const Calibration& cal) {
+                       const Calibration& cal, const LayerTimes* timed, int threads) {
   const Plan& plan = trainer.job_plan();
   const int R = plan.replicas();
   const std::vector<double> fwd = forward_flops(trainer.model(), trainer.probe());
@@ -95,6 +144,15 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
     if (stages.count(stage)) continue;
     StageWork& w = stages[stage];
     for (int l : r.layers) w.flops += 3 * fwd[static_cast<size_t>(l)] * per_rank;  // backward = 2 forwards
+    if (timed) {
+      // Timed on one micro-batch; a step runs per_rank rows through the stage.
+      w.timed_s = 0;
+      for (int l : r.layers) {
+        const pipeline::LayerCost& c = timed->costs[static_cast<size_t>(l)];
+        w.timed_s += (c.forward_s + c.backward_s) * per_rank / double(timed->micro);
+      }
+      w.optimizer_s = time_optimizer(plan.spec().optimizer, r.updated_elements);
+    }
     w.traffic = r.traffic;
   }
   // Replicas compose the data group hierarchically (collectives/hierarchical.h).
@@ -121,8 +179,9 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   // Under tensor parallelism the model is this rank's parts, and every matrix the FLOPs
   // count (forward_flops: Linears and attention) is split into T.
   total *= plan.spec().mesh.size("tensor");
+  const double share = core_share(cal.cores_per_host, std::min(per_host, plan.process_count()) * R, threads);
   return predict_step(work, links, static_cast<int>(plan.micro_batches()), virtual_stages, batch, total,
-                      plan.process_count() * R, cal, bubble);
+                      plan.process_count() * R, cal, bubble, share);
 }
 
 // Note [This machine's figures]
@@ -131,26 +190,27 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
 //   compute  the model's layers timed forward and backward on one rank's micro-batch at
 //            the job's threads (pipeline::measure_layers, the timings a by_time cut
 //            takes; a large model's are taken on a sample and scaled, Note [Layer
-//            costs]): the FLOPs the cost model counts over those seconds. Elementwise
-//            work is in the time, so the rate is what this model sustains here.
+//            costs]), each stage's for the rows it runs in a step, and the optimizer's
+//            update of what a rank owns; both divided by the share of a core each rank
+//            gets when the host's ranks x threads outnumber its cores.
 //   inside   a measured local pair: two thread-ranks of this process over the local
 //            backend (shared memory), alpha and beta as bench-collectives measures them.
 //   across   nothing here to measure: when the layout spans hosts (--np beyond
 //            --ranks-per-host), the GPU-cluster defaults, named as assumed.
 // `--calibration gpu-cluster` asks for the GPU-cluster defaults throughout (what
-// tools/predict_scale.sh plans with); a calibration file measures a real cluster.
-Calibration this_machine(Trainer& trainer, bool spans_hosts) {
+// tools/predict_scale.sh plans with); a calibration file measures a real cluster's links
+// (each collective fitted by kind for the backend it ran, Note [Fitted collectives]) and
+// its compute rate; with --time-layers the compute is timed here as above instead, for a
+// file measured on machines like this one.
+Calibration this_machine(Trainer& trainer, const LayerTimes& layers, bool spans_hosts) {
   const Plan& plan = trainer.job_plan();
-  const bool bf16 = plan.spec().train.precision == Precision::kBf16;
-  const int64_t micro = std::max<int64_t>(1, plan.micro_batch_size());
-  const std::vector<pipeline::LayerCost> costs =
-      pipeline::measure_layers(trainer.model(), trainer.dataset(), micro, bf16, /*time=*/true, pipeline::kDryRunTimedFlops,
-                               &trainer.probe());
   double seconds = 0, flops = 0;
-  for (const auto& c : costs) seconds += c.forward_s + c.backward_s;
-  for (double f : forward_flops(trainer.model(), trainer.probe())) flops += 3 * f * double(micro);
+  for (const auto& c : layers.costs) seconds += c.forward_s + c.backward_s;
+  for (double f : forward_flops(trainer.model(), trainer.probe())) flops += 3 * f * double(layers.micro);
   Calibration c;
   if (seconds > 0 && flops > 0) c.flops_per_s = flops / seconds;
+  c.cores_per_host = hardware::usable_cores();
+  (void)plan;
   // The pair: two thread-ranks measuring each other.
   std::vector<collectives::CommunicatorPtr> pair = collectives::make_local_group(2, "dry-run pair");
   LinkCost link;
@@ -158,9 +218,10 @@ Calibration this_machine(Trainer& trainer, bool spans_hosts) {
   link = measure_link(*pair[0], 0, 1);
   other.join();
   c.intra_host = link;
-  const int threads = at::get_num_threads();
+  const int threads = layers.threads;
   c.source = "this machine, measured: compute from the layers timed forward and backward on a micro-batch of " +
-             std::to_string(micro) + " at " + std::to_string(threads) + " thread" + (threads == 1 ? "" : "s") +
+             std::to_string(layers.micro) + " at " + std::to_string(threads) + " thread" + (threads == 1 ? "" : "s") +
+             " on " + std::to_string(c.cores_per_host) + " cores" +
              "; inside a host a local pair (2 thread-ranks, shared memory); across hosts " +
              (spans_hosts ? "assumed: the GPU-cluster defaults (8 x 100 Gbit/s InfiniBand per host), as no second "
                             "host is here to measure (--calibration FILE from bench-collectives --calibrate measures it)"
@@ -168,7 +229,10 @@ Calibration this_machine(Trainer& trainer, bool spans_hosts) {
   return c;
 }
 
-Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool spans_hosts) {
+// The calibration the dry run prices with, and whether its compute is the layers timed
+// here (`layers` is filled then).
+Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool spans_hosts,
+                           std::optional<LayerTimes>& layers) {
   std::string file = how.calibration;
   if (file.empty())
     if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) file = env;
@@ -178,8 +242,15 @@ Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool span
                "host, 8 x 100 Gbit/s InfiniBand across, 150 TFLOP/s per GPU)";
     return c;
   }
-  if (!file.empty()) return load_calibration(file);
-  return this_machine(trainer, spans_hosts);
+  if (file.empty() || how.time_layers) layers = time_layers(trainer);
+  if (file.empty()) return this_machine(trainer, *layers, spans_hosts);
+  Calibration c = load_calibration(file);
+  if (how.time_layers) {
+    if (c.cores_per_host <= 0) c.cores_per_host = hardware::usable_cores();
+    c.source += "; compute: the layers timed here (--time-layers) at " + std::to_string(layers->threads) + " thread" +
+                (layers->threads == 1 ? "" : "s") + ", " + std::to_string(c.cores_per_host) + " cores per host";
+  }
+  return c;
 }
 
 }  // namespace
@@ -208,10 +279,14 @@ PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const Dry
   if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
   r.per_host = local;
   r.ranks = rank_rows(plan, local);
-  r.calibration = calibration_of(how, trainer, r.hosts() > 1);
+  // Each rank's threads as the launch will give them (its ranks share the host's cores),
+  // which the layers are timed at.
+  if (!r.ranks.empty()) r.threads = set_threads(r.ranks.front().threads, plan.replicas());
+  std::optional<LayerTimes> layers;
+  r.calibration = calibration_of(how, trainer, r.hosts() > 1, layers);
   // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
   r.estimates = trainer.estimate();
-  r.prediction = predict(trainer, r.estimates, local, r.calibration);
+  r.prediction = predict(trainer, r.estimates, local, r.calibration, layers ? &*layers : nullptr, r.threads);
   r.data = trainer.dataset().info().description;
   r.model = options.model ? "the program's own" : spec.model.type;
   r.parameters = trainer.model_parameters();

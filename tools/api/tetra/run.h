@@ -68,6 +68,10 @@ struct DryRunOptions {
   int ranks_per_host = 0;
   bool json = false;
   std::string calibration;
+  // With a calibration file: price compute by timing the job's layers and optimizer here
+  // (as without a file) instead of the file's FLOP rate; for a file measured on machines
+  // like this one (Note [This machine's figures]).
+  bool time_layers = false;
 };
 std::string dry_run(const core::JobSpec& spec, const RunOptions& options, const DryRunOptions& how);
 
