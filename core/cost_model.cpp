@@ -90,7 +90,14 @@ double bubble_fraction(int stages, int micro_batches, int virtual_stages) {
 AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Calibration& c) {
   using K = collectives::Traffic;
   const bool across = l.hosts > 1;
-  auto link = [&](K::Kind k) -> const LinkCost& { return c.link(across, K::name(k)); };
+  // Across hosts, the groups that cross from one host at once share its link.
+  const double sharing = across ? std::max(1, l.groups_per_host) : 1;
+  auto link = [&](K::Kind k) {
+    LinkCost x = c.link(across, K::name(k));
+    x.bytes_per_s /= sharing;
+    return x;
+  };
+  const LinkCost inter_shared{c.inter_host.alpha_s, c.inter_host.bytes_per_s / sharing};
   AxisTime out;
   out.axis = l.axis;
   out.ops = t.ops;
@@ -103,7 +110,7 @@ AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Cali
   };
   const bool hier = l.hierarchical && across && l.per_host > 1;
   out.seconds += each(K::kAllreduce, [&](double b) {
-    return hier ? hierarchical_allreduce_s(l.hosts, l.per_host, b, c.intra_host, c.inter_host)
+    return hier ? hierarchical_allreduce_s(l.hosts, l.per_host, b, c.intra_host, inter_shared)
                 : ring_allreduce_s(n, b, link(K::kAllreduce));
   });
   for (K::Kind k : {K::kReduceScatter, K::kAllgather, K::kBroadcast})

@@ -105,6 +105,9 @@ struct AxisLinks {
   int hosts = 1;     // hosts one group spans
   int per_host = 1;  // ranks of one group on one host
   bool hierarchical = false;  // allreduce inside hosts, across, inside again
+  // Groups of this axis with ranks on one host: they cross at once (a step's ops are
+  // issued together), so each gets 1/groups_per_host of the host's link across.
+  int groups_per_host = 1;
 };
 
 // One axis's communication in one step of one rank.

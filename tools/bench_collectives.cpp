@@ -318,11 +318,18 @@ double matmul_flops_per_s(Communicator& world) {
 // Note [Fitted collectives] (core/cost_model.h): each collective kind timed on the whole
 // world at sizes from 8 bytes to 16 MiB, every rank taking part (so ranks that share
 // cores share them here as in training), and fitted to the ring step's alpha and beta.
-// Each size's time is rank 0's median over its repetitions (what a step meets on a
-// shared machine, not its luckiest run), from a barrier to the op's end.
+// As in a step, each op follows a burst of compute (the same on every rank, started
+// together): the time from a rank's end of it to the op's end includes waiting for the
+// ranks that finish their share later, which ranks sharing cores always do. Each size's
+// time is the mean over the ranks of each one's median over the repetitions (what a
+// step meets on a shared machine, not its luckiest run).
 std::map<std::string, tetra::core::LinkCost> fit_kinds(Communicator& world) {
   using K = Traffic;
   const int n = world.size();
+  at::Tensor x = at::randn({128, 512}), w = at::randn({512, 512}), y = at::empty({128, 512});
+  auto burst = [&] {  // about a millisecond of a core's matrix products
+    for (int i = 0; i < 8; ++i) at::mm_out(y, x, w);
+  };
   const std::vector<int64_t> sizes = {8, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20};
   std::map<std::string, tetra::core::LinkCost> out;
   for (K::Kind kind : {K::kAllreduce, K::kReduceScatter, K::kAllgather, K::kBroadcast}) {
@@ -334,6 +341,7 @@ std::map<std::string, tetra::core::LinkCost> fit_kinds(Communicator& world) {
       std::vector<double> times;
       for (int i = 0; i < reps + 1; ++i) {
         world.barrier()->wait();
+        burst();
         const auto t0 = Clock::now();
         switch (kind) {
           case K::kAllreduce: world.allreduce(whole)->wait(); break;
@@ -344,10 +352,10 @@ std::map<std::string, tetra::core::LinkCost> fit_kinds(Communicator& world) {
         if (i > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());  // one warm-up
       }
       std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-      at::Tensor t = at::full({1}, world.rank() == 0 ? times[times.size() / 2] : 0.0, at::kDouble);
-      world.allreduce(t)->wait();  // rank 0's, to everyone
+      at::Tensor t = at::full({1}, times[times.size() / 2], at::kDouble);
+      world.allreduce(t)->wait();  // the ranks' medians, summed
       bytes.push_back(double(elems * 4));  // the payload as Note [Traffic counters] counts it
-      seconds.push_back(t.item<double>());
+      seconds.push_back(t.item<double>() / n);
     }
     out[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, seconds);
   }

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # tools/bench_hosts.sh: the same job on 4 ranks inside one host and across 2 test hosts
-# (tools/test-hosts.sh), data parallel with flat and hierarchical allreduce, and pipeline
-# x data; prints each layout's samples/s (median of its rounds; the layouts alternate
-# within a round so that a slow moment of a shared machine spreads over all of them) and
-# its ratio to the one-host run of the same strategy. Then the cost model's prediction of
-# each (Note [Cost model]: train --dry-run on a calibration that bench-collectives
-# --calibrate measures on the same hosts first) beside the measurement.
+# (tools/test-hosts.sh): data parallel with flat and hierarchical allreduce, pipeline x
+# data under 1F1B and ZB-H1, ZeRO-3, and tensor x data (a GPT: tensor parallelism splits
+# its blocks); prints each layout's samples/s (median of its rounds; the layouts
+# alternate within a round so that a slow moment of a shared machine spreads over all of
+# them) and its ratio to the one-host run of the same strategy. Then the cost model's
+# prediction of each (Note [Cost model]: train --dry-run --time-layers on a calibration
+# that bench-collectives --calibrate measures on the same ranks first, 4 on this host for
+# the one-host layouts, 2 + 2 on the test hosts for the others) beside the measurement.
+# A run's samples/s is its steady state: the median of the metrics' 10-step rates after
+# the first ten steps (the first step allocates and plans; the model prices a later one).
 #
 #   tools/bench_hosts.sh [--rate RATE] [--rounds N] [--steps N] [--hidden H] [--bin DIR]
 #
@@ -39,34 +43,50 @@ data: {type: fashion-mnist, batch_size: 256, eval_samples: 0}
 optimizer: {type: sgd, lr: 0.05}
 train: {max_steps: $steps, seed: 1, threads: 1}
 checkpoint: {dir: ""}
-log: {every: 10, progress: off, metrics: ""}
+log: {every: 10, progress: off}
 EOF
+sed -e "s/max_steps: 400, eval_every: 100/max_steps: $steps, eval_every: 0/" -e 's/^checkpoint:.*/checkpoint: {dir: ""}/' \
+    -e 's/^log:.*/log: {every: 10, progress: off}/' -e 's/eval_samples: 256/eval_samples: 0/' configs/tensor-gpt.yaml >"$work/gpt.yaml"
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# name | where (one|two) | --set ...
+# name | where (one|two) | job | --set ...
 layouts=(
-  "dp, one host|one|mesh.data=4"
-  "dp, 2 hosts, flat|two|mesh.data=4 data_parallel.hierarchical=off"
-  "dp, 2 hosts, hierarchical|two|mesh.data=4 data_parallel.hierarchical=on"
-  "pipeline x data, one host|one|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4"
-  "pipeline x data, 2 hosts|two|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4"
-  "zero-3, one host|one|mesh.data=4 zero.stage=3"
-  "zero-3, 2 hosts|two|mesh.data=4 zero.stage=3"
+  "dp, one host|one|job|mesh.data=4"
+  "dp, 2 hosts, flat|two|job|mesh.data=4 data_parallel.hierarchical=off"
+  "dp, 2 hosts, hierarchical|two|job|mesh.data=4 data_parallel.hierarchical=on"
+  "pipeline x data, one host|one|job|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4"
+  "pipeline x data, 2 hosts|two|job|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4"
+  "zbh1 x data, one host|one|job|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4 pipeline.schedule=zbh1"
+  "zbh1 x data, 2 hosts|two|job|mesh.pipeline=2 mesh.data=2 pipeline.micro_batches=4 pipeline.schedule=zbh1"
+  "zero-3, one host|one|job|mesh.data=4 zero.stage=3"
+  "zero-3, 2 hosts|two|job|mesh.data=4 zero.stage=3"
+  "tensor x data (gpt), one host|one|gpt|mesh.data=2 mesh.tensor=2"
+  "tensor x data (gpt), 2 hosts|two|gpt|mesh.data=2 mesh.tensor=2"
 )
-# The links and compute rate of these hosts, for the predictions.
-tools/test-hosts.sh run -np 4 "$(readlink -f "$bin/bench-collectives")" --calibrate "$work/calibration.json" >"$work/calibration.txt"
+# The links of these hosts and of this one, for the predictions (Note [Fitted collectives]).
+bench=$(readlink -f "$bin/bench-collectives")
+tools/test-hosts.sh run -np 4 "$bench" --calibrate "$work/calibration-two.json" >"$work/calibration.txt"
+mpirun --oversubscribe --bind-to none -np 4 "$bench" --calibrate "$work/calibration-one.json" >>"$work/calibration.txt"
+# The steady samples/s of a run's metrics file: the median 10-step rate after the first.
+steady() {
+  python3 -c 'import json, statistics, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+v = [x["samples_per_s"] for x in r if "samples_per_s" in x and not x.get("eval")][1:]
+print(statistics.median(v) if v else "")' "$1"
+}
 declare -A got
 for ((r = 1; r <= rounds; r++)); do
   for l in "${layouts[@]}"; do
-    IFS='|' read -r name where sets <<<"$l"
-    args=()
+    IFS='|' read -r name where job sets <<<"$l"
+    args=(--set "log.metrics=$work/metrics.jsonl")
     for s in $sets; do args+=(--set "$s"); done
+    rm -f "$work/metrics.jsonl"
     if [[ $where == one ]]; then
-      out=$(mpirun --oversubscribe --bind-to none -np 4 "$train" "$work/job.yaml" "${args[@]}" 2>&1)
+      out=$(mpirun --oversubscribe --bind-to none -np 4 "$train" "$work/$job.yaml" "${args[@]}" 2>&1) || true
     else
-      out=$(tools/test-hosts.sh run -np 4 "$train" "$work/job.yaml" "${args[@]}" 2>&1)
+      out=$(tools/test-hosts.sh run -np 4 "$train" "$work/$job.yaml" "${args[@]}" 2>&1) || true
     fi
-    sps=$(sed -n 's/^  throughput *\([0-9.]*\) samples\/s.*/\1/p' <<<"$out")
+    sps=$([[ -s $work/metrics.jsonl ]] && steady "$work/metrics.jsonl")
     [[ -n $sps ]] || { echo "bench_hosts.sh: '$name' failed:" >&2; echo "$out" | tail -20 >&2; exit 1; }
     got[$name]+="$sps "
   done
@@ -75,20 +95,16 @@ median() { tr ' ' '\n' <<<"$1" | sed '/^$/d' | sort -n | awk '{a[NR]=$1} END {pr
 echo "bench_hosts: 4 ranks, MLP [$hidden, $hidden], batch 256, $steps steps, link ${rate}, $rounds rounds (median samples/s)"
 sed 's/^/  calibration: /' "$work/calibration.txt" | sed '$d'
 printf '  %-30s %12s %10s %12s %10s   %s\n' layout samples/s "vs 1 host" predicted measured/pred rounds
-base_dp=$(median "${got[dp, one host]}") base_pp=$(median "${got[pipeline x data, one host]}")
-base_z=$(median "${got[zero-3, one host]}")
 for l in "${layouts[@]}"; do
-  IFS='|' read -r name where sets <<<"$l"
+  IFS='|' read -r name where job sets <<<"$l"
   m=$(median "${got[$name]}")
-  base=$base_dp
-  [[ $name == pipeline* ]] && base=$base_pp
-  [[ $name == zero* ]] && base=$base_z
+  base=$(median "${got[${name%%, *}, one host]}")  # the same strategy on one host
   args=()
   for s in $sets; do args+=(--set "$s"); done
-  per_host=2
-  [[ $where == one ]] && per_host=4
-  pred=$("$train" "$work/job.yaml" "${args[@]}" --dry-run --np 4 --ranks-per-host $per_host \
-           --calibration "$work/calibration.json" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cost"]["samples_per_s"])')
+  per_host=2 cal=two
+  [[ $where == one ]] && per_host=4 cal=one
+  pred=$("$train" "$work/$job.yaml" "${args[@]}" --dry-run --np 4 --ranks-per-host $per_host --time-layers \
+           --calibration "$work/calibration-$cal.json" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cost"]["samples_per_s"])')
   printf '  %-30s %12.0f %10.2f %12.0f %10.2f   %s\n' "$name" "$m" "$(awk -v a="$m" -v b="$base" 'BEGIN {print a / b}')" \
     "$pred" "$(awk -v a="$m" -v b="$pred" 'BEGIN {print a / b}')" "${got[$name]}"
 done

@@ -161,6 +161,7 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   const double bubble = estimates.empty() ? -1 : estimates.front().pipeline_bubble;
   std::vector<AxisLinks> links;
   bool data_seen = false;
+  const int host_ranks = std::min(per_host, plan.process_count()) * R;
   for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(per_host)) {
     AxisLinks l{a.axis, a.size, a.most_hosts, a.most_per_host, false};
     if (a.axis == "data") {
@@ -169,6 +170,7 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
       l.per_host *= R;
       l.hierarchical = hierarchical;
     }
+    l.groups_per_host = std::max(1, host_ranks / std::max(1, l.per_host));
     links.push_back(l);
   }
   if (!data_seen && R > 1) links.push_back({"data", R, 1, R, false});  // replica threads of one process
