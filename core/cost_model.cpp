@@ -130,7 +130,8 @@ AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Cali
 
 StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
                             int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
-                            int ranks, const Calibration& c, double schedule_bubble, double share) {
+                            int ranks, const Calibration& c, double schedule_bubble, double share,
+                            const SimulatedPipeline& simulated) {
   StepPrediction p;
   p.ranks = ranks;
   p.core_share = share = std::clamp(share, 1e-6, 1.0);
@@ -172,6 +173,11 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
   p.compute_s = compute_of(stages[slowest]);
   p.pipeline_s = busy[slowest] - p.compute_s;
   p.bubble_s = busy[slowest] / (1 - bubble) - busy[slowest];
+  if (simulated.makespan_s > 0 && simulated.without_transfers_s > 0) {
+    p.bubble_s = std::max(0.0, simulated.without_transfers_s - p.compute_s);
+    p.pipeline_s = std::max(0.0, simulated.makespan_s - simulated.without_transfers_s);
+    busy[slowest] = p.compute_s + p.pipeline_s;
+  }
   p.other_s = *std::max_element(other.begin(), other.end());
   for (const StageWork& w : stages) p.optimizer_s = std::max(p.optimizer_s, w.optimizer_s / share);
   p.axes = per_stage[slowest];

@@ -126,6 +126,7 @@ struct StageWork {
   // [This machine's figures]), one rank alone: when set (>= 0), compute is this, not
   // flops over the calibrated rate.
   double timed_s = -1;
+  double timed_forward_s = -1;  // the forward part of timed_s
   double optimizer_s = 0;  // the optimizer's update of what the rank owns, timed alike
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis
 };
@@ -158,11 +159,23 @@ struct StepPrediction {
 // step's FLOPs (every sample of the global batch through the whole model, forward and
 // backward). `bubble`: the schedule's own idle fraction (RankEstimate::pipeline_bubble,
 // which knows zero-bubble schedules); below 0, the 1F1B formula bubble_fraction().
+// A pipeline's step as its schedule's simulation finds it with the measured times of a
+// forward, B and W per micro-batch and chunk (pipeline::simulate): with each message's
+// transfer, and without (the fill and drain alone).
+struct SimulatedPipeline {
+  double makespan_s = -1;            // with the transfers; < 0: not simulated
+  double without_transfers_s = -1;
+};
+
 // `share`: core_share() of the layout (timed work is divided by it; a rate from a
-// calibration file was measured per rank and is not).
+// calibration file was measured per rank and is not). `simulated`: when set, the
+// pipeline's compute, bubble and transfers are its makespan (the bubble what it idles
+// without transfers, the transfers what they add), not the slowest stage stretched by
+// the bubble fraction.
 StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vector<AxisLinks>& links,
                             int micro_batches, int virtual_stages, int64_t global_batch, double total_flops,
-                            int ranks, const Calibration& c, double bubble = -1, double share = 1);
+                            int ranks, const Calibration& c, double bubble = -1, double share = 1,
+                            const SimulatedPipeline& simulated = {});
 
 // A fitted collective (Note [Fitted collectives]): the ring-step alpha and beta of `kind`
 // on a group of n whose measured times were seconds[i] for bytes[i] (least squares of

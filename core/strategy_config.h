@@ -59,6 +59,9 @@ struct RankEstimate {
   // The pipeline schedule's idle fraction of a step, as its simulator finds it with a
   // backward of two forwards (B = W = one under the zero-bubble schedules); -1: no pipeline.
   double pipeline_bubble = -1;
+  // The schedule's kind (pipeline.schedule: "1f1b", "zbh1", ...; "" without a pipeline),
+  // for a cost model that simulates it again with measured times.
+  std::string pipeline_schedule;
   // Parameters, gradients and optimizer slots of `params` held whole, as the trainer's
   // own optimizer holds them (buffers untouched).
   void replicated_state(const JobSpec& spec);

@@ -1012,6 +1012,7 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   const StageMemoryModel mem(*this, costs, input.spec);
   const Schedule& sched = mem.schedule();
   if (P > 1 && mem.simulation().ok) rank.pipeline_bubble = mem.simulation().bubble_fraction;
+  if (P > 1) rank.pipeline_schedule = to_string(schedule);
   if (balance == Balance::kByTime)
     rank.notes.push_back("pipeline.balance by_time: the cut is timed here; a run times it again and may cut elsewhere");
 

@@ -527,7 +527,7 @@ class Simulator {
           return failed(r, label + " sends before " + name(Op::kForward, in.micro, in.chunk) +
                                " computes it");
         st.act_sent[idx] = 1;
-        channel(r, kActivations, next_rank).sent.push_back({in.micro, stage, st.time});
+        channel(r, kActivations, next_rank).sent.push_back({in.micro, stage, st.time + costs_.transfer});
         break;
       }
       case Op::kSendGrad: {
@@ -539,7 +539,7 @@ class Simulator {
           return failed(r, label + " sends before " + name(Op::kBackward, in.micro, in.chunk) +
                                " computes it");
         st.grad_sent[idx] = 1;
-        channel(r, kGradients, prev_rank).sent.push_back({in.micro, stage, st.time});
+        channel(r, kGradients, prev_rank).sent.push_back({in.micro, stage, st.time + costs_.transfer});
         break;
       }
       case Op::kRecvAct: {

@@ -126,9 +126,11 @@ std::string schedule_problem(const std::string& kind, int stages, int micro_batc
 Schedule make_schedule(const std::string& kind, int stages, int micro_batches, int virtual_stages = 1);
 
 // The time of one chunk's compute for one micro-batch. A fused backward takes
-// input + weight.
+// input + weight. `transfer`: from a send to its message's arrival at another rank (the
+// sender goes on at once, as the executor's sends do); 0: messages arrive as sent.
 struct Costs {
   double forward = 1, input = 1, weight = 1;
+  double transfer = 0;
 };
 
 // What the simulator found.

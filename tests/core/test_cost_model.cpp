@@ -187,6 +187,23 @@ TEST(CostModel, RanksThatOutnumberTheCoresShareThemAndTimedWorkStretches) {
     EXPECT_NE(text.find(want), std::string::npos) << want << "\n" << text;
 }
 
+// A pipeline simulated with measured times: its makespan is the step's pipeline part, the
+// bubble what it idles without transfers, the transfers what they add.
+TEST(CostModel, ASimulatedPipelineIsItsMakespan) {
+  const Calibration c = calibration();
+  StageWork a, b;
+  a.timed_s = 0.004;
+  b.timed_s = 0.006;
+  a.timed_forward_s = b.timed_forward_s = 0.002;
+  b.optimizer_s = 0.001;
+  const SimulatedPipeline sim{0.010, 0.008};
+  const StepPrediction p = predict_step({a, b}, {}, 4, 1, 64, 1e9, 2, c, 0.2, 1, sim);
+  EXPECT_NEAR(p.compute_s, 0.006, 1e-12);
+  EXPECT_NEAR(p.bubble_s, 0.002, 1e-12);
+  EXPECT_NEAR(p.pipeline_s, 0.002, 1e-12);
+  EXPECT_NEAR(p.total_s, 0.010 + 0.001, 1e-12);
+}
+
 TEST(CostModel, FittedKindsAndHostCoresRoundTripThroughTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("cost_kinds_" + std::to_string(::getpid()));
   fs::create_directories(dir);

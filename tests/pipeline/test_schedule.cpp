@@ -477,3 +477,26 @@ TEST(Draw, OneRowPerRankOneColumnPerUnit) {
   const std::string vee = draw(v, simulate(v));
   EXPECT_TRUE(contains(vee, "rank 0 | F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 ")) << vee;
 }
+
+// A message arrives `transfer` after its send, and the sender goes on at once: one
+// micro-batch through 2 stages waits for both of its crossings (F = 1, B + W = 2,
+// transfer 0.5); with 4 micro-batches some crossings hide behind other micro-batches'
+// work.
+TEST(Schedule, TransfersDelayArrivalsNotSenders) {
+  Costs c;
+  c.forward = 1;
+  c.input = c.weight = 1;
+  c.transfer = 0.5;
+  const Simulation one = simulate(make_schedule("1f1b", 2, 1), c);
+  ASSERT_TRUE(one.ok) << one.error;
+  EXPECT_DOUBLE_EQ(one.makespan, 2 * (1 + 2) + 2 * 0.5);
+  c.transfer = 0;
+  const double still = simulate(make_schedule("1f1b", 2, 4), c).makespan;
+  c.transfer = 0.5;
+  const Simulation four = simulate(make_schedule("1f1b", 2, 4), c);
+  ASSERT_TRUE(four.ok) << four.error;
+  EXPECT_GT(four.makespan, still);
+  EXPECT_LT(four.makespan, still + 4 * 2 * 0.5);  // not every crossing waits
+  // The zero-bubble schedules keep W's to fill what the transfers leave idle.
+  EXPECT_LE(simulate(make_schedule("zbh1", 2, 4), c).makespan, four.makespan);
+}

@@ -119,8 +119,8 @@ TEST_F(CostModelCheck, ShortLayoutsOnThisMachineArePredictedWithin0_7To1_4) {
     const double predicted = cost.value("samples_per_s", 0.0);
     ASSERT_GT(predicted, 0) << l.name << ": " << cost.dump();
     EXPECT_TRUE(cost.value("compute_timed", false)) << l.name;
-    // The better of two runs: a shared machine's noise only ever slows one down.
-    const double measured = std::max(measure(l), measure(l));
+    // The best of three runs: a shared machine's noise only ever slows one down.
+    const double measured = std::max({measure(l), measure(l), measure(l)});
     const double ratio = measured / predicted;
     RecordProperty(l.name, std::to_string(ratio));
     std::printf("%-40s measured %8.0f predicted %8.0f samples/s  ratio %.2f\n", l.name.c_str(), measured, predicted, ratio);

@@ -146,10 +146,11 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
     for (int l : r.layers) w.flops += 3 * fwd[static_cast<size_t>(l)] * per_rank;  // backward = 2 forwards
     if (timed) {
       // Timed on one micro-batch; a step runs per_rank rows through the stage.
-      w.timed_s = 0;
+      w.timed_s = w.timed_forward_s = 0;
       for (int l : r.layers) {
         const pipeline::LayerCost& c = timed->costs[static_cast<size_t>(l)];
         w.timed_s += (c.forward_s + c.backward_s) * per_rank / double(timed->micro);
+        w.timed_forward_s += c.forward_s * per_rank / double(timed->micro);
       }
       w.optimizer_s = time_optimizer(plan.spec().optimizer, r.updated_elements);
     }
@@ -182,8 +183,36 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   // count (forward_flops: Linears and attention) is split into T.
   total *= plan.spec().mesh.size("tensor");
   const double share = core_share(cal.cores_per_host, std::min(per_host, plan.process_count()) * R, threads);
-  return predict_step(work, links, static_cast<int>(plan.micro_batches()), virtual_stages, batch, total,
-                      plan.process_count() * R, cal, bubble, share);
+  const int m = static_cast<int>(plan.micro_batches());
+  // A timed pipeline: its schedule simulated with the slowest stage's measured forward and
+  // backward per micro-batch and chunk (B and W half each) and its activations' transfer
+  // over the pipeline's link, so a slow link stalls the schedule as it does in a run.
+  SimulatedPipeline simulated;
+  const std::string kind = estimates.empty() ? "" : estimates.front().pipeline_schedule;
+  if (timed && work.size() > 1 && !kind.empty()) {
+    const StageWork& slow = *std::max_element(work.begin(), work.end(),
+                                              [](const StageWork& a, const StageWork& b) { return a.timed_s < b.timed_s; });
+    const double units = double(m) * virtual_stages * share;
+    pipeline::Costs costs;
+    costs.forward = slow.timed_forward_s / units;
+    costs.input = costs.weight = (slow.timed_s - slow.timed_forward_s) / units / 2;
+    auto t = slow.traffic.find("pipeline");
+    auto l = std::find_if(links.begin(), links.end(), [](const AxisLinks& a) { return a.axis == "pipeline"; });
+    if (t != slow.traffic.end() && l != links.end() && t->second.count[collectives::Traffic::kSend] > 0) {
+      collectives::Traffic one;
+      one.record(collectives::Traffic::kSend,
+                 t->second.payload[collectives::Traffic::kSend] / t->second.count[collectives::Traffic::kSend], l->size);
+      costs.transfer = axis_time(one, *l, cal).seconds;
+    }
+    const pipeline::Schedule sched = pipeline::make_schedule(kind, static_cast<int>(work.size()), m,
+                                                             virtual_stages);
+    const pipeline::Simulation with = pipeline::simulate(sched, costs);
+    costs.transfer = 0;
+    const pipeline::Simulation without = pipeline::simulate(sched, costs);
+    if (with.ok && without.ok) simulated = {with.makespan, without.makespan};
+  }
+  return predict_step(work, links, m, virtual_stages, batch, total, plan.process_count() * R, cal, bubble, share,
+                      simulated);
 }
 
 // Note [This machine's figures]
