@@ -103,9 +103,11 @@ LayerTimes time_layers(Trainer& trainer) {
 
 // One step of the optimizer over `elements` (the trainer's fused update, then the
 // gradients zeroed for the next step), the best of a few: what a rank spends after its
-// backward on what it owns.
-double time_optimizer(const OptimizerSpec& spec, int64_t elements) {
-  if (elements <= 0) return 0;
+// backward on what it owns. A large model's is timed on 16 Mi elements and scaled (the
+// update is one pass over memory, linear in its length), so a dry run allocates little.
+double time_optimizer(const OptimizerSpec& spec, int64_t owned) {
+  if (owned <= 0) return 0;
+  const int64_t elements = std::min<int64_t>(owned, int64_t{1} << 24);
   at::Tensor param = at::randn({elements}), grad = at::randn({elements}).mul_(1e-3);
   UpdateSlots slots;
   if (spec.type != "sgd") {
@@ -122,7 +124,7 @@ double time_optimizer(const OptimizerSpec& spec, int64_t elements) {
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     grad.normal_().mul_(1e-3);
   }
-  return best;
+  return best * double(owned) / double(elements);
 }
 
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
@@ -234,14 +236,12 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
 // its compute rate; with --time-layers the compute is timed here as above instead, for a
 // file measured on machines like this one.
 Calibration this_machine(Trainer& trainer, const LayerTimes& layers, bool spans_hosts) {
-  const Plan& plan = trainer.job_plan();
   double seconds = 0, flops = 0;
   for (const auto& c : layers.costs) seconds += c.forward_s + c.backward_s;
   for (double f : forward_flops(trainer.model(), trainer.probe())) flops += 3 * f * double(layers.micro);
   Calibration c;
   if (seconds > 0 && flops > 0) c.flops_per_s = flops / seconds;
   c.cores_per_host = hardware::usable_cores();
-  (void)plan;
   // The pair: two thread-ranks measuring each other.
   std::vector<collectives::CommunicatorPtr> pair = collectives::make_local_group(2, "dry-run pair");
   LinkCost link;
