@@ -18,6 +18,18 @@ namespace {
 const LinkCost kIntra{1e-6, 10e9};  // 1 us, 10 GB/s
 const LinkCost kInter{1e-5, 1e9};   // 10 us, 1 GB/s
 
+// Writes `text` to `file` and expects load_calibration to refuse it with a ConfigError
+// that says `want`.
+void expect_calibration_error(const fs::path& file, const std::string& text, const std::string& want) {
+  std::ofstream(file) << text;
+  try {
+    load_calibration(file.string());
+    ADD_FAILURE() << "load_calibration took " << text;
+  } catch (const tetra::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+  }
+}
+
 Calibration calibration() {
   Calibration c;
   c.intra_host = kIntra;
@@ -112,15 +124,8 @@ TEST(CostModel, ACalibrationFileOverridesWhatItSaysAndNamesWhatIsWrong) {
   EXPECT_DOUBLE_EQ(c.flops_per_s, 20e9);
   EXPECT_DOUBLE_EQ(c.intra_host.bytes_per_s, Calibration{}.intra_host.bytes_per_s);  // left out: the default
   EXPECT_NE(c.source.find("2 test hosts"), std::string::npos);
-  const fs::path bad = dir / "bad.json";
-  std::ofstream(bad) << R"({"format": "tetra calibration 1", "intra_host": {"beta_gbytes_per_s": -1}})";
-  try {
-    load_calibration(bad.string());
-    FAIL() << "a negative beta was taken";
-  } catch (const tetra::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("bad.json: intra_host.beta_gbytes_per_s must be a number > 0"), std::string::npos)
-        << e.what();
-  }
+  expect_calibration_error(dir / "bad.json", R"({"format": "tetra calibration 1", "intra_host": {"beta_gbytes_per_s": -1}})",
+                           "bad.json: intra_host.beta_gbytes_per_s must be a number > 0");
   EXPECT_THROW(load_calibration((dir / "missing.json").string()), tetra::ConfigError);
   // What calibration_json writes, load_calibration reads back.
   const fs::path round = dir / "round.json";
@@ -218,15 +223,9 @@ TEST(CostModel, FittedKindsAndHostCoresRoundTripThroughTheFile) {
   EXPECT_DOUBLE_EQ(back.link(true, "allgather").bytes_per_s, 0.1e9);
   EXPECT_DOUBLE_EQ(back.link(false, "broadcast").bytes_per_s, kIntra.bytes_per_s);  // not fitted: the link
   EXPECT_EQ(back.cores_per_host, 48);
-  const fs::path bad = dir / "bad.json";
-  std::ofstream(bad) << R"({"format": "tetra calibration 1", "intra_host": {"kinds": {"allreduse": {"alpha_us": 1}}}})";
-  try {
-    load_calibration(bad.string());
-    FAIL() << "an unknown kind was taken";
-  } catch (const tetra::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("bad.json: intra_host.kinds.allreduse: not a collective"), std::string::npos)
-        << e.what();
-  }
+  expect_calibration_error(dir / "bad.json",
+                           R"({"format": "tetra calibration 1", "intra_host": {"kinds": {"allreduse": {"alpha_us": 1}}}})",
+                           "bad.json: intra_host.kinds.allreduse: not a collective");
   fs::remove_all(dir);
 }
 

@@ -184,7 +184,7 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
   // Under tensor parallelism the model is this rank's parts, and every matrix the FLOPs
   // count (forward_flops: Linears and attention) is split into T.
   total *= plan.spec().mesh.size("tensor");
-  const double share = core_share(cal.cores_per_host, std::min(per_host, plan.process_count()) * R, threads);
+  const double share = core_share(cal.cores_per_host, host_ranks, threads);
   const int m = static_cast<int>(plan.micro_batches());
   // A timed pipeline: its schedule simulated with the slowest stage's measured forward and
   // backward per micro-batch and chunk (B and W half each) and its activations' transfer
