@@ -99,6 +99,16 @@ inline int wait_within(pid_t pid, std::chrono::seconds limit, double* took = nul
   return -1;
 }
 
+// mpirun's arguments for `exe args...` on np local ranks (--oversubscribe: CI has 2 cores;
+// the run-as-root variables set, as CI runs as root and they are ignored otherwise).
+inline std::vector<std::string> mpirun_args(int np, const std::string& exe, const std::vector<std::string>& args) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), exe};
+  all.insert(all.end(), args.begin(), args.end());
+  return all;
+}
+
 // Runs `exe args...` to its end; its output lands in dir/stdout.txt and dir/stderr.txt.
 inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir, const std::vector<std::string>& args) {
   const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";

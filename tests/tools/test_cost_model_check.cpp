@@ -30,15 +30,6 @@ namespace {
 
 const std::string kBin = std::string(TETRA_BIN_DIR);
 
-// mpirun's arguments for `exe args...` on np local ranks (as root too: CI runs as root).
-std::vector<std::string> mpi(int np, const std::string& exe, const std::vector<std::string>& args) {
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), exe};
-  all.insert(all.end(), args.begin(), args.end());
-  return all;
-}
-
 struct Layout {
   std::string name;
   int np;
@@ -65,7 +56,7 @@ class CostModelCheck : public ::testing::Test {
   // The calibration of np ranks on this host.
   std::string calibrate(int np) {
     const std::string cal = (dir_ / ("calibration" + std::to_string(np) + ".json")).string();
-    Outcome r = run_tool(TETRA_MPIEXEC, dir_, mpi(np, kBin + "/bench-collectives", {"--calibrate", cal}));
+    Outcome r = run_tool(TETRA_MPIEXEC, dir_, mpirun_args(np, kBin + "/bench-collectives", {"--calibrate", cal}));
     EXPECT_EQ(r.status, 0) << r.out << r.err;
     return cal;
   }
@@ -76,7 +67,7 @@ class CostModelCheck : public ::testing::Test {
     fs::remove(metrics);
     std::vector<std::string> args = {job_, "--set", "log.metrics=" + metrics, "--set", "log.dir=" + (dir_ / "runs").string()};
     for (const std::string& s : l.sets) args.insert(args.end(), {"--set", s});
-    Outcome r = l.np == 1 ? run_tool(kBin + "/train", dir_, args) : run_tool(TETRA_MPIEXEC, dir_, mpi(l.np, kBin + "/train", args));
+    Outcome r = l.np == 1 ? run_tool(kBin + "/train", dir_, args) : run_tool(TETRA_MPIEXEC, dir_, mpirun_args(l.np, kBin + "/train", args));
     EXPECT_EQ(r.status, 0) << l.name << ": " << r.out << r.err;
     std::vector<double> rates;
     std::istringstream lines(slurp(metrics));

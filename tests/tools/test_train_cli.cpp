@@ -316,11 +316,7 @@ namespace {
 
 // mpirun's arguments for `train args...` on np local ranks (as root too: CI runs as root).
 std::vector<std::string> mpi_args(int np, const std::vector<std::string>& args) {
-  std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), kTrain};
-  all.insert(all.end(), args.begin(), args.end());
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  return all;
+  return tetra::testing_tools::mpirun_args(np, kTrain, args);
 }
 
 Outcome run_mpi(int np, const std::vector<std::string>& args) { return run_program(TETRA_MPIEXEC, mpi_args(np, args)); }
