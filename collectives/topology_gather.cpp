@@ -66,21 +66,32 @@ hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
 }
 
 HostMap gather_hosts(Communicator& comm, Duration timeout) {
-  constexpr int64_t kName = 65;  // HOST_NAME_MAX + 1
+  constexpr int64_t kName = 65, kBoot = 40, kEach = kName + kBoot;  // HOST_NAME_MAX + 1, a UUID + 1
   const std::string mine = hardware::hostname().substr(0, kName - 1);
-  at::Tensor buf = at::zeros({kName}, at::kByte);
+  const std::string boot = hardware::boot_id().substr(0, kBoot - 1);
+  at::Tensor buf = at::zeros({kEach}, at::kByte);
   std::memcpy(buf.data_ptr<uint8_t>(), mine.data(), mine.size());
-  at::Tensor all = at::empty({comm.size() * kName}, at::kByte);
+  std::memcpy(buf.data_ptr<uint8_t>() + kName, boot.data(), boot.size());
+  at::Tensor all = at::empty({comm.size() * kEach}, at::kByte);
   AllgatherOptions opts;
   opts.timeout = timeout;
   comm.allgather(buf, all, opts)->wait();
   HostMap m;
+  std::vector<std::string> boots;  // per machine
   const char* bytes = reinterpret_cast<const char*>(all.data_ptr<uint8_t>());
   for (int r = 0; r < comm.size(); ++r) {
-    const std::string name(bytes + r * kName, strnlen(bytes + r * kName, kName));
+    const char* at = bytes + r * kEach;
+    const std::string name(at, strnlen(at, kName));
     const auto it = std::find(m.hosts.begin(), m.hosts.end(), name);
     m.host_of.push_back(static_cast<int>(it - m.hosts.begin()));
-    if (it == m.hosts.end()) m.hosts.push_back(name);
+    if (it != m.hosts.end()) continue;
+    m.hosts.push_back(name);
+    // No boot id (not Linux): the host is its own machine.
+    std::string id(at + kName, strnlen(at + kName, kBoot));
+    if (id.empty()) id = "host " + name;
+    const auto b = std::find(boots.begin(), boots.end(), id);
+    m.machine_of.push_back(static_cast<int>(b - boots.begin()));
+    if (b == boots.end()) boots.push_back(id);
   }
   return m;
 }
@@ -93,6 +104,10 @@ int HostMap::ranks_per_host() const {
   for (int h = 1; h < static_cast<int>(hosts.size()); ++h)
     if (ranks_on(h) != n) return 0;
   return n;
+}
+
+int HostMap::hosts_sharing_machine(int h) const {
+  return static_cast<int>(std::count(machine_of.begin(), machine_of.end(), machine_of.at(static_cast<size_t>(h))));
 }
 
 std::string HostMap::describe(size_t max) const {

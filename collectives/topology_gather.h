@@ -26,14 +26,20 @@ hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
                                    Duration timeout = kDefaultTimeout);
 
 // Where the ranks of a communicator run, by hostname: what needs only the hosts (the
-// banner, hierarchical allreduce), not their hardware. One allgather of 64-byte names.
+// banner, hierarchical allreduce), not their hardware. One allgather of 64-byte names
+// and 40-byte boot ids.
+// With each host's machine: hosts whose ranks see one boot id run on one kernel
+// (containers, network namespaces such as tools/test-hosts.sh's) and share its cores.
 struct HostMap {
   std::vector<std::string> hosts;  // distinct hostnames, in order of their lowest rank
   std::vector<int> host_of;        // per rank: its index in `hosts`
+  std::vector<int> machine_of;     // per host: its machine, numbered in order of first host
   // Ranks on host h.
   int ranks_on(int h) const;
   // The same number of ranks on every host: that number; 0 when they differ.
   int ranks_per_host() const;
+  // Hosts on host h's machine (1 unless hosts share a kernel).
+  int hosts_sharing_machine(int h) const;
   // "tetra-host1: ranks 0-1, tetra-host2: ranks 2-3" (runs of ranks; the first `max`
   // hosts, then "... (N hosts)").
   std::string describe(size_t max = 4) const;

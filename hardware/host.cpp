@@ -16,9 +16,14 @@
 
 namespace tetra::hardware {
 
-std::string network_namespace_id() {
+std::string boot_id() {
   std::string boot;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return boot;
+}
+
+std::string network_namespace_id() {
+  const std::string boot = boot_id();
   char ns[128] = {};
   const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
   // Without either (not Linux, /proc not mounted), the host's name and the pid: unique, so

@@ -23,6 +23,10 @@ std::vector<std::string> ipv4_addresses();
 // namespace: then one's loopback address reaches the other. Test hosts on one machine
 // (network namespaces) differ; two machines differ; containers of one pod agree.
 std::string network_namespace_id();
+// The kernel's boot id (a UUID, /proc/sys/kernel/random/boot_id): the same for every
+// process of one machine, containers and network namespaces included, so hosts that
+// report one share its cores. "" where there is none (not Linux, /proc not mounted).
+std::string boot_id();
 // Logical CPUs in this process's affinity mask (what it may really run on).
 int usable_cores();
 // Logical CPUs on the host.

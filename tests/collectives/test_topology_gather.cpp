@@ -42,6 +42,27 @@ TEST(TopologyGather, ThreeThreadRanksAgreeOnOneHost) {
   EXPECT_EQ(hardware::topology_from_json(hardware::to_json(t)), t);
 }
 
+// The hosts of a communicator with their machines: thread-ranks of one process are one
+// host on one machine (the test hosts' case, two hosts on one kernel, is
+// tools_cost_model_check's: their calibration gives each half the cores).
+TEST(TopologyGather, HostsKnowTheirMachine) {
+  std::mutex mu;
+  std::vector<HostMap> seen(2);
+  run_local_ranks(2, [&](int rank, Communicator& comm) {
+    HostMap m = gather_hosts(comm, 60s);
+    std::lock_guard<std::mutex> lock(mu);
+    seen[rank] = std::move(m);
+  });
+  for (const HostMap& m : seen) {
+    ASSERT_EQ(m.hosts.size(), 1u);
+    EXPECT_EQ(m.hosts[0], hardware::hostname());
+    EXPECT_EQ(m.host_of, (std::vector<int>{0, 0}));
+    EXPECT_EQ(m.machine_of, std::vector<int>{0});
+    EXPECT_EQ(m.hosts_sharing_machine(0), 1);
+  }
+  EXPECT_EQ(hardware::boot_id().size(), 36u);  // a UUID, on Linux
+}
+
 TEST(TopologyGather, LauncherLocalRankWinsWhenItsWorldIsTheCommunicator) {
   // A world of 2 whose launcher numbered the local ranks in reverse: kept as given.
   const hardware::HostTopology host = hardware::discover_host();
