@@ -32,13 +32,17 @@ double hierarchical_allreduce_s(int hosts, int per_host, double bytes, const Lin
 
 double p2p_s(double bytes, const LinkCost& link) { return link.alpha_s + bytes / link.bytes_per_s; }
 
-const LinkCost& Calibration::link(bool across, const std::string& kind) const {
+const LinkCost& Calibration::link(bool across, const std::string& kind, bool chained) const {
+  if (chained) {
+    const auto& fits = across ? inter_chained : intra_chained;
+    if (auto it = fits.find(kind); it != fits.end()) return it->second;
+  }
   const auto& kinds = across ? inter_kinds : intra_kinds;
   auto it = kinds.find(kind);
   return it != kinds.end() ? it->second : across ? inter_host : intra_host;
 }
 
-double core_share(int cores_per_host, int ranks_per_host, int threads_per_rank) {
+double core_share(double cores_per_host, int ranks_per_host, int threads_per_rank) {
   const double want = double(std::max(1, ranks_per_host)) * std::max(1, threads_per_rank);
   return cores_per_host <= 0 ? 1.0 : std::min(1.0, cores_per_host / want);
 }
@@ -55,6 +59,16 @@ double core_share(int cores_per_host, int ranks_per_host, int threads_per_rank) 
 // fit: A is the smallest size's time (latency alone), S the least-squares slope of t - A
 // over the other sizes (unweighted, so it follows the large payloads a step carries;
 // Open MPI switches algorithms with the size, so no one line fits every size).
+// Each kind is fitted twice (bench-collectives --calibrate). After compute: the op
+// follows a burst of compute on every rank, and its time includes waiting for the ranks
+// that end theirs later; where ranks share cores that wait is most of A (4 ranks on this
+// 2-core machine: an 8-byte allgather takes 1.5 ms after compute, 0.1 ms chained).
+// Chained: the op follows another at once, every rank already there. A step pays the
+// first for an op that waits on compute (a bucket at the end of backward, a gather
+// without prefetch, a tensor-parallel allreduce) and the second for one issued while
+// others run or compute (RankEstimate::chained: ZeRO-3's prefetched gathers and the
+// reduce-scatters it queues during backward). A pipeline's transfers take the chained
+// send: when a message leaves is the schedule simulation's (pipeline::Costs).
 LinkCost fit_collective(const std::string& kind, int n, const std::vector<double>& bytes,
                         const std::vector<double>& seconds) {
   const size_t k = std::min(bytes.size(), seconds.size());
@@ -87,35 +101,39 @@ double bubble_fraction(int stages, int micro_batches, int virtual_stages) {
   return double(stages - 1) / (double(std::max(1, virtual_stages)) * std::max(1, micro_batches) + stages - 1);
 }
 
-AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Calibration& c) {
+AxisTime axis_time(const collectives::Traffic& t, const AxisLinks& l, const Calibration& c,
+                   const collectives::Traffic* chained) {
   using K = collectives::Traffic;
   const bool across = l.hosts > 1;
   // Across hosts, the groups that cross from one host at once share its link.
   const double sharing = across ? std::max(1, l.groups_per_host) : 1;
-  auto link = [&](K::Kind k) {
-    LinkCost x = c.link(across, K::name(k));
-    x.bytes_per_s /= sharing;
-    return x;
-  };
   const LinkCost inter_shared{c.inter_host.alpha_s, c.inter_host.bytes_per_s / sharing};
   AxisTime out;
   out.axis = l.axis;
   out.ops = t.ops;
   const int n = l.size;
-  // Each kind's ops are priced one by one at the mean payload (the byte term is linear,
-  // the latency term counts ops).
-  auto each = [&](K::Kind k, auto&& one) {
-    if (t.count[k] == 0) return 0.0;
-    return double(t.count[k]) * one(double(t.payload[k]) / double(t.count[k]));
-  };
   const bool hier = l.hierarchical && across && l.per_host > 1;
-  out.seconds += each(K::kAllreduce, [&](double b) {
-    return hier ? hierarchical_allreduce_s(l.hosts, l.per_host, b, c.intra_host, inter_shared)
-                : ring_allreduce_s(n, b, link(K::kAllreduce));
-  });
-  for (K::Kind k : {K::kReduceScatter, K::kAllgather, K::kBroadcast})
-    out.seconds += each(k, [&](double b) { return ring_collect_s(n, b, link(k)); });
-  out.seconds += each(K::kSend, [&](double b) { return p2p_s(b, link(K::kSend)); });
+  // Each kind's ops are priced one by one at the mean payload (the byte term is linear,
+  // the latency term counts ops); chained ops with the chained fits.
+  auto price = [&](const K& ops, bool is_chained) {
+    auto link = [&](K::Kind k) {
+      LinkCost x = c.link(across, K::name(k), is_chained);
+      x.bytes_per_s /= sharing;
+      return x;
+    };
+    auto each = [&](K::Kind k, auto&& one) {
+      if (ops.count[k] <= 0) return 0.0;
+      return double(ops.count[k]) * one(double(ops.payload[k]) / double(ops.count[k]));
+    };
+    double s = each(K::kAllreduce, [&](double b) {
+      return hier ? hierarchical_allreduce_s(l.hosts, l.per_host, b, c.intra_host, inter_shared)
+                  : ring_allreduce_s(n, b, link(K::kAllreduce));
+    });
+    for (K::Kind k : {K::kReduceScatter, K::kAllgather, K::kBroadcast})
+      s += each(k, [&](double b) { return ring_collect_s(n, b, link(k)); });
+    return s + each(K::kSend, [&](double b) { return p2p_s(b, link(K::kSend)); });
+  };
+  out.seconds = chained ? price(t - *chained, false) + price(*chained, true) : price(t, false);
   std::ostringstream how;
   if (t.count[K::kSend] && !t.count[K::kAllreduce] && !t.count[K::kReduceScatter] && !t.count[K::kAllgather])
     how << "point-to-point ";
@@ -157,7 +175,8 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
         t.payload[collectives::Traffic::kSend] += t.payload[collectives::Traffic::kRecv];
         t.count[collectives::Traffic::kSend] += t.count[collectives::Traffic::kRecv];
       }
-      AxisTime a = axis_time(t, l, c);
+      auto ch = stages[s].chained.find(l.axis);
+      AxisTime a = axis_time(t, l, c, ch == stages[s].chained.end() ? nullptr : &ch->second);
       (l.axis == "pipeline" ? pipe : rest) += a.seconds;
       per_stage[s].push_back(std::move(a));
     }
@@ -267,7 +286,7 @@ std::string prediction_text(const StepPrediction& p, const Calibration& c) {
     os << b;
   }
   if (p.core_share < 1) {
-    std::snprintf(b, sizeof(b), "  each rank gets %s of a core (its host's ranks x threads outnumber its %d cores)\n",
+    std::snprintf(b, sizeof(b), "  each rank gets %s of a core (its host's ranks x threads outnumber its %g cores)\n",
                   percent(p.core_share).c_str(), c.cores_per_host);
     os << b;
   }
@@ -329,6 +348,8 @@ nlohmann::json calibration_json(const Calibration& c, const std::string& measure
   };
   if (!c.intra_kinds.empty()) j["intra_host"]["kinds"] = kinds(c.intra_kinds);
   if (!c.inter_kinds.empty()) j["inter_host"]["kinds"] = kinds(c.inter_kinds);
+  if (!c.intra_chained.empty()) j["intra_host"]["chained"] = kinds(c.intra_chained);
+  if (!c.inter_chained.empty()) j["inter_host"]["chained"] = kinds(c.inter_chained);
   if (c.cores_per_host > 0) j["host"] = {{"cores", c.cores_per_host}};
   if (!measured.empty()) j["measured"] = measured;
   return j;
@@ -354,31 +375,30 @@ Calibration load_calibration(const std::string& path) {
     if (!j[name].is_object()) throw ConfigError("calibration " + path + ": " + name + " must be an object");
     number(j[name], name, "alpha_us", 1e-6, link->alpha_s);
     number(j[name], name, "beta_gbytes_per_s", 1e9, link->bytes_per_s);
-    if (!j[name].contains("kinds")) continue;
-    const auto& kinds = j[name]["kinds"];
-    const std::string where = std::string(name) + ".kinds";
-    if (!kinds.is_object()) throw ConfigError("calibration " + path + ": " + where + " must be an object");
-    auto& into = link == &c.intra_host ? c.intra_kinds : c.inter_kinds;
-    for (const auto& [kind, v] : kinds.items()) {
-      bool known = false;
-      for (int k = 0; k < collectives::Traffic::kKinds; ++k)
-        known = known || kind == collectives::Traffic::name(static_cast<collectives::Traffic::Kind>(k));
-      if (!known)
-        throw ConfigError("calibration " + path + ": " + where + "." + kind +
-                          ": not a collective (allreduce, reduce_scatter, allgather, broadcast, send)");
-      if (!v.is_object()) throw ConfigError("calibration " + path + ": " + where + "." + kind + " must be an object");
-      LinkCost l = *link;
-      number(v, where + "." + kind, "alpha_us", 1e-6, l.alpha_s);
-      number(v, where + "." + kind, "beta_gbytes_per_s", 1e9, l.bytes_per_s);
-      into[kind] = l;
+    const bool intra = link == &c.intra_host;
+    for (auto [key, into] : {std::pair<const char*, std::map<std::string, LinkCost>*>{"kinds", intra ? &c.intra_kinds : &c.inter_kinds},
+                             {"chained", intra ? &c.intra_chained : &c.inter_chained}}) {
+      if (!j[name].contains(key)) continue;
+      const auto& kinds = j[name][key];
+      const std::string where = std::string(name) + "." + key;
+      if (!kinds.is_object()) throw ConfigError("calibration " + path + ": " + where + " must be an object");
+      for (const auto& [kind, v] : kinds.items()) {
+        bool known = false;
+        for (int k = 0; k < collectives::Traffic::kKinds; ++k)
+          known = known || kind == collectives::Traffic::name(static_cast<collectives::Traffic::Kind>(k));
+        if (!known)
+          throw ConfigError("calibration " + path + ": " + where + "." + kind +
+                            ": not a collective (allreduce, reduce_scatter, allgather, broadcast, send)");
+        if (!v.is_object()) throw ConfigError("calibration " + path + ": " + where + "." + kind + " must be an object");
+        LinkCost l = *link;
+        number(v, where + "." + kind, "alpha_us", 1e-6, l.alpha_s);
+        number(v, where + "." + kind, "beta_gbytes_per_s", 1e9, l.bytes_per_s);
+        (*into)[kind] = l;
+      }
     }
   }
   if (j.contains("compute")) number(j["compute"], "compute", "gflops_per_s", 1e9, c.flops_per_s);
-  if (j.contains("host")) {
-    double cores = 0;
-    number(j["host"], "host", "cores", 1, cores);
-    c.cores_per_host = static_cast<int>(cores);
-  }
+  if (j.contains("host")) number(j["host"], "host", "cores", 1, c.cores_per_host);
   c.source = "calibration " + path + (j.contains("measured") ? " (" + j.value("measured", "") + ")" : "");
   return c;
 }

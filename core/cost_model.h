@@ -34,10 +34,12 @@
 // - 1)); its slowest stage's compute and point-to-point transfers (what it sends and
 // what it waits to receive) are spread over the step that way. The other axes'
 // communication (data parallelism's allreduce, ZeRO's gathers) is added after it, and
-// then the optimizer's update of what the rank owns (timed alike): no overlap with
-// compute is assumed. On a CPU host whose cores the ranks fill, communication is CPU
-// work too and cannot hide behind backward; on GPUs the prediction is an upper bound for
-// a run that hides it. Efficiency is one rank's time for the whole global batch (its
+// then the optimizer's update of what the rank owns (timed alike). What overlaps: an op
+// issued while others run or compute (a prefetched gather) costs its own time, chained,
+// not the wait for late ranks that an op after compute pays (Note [Fitted collectives]);
+// none of it is taken to hide behind compute. On a CPU host whose cores the ranks fill,
+// communication is CPU work too and cannot hide behind backward; on GPUs the prediction
+// is an upper bound for a run that hides it. Efficiency is one rank's time for the whole global batch (its
 // FLOPs at the same rate, no communication) over N ranks' time x N.
 #pragma once
 
@@ -68,19 +70,27 @@ struct Calibration {
   // collectives]), by Traffic::name ("allreduce", "send", ...). A kind left out is priced
   // with the link above.
   std::map<std::string, LinkCost> intra_kinds, inter_kinds;
+  // The same kinds timed chained: an op issued right behind another of its group, with no
+  // compute between, so that no rank is late to it (a prefetched gather, a bucket queued
+  // behind the one before). What a chained op costs is its own time; an op after compute
+  // also pays for the ranks that finish their compute later (Note [Fitted collectives]).
+  std::map<std::string, LinkCost> intra_chained, inter_chained;
   // Cores of a host that its ranks share (0: every rank has its own, as a GPU does).
   // Ranks x threads beyond them divide the compute rate (Note [Ranks sharing cores]).
-  int cores_per_host = 0;
+  // Fractional where several hosts share one machine's cores (containers, test hosts).
+  double cores_per_host = 0;
   std::string source = "built-in defaults (an A100-class GPU cluster)";
-  // The link an op of `kind` crosses, fitted for its kind where the calibration has it.
-  const LinkCost& link(bool across, const std::string& kind) const;
+  // The link an op of `kind` crosses, fitted for its kind where the calibration has it
+  // (chained: its chained fit, else its fit after compute).
+  const LinkCost& link(bool across, const std::string& kind, bool chained = false) const;
 };
 
 // A calibration file (JSON, as `bench-collectives --calibrate` writes it):
 //   {"format": "tetra calibration 1",
 //    "intra_host": {"alpha_us": 3, "beta_gbytes_per_s": 150,
-//                   "kinds": {"allreduce": {"alpha_us": 4, "beta_gbytes_per_s": 90}, ...}},
-//    "inter_host": {"alpha_us": 10, "beta_gbytes_per_s": 100, "kinds": {...}},
+//                   "kinds": {"allreduce": {"alpha_us": 4, "beta_gbytes_per_s": 90}, ...},
+//                   "chained": {"allgather": {...}, ...}},
+//    "inter_host": {"alpha_us": 10, "beta_gbytes_per_s": 100, "kinds": {...}, "chained": {...}},
 //    "compute": {"gflops_per_s": 150000}, "host": {"cores": 64}, "measured": "..."}
 // Keys left out keep the defaults. A ConfigError names the file and what is wrong.
 Calibration load_calibration(const std::string& path);
@@ -117,7 +127,9 @@ struct AxisTime {
   double seconds = 0;
   int64_t ops = 0;
 };
-AxisTime axis_time(const collectives::Traffic& traffic, const AxisLinks& links, const Calibration& c);
+// `chained`: which of `traffic`'s ops run chained (priced with the chained fits).
+AxisTime axis_time(const collectives::Traffic& traffic, const AxisLinks& links, const Calibration& c,
+                   const collectives::Traffic* chained = nullptr);
 
 // What one rank of a pipeline stage does in a step.
 struct StageWork {
@@ -129,6 +141,7 @@ struct StageWork {
   double timed_forward_s = -1;  // the forward part of timed_s
   double optimizer_s = 0;  // the optimizer's update of what the rank owns, timed alike
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis
+  std::map<std::string, collectives::Traffic> chained;  // of `traffic`, the ops that run chained
 };
 
 // Note [Ranks sharing cores]
@@ -136,8 +149,11 @@ struct StageWork {
 // cores / (ranks x threads) of the rate it has alone (4 single-thread ranks on 2 cores:
 // half). Timings taken alone are divided by that share; so is the optimizer. The
 // collectives' figures are not: bench-collectives --calibrate times them with every rank
-// of the host running, so they already pay for the turns.
-double core_share(int cores_per_host, int ranks_per_host, int threads_per_rank);
+// of the host running, so they already pay for the turns. Hosts that are containers or
+// network namespaces of one machine (one kernel: one boot id) share its cores: the
+// calibration gives each host its part, cores / hosts on the machine (the 2 test hosts
+// of a 2-core machine: 1 core each).
+double core_share(double cores_per_host, int ranks_per_host, int threads_per_rank);
 
 struct StepPrediction {
   int ranks = 1;

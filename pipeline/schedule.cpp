@@ -329,6 +329,8 @@ struct RankState {
       grad_received, act_sent, grad_sent;
   // Whether the unit's input gradient is computed (by either kind of backward).
   bool grad_done(size_t idx) const { return backward_done[idx] || input_done[idx]; }
+  // Sends posted but not yet left (Costs::sends_leave_when_idle), in order.
+  std::vector<std::pair<std::tuple<int, int, int>, Message>> unsent;
 };
 
 enum class Step { kRan, kBlocked, kFailed };
@@ -527,7 +529,7 @@ class Simulator {
           return failed(r, label + " sends before " + name(Op::kForward, in.micro, in.chunk) +
                                " computes it");
         st.act_sent[idx] = 1;
-        channel(r, kActivations, next_rank).sent.push_back({in.micro, stage, st.time + costs_.transfer});
+        post(r, {r, kActivations, next_rank}, {in.micro, stage, 0});
         break;
       }
       case Op::kSendGrad: {
@@ -539,7 +541,7 @@ class Simulator {
           return failed(r, label + " sends before " + name(Op::kBackward, in.micro, in.chunk) +
                                " computes it");
         st.grad_sent[idx] = 1;
-        channel(r, kGradients, prev_rank).sent.push_back({in.micro, stage, st.time + costs_.transfer});
+        post(r, {r, kGradients, prev_rank}, {in.micro, stage, 0});
         break;
       }
       case Op::kRecvAct: {
@@ -548,11 +550,15 @@ class Simulator {
           return failed(r, label + " receives from a stage on the same rank (handed over locally)");
         if (st.act_received[idx]) return failed(r, "receives " + label + " twice");
         Channel& ch = channel(prev_rank, kActivations, r);
-        if (ch.received >= ch.sent.size()) return Step::kBlocked;
+        if (ch.received >= ch.sent.size()) {
+          leave(r);  // the rank idles from now
+          return Step::kBlocked;
+        }
         const Message& msg = ch.sent[ch.received];
         if (msg.micro != in.micro || msg.stage != stage - 1)
           return out_of_order("activation", prev_rank, r, in, Op::kSendAct, msg);
         ++ch.received;
+        if (msg.time > st.time) leave(r);
         st.time = std::max(st.time, msg.time);
         st.act_received[idx] = 1;
         break;
@@ -563,18 +569,43 @@ class Simulator {
           return failed(r, label + " receives from a stage on the same rank (handed over locally)");
         if (st.grad_received[idx]) return failed(r, "receives " + label + " twice");
         Channel& ch = channel(next_rank, kGradients, r);
-        if (ch.received >= ch.sent.size()) return Step::kBlocked;
+        if (ch.received >= ch.sent.size()) {
+          leave(r);  // the rank idles from now
+          return Step::kBlocked;
+        }
         const Message& msg = ch.sent[ch.received];
         if (msg.micro != in.micro || msg.stage != stage + 1)
           return out_of_order("gradient", next_rank, r, in, Op::kSendGrad, msg);
         ++ch.received;
+        if (msg.time > st.time) leave(r);
         st.time = std::max(st.time, msg.time);
         st.grad_received[idx] = 1;
         break;
       }
     }
     ++st.pc;
+    if (st.pc == s_.ranks[r].size()) leave(r);  // the step's end
     return Step::kRan;
+  }
+
+  // A send posted by rank r: it leaves now, or when r next idles.
+  void post(int r, const ChannelKey& key, Message msg) {
+    if (costs_.sends_leave_when_idle) {
+      state_[r].unsent.push_back({key, msg});
+      return;
+    }
+    msg.time = state_[r].time + costs_.transfer;
+    channels_[key].sent.push_back(msg);
+  }
+
+  // Rank r idles from its time on: the sends it has posted leave.
+  void leave(int r) {
+    RankState& st = state_[r];
+    for (auto& [key, msg] : st.unsent) {
+      msg.time = st.time + costs_.transfer;
+      channels_[key].sent.push_back(msg);
+    }
+    st.unsent.clear();
   }
 
   Step out_of_order(const char* channel, int from, int to, const Instr& recv, Op send_op,

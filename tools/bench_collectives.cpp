@@ -317,47 +317,74 @@ double matmul_flops_per_s(Communicator& world) {
 
 // Note [Fitted collectives] (core/cost_model.h): each collective kind timed on the whole
 // world at sizes from 8 bytes to 16 MiB, every rank taking part (so ranks that share
-// cores share them here as in training), and fitted to the ring step's alpha and beta.
-// As in a step, each op follows a burst of compute (the same on every rank, started
+// cores share them here as in training), and fitted to the ring step's alpha and beta,
+// twice. As in a step, an op follows a burst of compute (the same on every rank, started
 // together): the time from a rank's end of it to the op's end includes waiting for the
-// ranks that finish their share later, which ranks sharing cores always do. Each size's
-// time is the mean over the ranks of each one's median over the repetitions (what a
-// step meets on a shared machine, not its luckiest run).
-std::map<std::string, tetra::core::LinkCost> fit_kinds(Communicator& world) {
+// ranks that finish their share later, which ranks sharing cores always do. A second op
+// follows the first at once: chained, it costs its own time only. Each size's time is the
+// mean over the ranks of each one's median over the repetitions (what a step meets on a
+// shared machine, not its luckiest run).
+struct KindFits {
+  std::map<std::string, tetra::core::LinkCost> after_compute, chained;
+};
+
+KindFits fit_kinds(Communicator& world) {
   using K = Traffic;
   const int n = world.size();
+  // 8 products of 128 x 512 x 512: half a GFLOP, about 10 ms of a core.
   at::Tensor x = at::randn({128, 512}), w = at::randn({512, 512}), y = at::empty({128, 512});
-  auto burst = [&] {  // about a millisecond of a core's matrix products
+  auto burst = [&] {
     for (int i = 0; i < 8; ++i) at::mm_out(y, x, w);
   };
   const std::vector<int64_t> sizes = {8, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20};
-  std::map<std::string, tetra::core::LinkCost> out;
-  for (K::Kind kind : {K::kAllreduce, K::kReduceScatter, K::kAllgather, K::kBroadcast}) {
-    std::vector<double> bytes, seconds;
+  KindFits out;
+  std::vector<K::Kind> kinds = {K::kAllreduce, K::kReduceScatter, K::kAllgather, K::kBroadcast};
+  // Sends in pairs, rank r to r + n/2, every pair at once (a pipeline's stages send while
+  // the other pairs do): across hosts, the pairs that leave one host share its link.
+  if (n % 2 == 0) kinds.push_back(K::kSend);
+  const int partner = (world.rank() + n / 2) % n;
+  for (K::Kind kind : kinds) {
+    std::vector<double> bytes, after, chained;
     for (int64_t b : sizes) {
       const int64_t elems = std::max<int64_t>(n, b / 4 / n * n);  // whole floats, a multiple of n
       at::Tensor whole = at::ones({elems}), part = at::ones({elems / n});
-      const int reps = b <= (1 << 20) ? 15 : 5;
-      std::vector<double> times;
-      for (int i = 0; i < reps + 1; ++i) {
-        world.barrier()->wait();
-        burst();
-        const auto t0 = Clock::now();
+      auto op = [&] {
         switch (kind) {
           case K::kAllreduce: world.allreduce(whole)->wait(); break;
           case K::kReduceScatter: world.reduce_scatter(whole, part)->wait(); break;
           case K::kAllgather: world.allgather(part, whole)->wait(); break;
+          case K::kSend:
+            if (world.rank() < n / 2) world.send(whole, partner)->wait();
+            else world.recv(whole, partner)->wait();
+            break;
           default: world.broadcast(whole)->wait(); break;
         }
-        if (i > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());  // one warm-up
+      };
+      const int reps = b <= (1 << 20) ? 15 : 5;
+      std::vector<double> first, second;
+      for (int i = 0; i < reps + 1; ++i) {
+        world.barrier()->wait();
+        burst();
+        const auto t0 = Clock::now();
+        op();
+        const auto t1 = Clock::now();
+        op();
+        if (i == 0) continue;  // a warm-up
+        first.push_back(std::chrono::duration<double>(t1 - t0).count());
+        second.push_back(std::chrono::duration<double>(Clock::now() - t1).count());
       }
-      std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-      at::Tensor t = at::full({1}, times[times.size() / 2], at::kDouble);
+      at::Tensor t = at::empty({2}, at::kDouble);
+      for (auto [i, times] : {std::pair<int, std::vector<double>*>{0, &first}, {1, &second}}) {
+        std::nth_element(times->begin(), times->begin() + times->size() / 2, times->end());
+        t[i] = (*times)[times->size() / 2];
+      }
       world.allreduce(t)->wait();  // the ranks' medians, summed
       bytes.push_back(double(elems * 4));  // the payload as Note [Traffic counters] counts it
-      seconds.push_back(t.item<double>() / n);
+      after.push_back(t[0].item<double>() / n);
+      chained.push_back(t[1].item<double>() / n);
     }
-    out[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, seconds);
+    out.after_compute[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, after);
+    out.chained[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, chained);
   }
   return out;
 }
@@ -377,9 +404,39 @@ int calibrate(Communicator& world, const std::string& path) {
   if (inter_b > 0) c.inter_host = tetra::core::measure_link(world, 0, inter_b);
   else notes += "; every rank is on one host: across hosts keeps the default";
   // The collectives by kind on every rank: a group inside one host, or one that crosses.
-  if (n > 1) (hosts.hosts.size() > 1 ? c.inter_kinds : c.intra_kinds) = fit_kinds(world);
+  int intra_group = n;  // the group the intra-host kinds were fitted on
+  auto keep = [&c](KindFits fits, bool across) {
+    (across ? c.inter_kinds : c.intra_kinds) = std::move(fits.after_compute);
+    (across ? c.inter_chained : c.intra_chained) = std::move(fits.chained);
+  };
+  if (n > 1) keep(fit_kinds(world), hosts.hosts.size() > 1);
+  // The sends' pairs that leave one host at once shared its link: the link across is the
+  // host's (Note [Cost model]), so their beta is that many times one pair's.
+  if (hosts.hosts.size() > 1 && n % 2 == 0) {
+    std::vector<int> leaving(hosts.hosts.size());
+    for (int r = 0; r < n / 2; ++r)
+      if (hosts.host_of[static_cast<size_t>(r)] != hosts.host_of[static_cast<size_t>(r + n / 2)])
+        ++leaving[static_cast<size_t>(hosts.host_of[static_cast<size_t>(r)])];
+    const int most = std::max(1, *std::max_element(leaving.begin(), leaving.end()));
+    for (auto* fits : {&c.inter_kinds, &c.inter_chained})
+      if (auto it = fits->find("send"); it != fits->end()) it->second.bytes_per_s *= most;
+  }
+  // Across hosts, the groups inside them too: each host's ranks as one group, every host
+  // at once, as a data axis inside hosts runs beside the others (rank 0's host's fit).
+  if (hosts.hosts.size() > 1 && hosts.ranks_on(hosts.host_of[0]) > 1) {
+    const int mine = hosts.host_of[static_cast<size_t>(world.rank())];
+    const auto host = world.split(mine, world.rank(), "calibration host " + std::to_string(mine));
+    if (host->size() > 1) keep(fit_kinds(*host), false);
+    intra_group = host->size();
+    world.barrier()->wait();
+  }
   c.flops_per_s = matmul_flops_per_s(world);
-  c.cores_per_host = tetra::hardware::usable_cores();
+  // Hosts of one machine (test hosts, containers) share its cores (Note [Ranks sharing cores]).
+  const int sharing = hosts.hosts_sharing_machine(0);
+  c.cores_per_host = double(tetra::hardware::usable_cores()) / sharing;
+  if (sharing > 1)
+    notes += "; " + std::to_string(sharing) + " hosts share one machine (one boot id) and its " +
+             std::to_string(tetra::hardware::usable_cores()) + " cores";
   if (world.rank() != 0) return 0;
   const std::string measured = "bench-collectives --calibrate, " + std::to_string(n) + " ranks on " +
                                std::to_string(hosts.hosts.size()) + " host" + (hosts.hosts.size() == 1 ? "" : "s") +
@@ -391,11 +448,18 @@ int calibrate(Communicator& world, const std::string& path) {
               intra_b > 0 ? ("  (ranks 0 and " + std::to_string(intra_b) + ")").c_str() : "  (default: no pair)");
   std::printf("across hosts   alpha %8.1f us  beta %8.3f GB/s%s\n", c.inter_host.alpha_s * 1e6, c.inter_host.bytes_per_s / 1e9,
               inter_b > 0 ? ("  (ranks 0 and " + std::to_string(inter_b) + ")").c_str() : "  (default: no pair)");
-  for (const auto* kinds : {&c.intra_kinds, &c.inter_kinds})
-    for (const auto& [kind, l] : *kinds)
-      std::printf("%-14s alpha %8.1f us  beta %8.3f GB/s  (fitted on all %d ranks, %s)\n", kind.c_str(), l.alpha_s * 1e6,
-                  l.bytes_per_s / 1e9, n, kinds == &c.intra_kinds ? "inside a host" : "across hosts");
-  std::printf("compute        %8.1f GFLOP/s per rank (fp32 matmul, 1 thread, every rank at once)\nwrote %s\n", c.flops_per_s / 1e9, path.c_str());
+  for (bool across : {false, true})
+    for (const auto& [kind, l] : across ? c.inter_kinds : c.intra_kinds) {
+      const auto& chained = (across ? c.inter_chained : c.intra_chained).at(kind);
+      std::printf("%-14s alpha %8.1f us  beta %8.3f GB/s  chained: alpha %8.1f us  beta %8.3f GB/s  (fitted on %s)\n",
+                  kind.c_str(), l.alpha_s * 1e6, l.bytes_per_s / 1e9, chained.alpha_s * 1e6, chained.bytes_per_s / 1e9,
+                  across              ? ("all " + std::to_string(n) + " ranks, across hosts").c_str()
+                  : intra_group == n ? ("all " + std::to_string(n) + " ranks, inside a host").c_str()
+                                     : ("each host's " + std::to_string(intra_group) + " ranks, every host at once").c_str());
+    }
+  std::printf("compute        %8.1f GFLOP/s per rank (fp32 matmul, 1 thread, every rank at once)\n", c.flops_per_s / 1e9);
+  std::printf("cores          %8g per host%s\nwrote %s\n", c.cores_per_host,
+              sharing > 1 ? (" (" + std::to_string(sharing) + " hosts share one machine)").c_str() : "", path.c_str());
   return 0;
 }
 

@@ -894,12 +894,25 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
     rank.notes.push_back("zero stage 3 under a pipeline: gathers and their buffers counted as if the micro-batches ran one after another");
   if (n == 1) return;  // nothing travels
   collectives::Traffic& t = rank.traffic["data"];
-  for (const auto& u : units) t.record(collectives::Traffic::kReduceScatter, u.padded * e, n);
+  collectives::Traffic& chained = rank.chained["data"];
+  // Stage 3 reduce-scatters each unit's gradients as its backward ends, while the next
+  // unit's runs: each queues behind the one before but the first.
+  for (size_t k = 0; k < units.size(); ++k) {
+    t.record(collectives::Traffic::kReduceScatter, units[k].padded * e, n);
+    if (parts.parameters && k > 0) chained.record(collectives::Traffic::kReduceScatter, units[k].padded * e, n);
+  }
   // Stage 3 gathers each layer for its forward and again for its backward, but the last,
   // which stays from its forward to its backward; stages 1 and 2 once, after the step.
+  // With prefetch, every gather but the forward's first is issued while an earlier layer
+  // computes (the backward's first while the last layer's backward runs).
   for (size_t k = 0; k < units.size(); ++k) {
     const int64_t gathers = !parts.parameters ? 1 : k + 1 == units.size() ? micro : 2 * micro;
-    for (int64_t g = 0; g < gathers; ++g) t.record(collectives::Traffic::kAllgather, units[k].padded * e, n);
+    for (int64_t g = 0; g < gathers; ++g) {
+      t.record(collectives::Traffic::kAllgather, units[k].padded * e, n);
+      const bool forward_first = k == 0 && (units.size() == 1 || g % 2 == 0);
+      if (parts.parameters && prefetch > 0 && !forward_first)
+        chained.record(collectives::Traffic::kAllgather, units[k].padded * e, n);
+    }
   }
   if (o.clip_grad_norm > 0) t.record(collectives::Traffic::kAllreduce, 8, n);  // the gradient norm's part
 }

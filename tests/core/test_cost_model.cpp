@@ -160,6 +160,15 @@ TEST(CostModel, AFittedCollectiveGivesBackTheRingsStep) {
   t.record(Traffic::kAllgather, 1'000'000, 8);
   const AxisTime a = axis_time(t, {"data", 8, 1, 8, false}, c);
   EXPECT_NEAR(a.seconds, ring_allreduce_s(8, 1e6, truth) + ring_collect_s(8, 1e6, kIntra), 1e-12);
+  // The ops that run chained (a prefetched gather) take the chained fit, the rest theirs.
+  const LinkCost chained{1e-6, 4e9};
+  c.intra_chained["allgather"] = chained;
+  Traffic ahead;
+  ahead.record(Traffic::kAllgather, 1'000'000, 8);
+  t.record(Traffic::kAllgather, 1'000'000, 8);  // two gathers, one of them chained
+  const AxisTime b = axis_time(t, {"data", 8, 1, 8, false}, c, &ahead);
+  EXPECT_NEAR(b.seconds,
+              ring_allreduce_s(8, 1e6, truth) + ring_collect_s(8, 1e6, kIntra) + ring_collect_s(8, 1e6, chained), 1e-12);
 }
 
 // Note [Ranks sharing cores]: 4 single-thread ranks on 2 cores each get half; timed work
@@ -215,14 +224,20 @@ TEST(CostModel, FittedKindsAndHostCoresRoundTripThroughTheFile) {
   Calibration c = calibration();
   c.intra_kinds["allreduce"] = {7e-6, 3e9};
   c.inter_kinds["allgather"] = {30e-6, 0.1e9};
-  c.cores_per_host = 48;
+  c.inter_chained["allgather"] = {3e-6, 0.12e9};
+  c.cores_per_host = 0.5;  // 2 hosts on one core: half each (Note [Ranks sharing cores])
   const fs::path f = dir / "kinds.json";
   std::ofstream(f) << calibration_json(c, "here").dump();
   const Calibration back = load_calibration(f.string());
   EXPECT_DOUBLE_EQ(back.link(false, "allreduce").alpha_s, 7e-6);
   EXPECT_DOUBLE_EQ(back.link(true, "allgather").bytes_per_s, 0.1e9);
   EXPECT_DOUBLE_EQ(back.link(false, "broadcast").bytes_per_s, kIntra.bytes_per_s);  // not fitted: the link
-  EXPECT_EQ(back.cores_per_host, 48);
+  EXPECT_DOUBLE_EQ(back.link(true, "allgather", /*chained=*/true).alpha_s, 3e-6);
+  EXPECT_DOUBLE_EQ(back.link(false, "allreduce", /*chained=*/true).alpha_s, 7e-6);  // no chained fit: the kind's
+  EXPECT_DOUBLE_EQ(back.cores_per_host, 0.5);
+  expect_calibration_error(dir / "bad.json",
+                           R"({"format": "tetra calibration 1", "inter_host": {"chained": {"gather": {}}}})",
+                           "bad.json: inter_host.chained.gather: not a collective");
   expect_calibration_error(dir / "bad.json",
                            R"({"format": "tetra calibration 1", "intra_host": {"kinds": {"allreduse": {"alpha_us": 1}}}})",
                            "bad.json: intra_host.kinds.allreduse: not a collective");

@@ -500,3 +500,31 @@ TEST(Schedule, TransfersDelayArrivalsNotSenders) {
   // The zero-bubble schedules keep W's to fill what the transfers leave idle.
   EXPECT_LE(simulate(make_schedule("zbh1", 2, 4), c).makespan, four.makespan);
 }
+
+// Where a rank's progress thread waits for a core (Costs::sends_leave_when_idle), what it
+// sends leaves when it next waits. GPipe, 2 stages, 2 micro-batches, F = 1, B = 2, no
+// transfer time: stage 0's F0 and F1 leave together when it waits for its first gradient
+// (t = 2), stage 1 computes to its end (t = 8) before its gradients leave, and stage 0's
+// two backwards end at 12, against 9 when messages leave as posted.
+TEST(Schedule, SendsLeaveWhenTheSenderWaits) {
+  Costs c;
+  c.forward = 1;
+  c.input = c.weight = 1;
+  const Simulation posted = simulate(make_schedule("gpipe", 2, 2), c);
+  ASSERT_TRUE(posted.ok) << posted.error;
+  EXPECT_DOUBLE_EQ(posted.makespan, 9);
+  c.sends_leave_when_idle = true;
+  const Simulation idle = simulate(make_schedule("gpipe", 2, 2), c);
+  ASSERT_TRUE(idle.ok) << idle.error;
+  EXPECT_DOUBLE_EQ(idle.makespan, 12);
+  // Every schedule still completes, only later.
+  for (const char* kind : {"1f1b", "interleaved_1f1b", "zbh1", "zbv"}) {
+    const int v = std::string(kind) == "interleaved_1f1b" || std::string(kind) == "zbv" ? 2 : 1;
+    c.sends_leave_when_idle = false;
+    const Simulation a = simulate(make_schedule(kind, 4, 8, v), c);
+    c.sends_leave_when_idle = true;
+    const Simulation b = simulate(make_schedule(kind, 4, 8, v), c);
+    ASSERT_TRUE(a.ok && b.ok) << kind << ": " << a.error << b.error;
+    EXPECT_GE(b.makespan, a.makespan) << kind;
+  }
+}

@@ -157,6 +157,7 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
       w.optimizer_s = time_optimizer(plan.spec().optimizer, r.updated_elements);
     }
     w.traffic = r.traffic;
+    w.chained = r.chained;
   }
   // Replicas compose the data group hierarchically (collectives/hierarchical.h).
   const bool hierarchical = R > 1 || (!estimates.empty() && estimates.front().hierarchical_data);
@@ -204,17 +205,31 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
       collectives::Traffic one;
       one.record(collectives::Traffic::kSend,
                  t->second.payload[collectives::Traffic::kSend] / t->second.count[collectives::Traffic::kSend], l->size);
-      costs.transfer = axis_time(one, *l, cal).seconds;
+      // The wire's time (the chained fit: no rank late to it); when the message leaves
+      // is the simulation's. Across hosts (TCP) the sender's progress thread pushes each
+      // fragment of it: where ranks outnumber cores, that thread gets a core when its rank
+      // waits, so the message leaves then. Inside a host the receiver copies it from the
+      // sender's memory (Open MPI's single-copy shared memory): posting it is enough.
+      costs.transfer = axis_time(one, *l, cal, &one).seconds;
+      costs.sends_leave_when_idle = share < 1 && l->hosts > 1;
     }
     const pipeline::Schedule sched = pipeline::make_schedule(kind, static_cast<int>(work.size()), m,
                                                              virtual_stages);
     const pipeline::Simulation with = pipeline::simulate(sched, costs);
     costs.transfer = 0;
+    costs.sends_leave_when_idle = false;
     const pipeline::Simulation without = pipeline::simulate(sched, costs);
     if (with.ok && without.ok) simulated = {with.makespan, without.makespan};
   }
   return predict_step(work, links, m, virtual_stages, batch, total, plan.process_count() * R, cal, bubble, share,
                       simulated);
+}
+
+// A host's cores as the calibration holds them: "2", or "0.5" where hosts share a machine.
+std::string cores_text(double cores) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%g", cores);
+  return b;
 }
 
 // Note [This machine's figures]
@@ -252,7 +267,7 @@ Calibration this_machine(Trainer& trainer, const LayerTimes& layers, bool spans_
   const int threads = layers.threads;
   c.source = "this machine, measured: compute from the layers timed forward and backward on a micro-batch of " +
              std::to_string(layers.micro) + " at " + std::to_string(threads) + " thread" + (threads == 1 ? "" : "s") +
-             " on " + std::to_string(c.cores_per_host) + " cores" +
+             " on " + cores_text(c.cores_per_host) + " cores" +
              "; inside a host a local pair (2 thread-ranks, shared memory); across hosts " +
              (spans_hosts ? "assumed: the GPU-cluster defaults (8 x 100 Gbit/s InfiniBand per host), as no second "
                             "host is here to measure (--calibration FILE from bench-collectives --calibrate measures it)"
@@ -279,7 +294,7 @@ Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool span
   if (how.time_layers) {
     if (c.cores_per_host <= 0) c.cores_per_host = hardware::usable_cores();
     c.source += "; compute: the layers timed here (--time-layers) at " + std::to_string(layers->threads) + " thread" +
-                (layers->threads == 1 ? "" : "s") + ", " + std::to_string(c.cores_per_host) + " cores per host";
+                (layers->threads == 1 ? "" : "s") + ", " + cores_text(c.cores_per_host) + " cores per host";
   }
   return c;
 }
