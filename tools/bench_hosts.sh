@@ -18,7 +18,7 @@
 # of fp32 gradients per step). Needs root; brings the hosts up and takes them down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rate=1gbit rounds=3 steps=40 hidden=1024 bin=build/bin
+rate=1gbit rounds=3 steps=100 hidden=1024 bin=build/bin
 while (($#)); do
   case $1 in
     --rate) rate=$2; shift 2 ;;
