@@ -63,6 +63,14 @@ std::vector<double> since(std::vector<double> now, const std::vector<double>& be
 
 double bubble_of(const std::vector<double>& c) { return c[kIdleWall] > 0 ? c[kIdleWait] / c[kIdleWall] : -1; }
 
+// Where the counters' steps went, in ms per step (a record's and the summary's step_ms).
+nlohmann::json step_ms_of(const std::vector<double>& c) {
+  const double steps = std::max(1.0, c[kStepsTaken]);
+  return {{"data", c[kData] * 1e3 / steps},           {"forward", c[kForward] * 1e3 / steps},
+          {"backward", c[kBackward] * 1e3 / steps},   {"gradients", c[kGradientSync] * 1e3 / steps},
+          {"optimizer", c[kOptimizerStep] * 1e3 / steps}};
+}
+
 // The record's share of Note [Per-rank records]: `ranks` holds every rank's counters over
 // the interval (memory as it is now).
 void add_rank_fields(nlohmann::json& rec, const std::vector<std::vector<double>>& ranks,
@@ -88,6 +96,10 @@ void add_rank_fields(nlohmann::json& rec, const std::vector<std::vector<double>>
     nlohmann::json row = {{"model_state_bytes", static_cast<int64_t>(c[kParameters] + c[kGradients] + c[kOptimizerState] + c[kBuffers])},
                           {"peak_rss_bytes", static_cast<int64_t>(c[kPeakRss])}};
     if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
+    // Where each rank's steps went (the record's own step_ms and comm_ms are rank 0's and
+    // the ranks' mean): what tells a slow stage or a late rank from the others.
+    row["step_ms"] = step_ms_of(c);
+    for (size_t a = 0; a < axes.size(); ++a) row["comm_ms"][axes[a]] = c[kAxisBusy + a] * 1e3 / std::max(1.0, c[kStepsTaken]);
     rows.push_back(row);
   }
   rec["ranks"] = rows;
@@ -160,13 +172,7 @@ nlohmann::json RunRecords::train_record(const StepRecord& r, const RankState& st
   const std::vector<double> interval = since(now, logged_);
   logged_ = now;
   // Where the interval's steps went, per step (this rank's clock).
-  const double steps = std::max(1.0, interval[kStepsTaken]);
-  auto per_step = [&](RankCounter k) { return interval[k] * 1e3 / steps; };
-  rec["step_ms"] = {{"data", per_step(kData)},
-                    {"forward", per_step(kForward)},
-                    {"backward", per_step(kBackward)},
-                    {"gradients", per_step(kGradientSync)},
-                    {"optimizer", per_step(kOptimizerStep)}};
+  rec["step_ms"] = step_ms_of(interval);
   // Note [Per-rank records]: every rank joins (the job's log settings are every rank's),
   // when the records go somewhere; the writer adds what they sent.
   if (!spec_.log.metrics.empty() || !spec_.log.tensorboard.empty()) {
@@ -244,9 +250,7 @@ void RunRecords::write_summary(const TrainResult& r, const RankState& now, const
           {"buffers", bytes(kBuffers)},
           {"total", bytes(kParameters) + bytes(kGradients) + bytes(kOptimizerState) + bytes(kBuffers)}}},
         {"peak_rss_bytes", bytes(kPeakRss)},
-        {"step_ms",
-         {{"data", c[kData] * 1e3 / steps}, {"forward", c[kForward] * 1e3 / steps}, {"backward", c[kBackward] * 1e3 / steps},
-          {"gradients", c[kGradientSync] * 1e3 / steps}, {"optimizer", c[kOptimizerStep] * 1e3 / steps}}},
+        {"step_ms", step_ms_of(c)},
         {"comm_s", nlohmann::json::object()}};
     row["comm_ms"] = nlohmann::json::object();  // per step, as step_ms
     for (size_t a = 0; a < comm_axes_.size(); ++a) {

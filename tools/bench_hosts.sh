@@ -76,7 +76,8 @@ print(statistics.median(v) if v else "")' "$1"
 }
 declare -A got
 for ((r = 1; r <= rounds; r++)); do
-  for l in "${layouts[@]}"; do
+  for i in "${!layouts[@]}"; do
+    l=${layouts[$i]}
     IFS='|' read -r name where job sets <<<"$l"
     args=(--set "log.metrics=$work/metrics.jsonl")
     for s in $sets; do args+=(--set "$s"); done
@@ -89,13 +90,15 @@ for ((r = 1; r <= rounds; r++)); do
     sps=$([[ -s $work/metrics.jsonl ]] && steady "$work/metrics.jsonl")
     [[ -n $sps ]] || { echo "bench_hosts.sh: '$name' failed:" >&2; echo "$out" | tail -20 >&2; exit 1; }
     got[$name]+="$sps "
+    cp "$work/metrics.jsonl" "$work/metrics-$i.jsonl"  # the last round's, for the terms below
   done
 done
 median() { tr ' ' '\n' <<<"$1" | sed '/^$/d' | sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 echo "bench_hosts: 4 ranks, MLP [$hidden, $hidden], batch 256, $steps steps, link ${rate}, $rounds rounds (median samples/s)"
 sed 's/^/  calibration: /' "$work/calibration.txt" | sed '$d'
 printf '  %-30s %12s %10s %12s %10s   %s\n' layout samples/s "vs 1 host" predicted measured/pred rounds
-for l in "${layouts[@]}"; do
+for i in "${!layouts[@]}"; do
+  l=${layouts[$i]}
   IFS='|' read -r name where job sets <<<"$l"
   m=$(median "${got[$name]}")
   base=$(median "${got[${name%%, *}, one host]}")  # the same strategy on one host
@@ -103,9 +106,39 @@ for l in "${layouts[@]}"; do
   for s in $sets; do args+=(--set "$s"); done
   per_host=2 cal=two
   [[ $where == one ]] && per_host=4 cal=one
-  pred=$("$train" "$work/$job.yaml" "${args[@]}" --dry-run --np 4 --ranks-per-host $per_host --time-layers \
-           --calibration "$work/calibration-$cal.json" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cost"]["samples_per_s"])')
+  "$train" "$work/$job.yaml" "${args[@]}" --dry-run --np 4 --ranks-per-host $per_host --time-layers \
+    --calibration "$work/calibration-$cal.json" --json >"$work/dry-$i.json"
+  pred=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["cost"]["samples_per_s"])' "$work/dry-$i.json")
   printf '  %-30s %12.0f %10.2f %12.0f %10.2f   %s\n' "$name" "$m" "$(awk -v a="$m" -v b="$base" 'BEGIN {print a / b}')" \
     "$pred" "$(awk -v a="$m" -v b="$pred" 'BEGIN {print a / b}')" "${got[$name]}"
+done
+# Each term on its own, the prediction's against the last round's run: the rank with the
+# most compute (a pipeline's slowest stage), each phase's median over the 10-step
+# intervals after the first. Forward and backward hold the waits inside them (ZeRO-3's
+# gathers); "collectives" is the wait for the gradients' ops after backward; "waits" is
+# what the step leaves beside the phases (a pipeline's transfers and bubble, late ranks).
+echo "  terms, ms per step (predicted / measured):"
+printf '  %-30s %15s %15s %15s %15s %15s %15s\n' layout compute collectives optimizer "data loading" waits step
+for i in "${!layouts[@]}"; do
+  IFS='|' read -r name _ <<<"${layouts[$i]}"
+  python3 - "$name" "$work/dry-$i.json" "$work/metrics-$i.jsonl" <<'PY'
+import json, statistics, sys
+name, dry, metrics = sys.argv[1:4]
+c = json.load(open(dry))["cost"]
+recs = [json.loads(l) for l in open(metrics)]
+recs = [r for r in recs if "samples_per_s" in r and not r.get("eval") and "ranks" in r][1:]
+batch = c["step_s"] * c["samples_per_s"]
+med = lambda xs: statistics.median(xs) if xs else float("nan")
+def phase(rank, *keys):
+    return med([sum(r["ranks"][rank]["step_ms"][k] for k in keys) for r in recs])
+ranks = range(len(recs[0]["ranks"])) if recs else []
+slow = max(ranks, key=lambda k: phase(k, "forward", "backward"), default=0)
+step = med([batch / r["samples_per_s"] * 1e3 for r in recs])
+comp, coll, opt, load = (phase(slow, "forward", "backward"), phase(slow, "gradients"), phase(slow, "optimizer"),
+                         phase(slow, "data"))
+pred = [c["compute_s"], c["other_s"], c["optimizer_s"], 0, c["pipeline_s"] + c["bubble_s"], c["step_s"]]
+got = [comp, coll, opt, load, step - comp - coll - opt - load, step]
+print("  %-30s" % name + "".join("%15s" % ("%.1f / %.1f" % (p * 1e3, m)) for p, m in zip(pred, got)))
+PY
 done
 rm -rf "$work"
