@@ -65,10 +65,11 @@ double core_share(double cores_per_host, int ranks_per_host, int threads_per_ran
 // 2-core machine: an 8-byte allgather takes 1.5 ms after compute, 0.1 ms chained).
 // Chained: the op follows another at once, every rank already there. A step pays the
 // first for an op that waits on compute (a bucket at the end of backward, a gather
-// without prefetch, a tensor-parallel allreduce) and the second for one issued while
-// others run or compute (RankEstimate::chained: ZeRO-3's prefetched gathers and the
-// reduce-scatters it queues during backward). A pipeline's transfers take the chained
-// send: when a message leaves is the schedule simulation's (pipeline::Costs).
+// without prefetch, a reduce-scatter after a layer's backward, a tensor-parallel
+// allreduce) and the second for one issued before the compute it overlaps
+// (RankEstimate::chained: ZeRO-3's prefetched gathers), whose late ranks are computing.
+// A pipeline's transfers take the chained send: when a message moves is the schedule
+// simulation's (pipeline::Costs).
 LinkCost fit_collective(const std::string& kind, int n, const std::vector<double>& bytes,
                         const std::vector<double>& seconds) {
   const size_t k = std::min(bytes.size(), seconds.size());
@@ -199,8 +200,9 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
   }
   p.other_s = *std::max_element(other.begin(), other.end());
   for (const StageWork& w : stages) p.optimizer_s = std::max(p.optimizer_s, w.optimizer_s / share);
+  p.loading_s = stages[slowest].loading_s / share;
   p.axes = per_stage[slowest];
-  p.total_s = busy[slowest] + p.bubble_s + p.other_s + p.optimizer_s;
+  p.total_s = p.loading_s + busy[slowest] + p.bubble_s + p.other_s + p.optimizer_s;
   p.samples_per_s = p.total_s > 0 ? double(global_batch) / p.total_s : 0;
   // One rank with the whole batch: the slowest stage's rate (timed: its seconds per FLOP
   // with a core to itself) for every FLOP of the step.
@@ -307,6 +309,7 @@ std::string prediction_text(const StepPrediction& p, const Calibration& c) {
     line(a.axis, a.seconds, std::to_string(a.ops) + " ops, " + a.how);
   }
   line("optimizer", p.optimizer_s, "the update of what the rank owns");
+  line("loading", p.loading_s, "its batch read from the dataset");
   if (p.ranks == 1)
     std::snprintf(b, sizeof(b), "  step         %s predicted: %.0f samples/s on 1 rank\n", ms(p.total_s).c_str(),
                   p.samples_per_s);
@@ -330,7 +333,7 @@ nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c) {
   nlohmann::json cal = calibration_json(c);
   cal["source"] = c.source;  // which figures, measured or assumed (Note [This machine's figures])
   return {{"calibration", cal}, {"ranks", p.ranks},       {"compute_s", p.compute_s},
-          {"compute_timed", p.timed},           {"core_share", p.core_share}, {"optimizer_s", p.optimizer_s},
+          {"compute_timed", p.timed},           {"core_share", p.core_share}, {"optimizer_s", p.optimizer_s}, {"loading_s", p.loading_s},
           {"pipeline_s", p.pipeline_s},         {"bubble_s", p.bubble_s}, {"other_s", p.other_s},
           {"step_s", p.total_s},                {"samples_per_s", p.samples_per_s},
           {"single_rank_s", p.single_rank_s},   {"efficiency", p.efficiency}, {"axes", axes}};

@@ -34,13 +34,15 @@
 // - 1)); its slowest stage's compute and point-to-point transfers (what it sends and
 // what it waits to receive) are spread over the step that way. The other axes'
 // communication (data parallelism's allreduce, ZeRO's gathers) is added after it, and
-// then the optimizer's update of what the rank owns (timed alike). What overlaps: an op
-// issued while others run or compute (a prefetched gather) costs its own time, chained,
-// not the wait for late ranks that an op after compute pays (Note [Fitted collectives]);
-// none of it is taken to hide behind compute. On a CPU host whose cores the ranks fill,
-// communication is CPU work too and cannot hide behind backward; on GPUs the prediction
-// is an upper bound for a run that hides it. Efficiency is one rank's time for the whole global batch (its
-// FLOPs at the same rate, no communication) over N ranks' time x N.
+// then the optimizer's update of what the rank owns (timed alike), and before it all the
+// rank's batch read from the dataset (timed alike, on the stages that load). What
+// overlaps: an op issued while others run or compute (a prefetched gather) costs its own
+// time, chained, not the wait for late ranks that an op after compute pays (Note [Fitted
+// collectives]); none of it is taken to hide behind compute. On a CPU host whose cores
+// the ranks fill, communication is CPU work too and cannot hide behind backward; on GPUs
+// the prediction is an upper bound for a run that hides it. Efficiency is one rank's
+// time for the whole global batch (its FLOPs at the same rate, no communication) over N
+// ranks' time x N.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -71,9 +73,10 @@ struct Calibration {
   // with the link above.
   std::map<std::string, LinkCost> intra_kinds, inter_kinds;
   // The same kinds timed chained: an op issued right behind another of its group, with no
-  // compute between, so that no rank is late to it (a prefetched gather, a bucket queued
-  // behind the one before). What a chained op costs is its own time; an op after compute
-  // also pays for the ranks that finish their compute later (Note [Fitted collectives]).
+  // compute between, so that no rank is late to it (as a prefetched gather, issued before
+  // the compute it overlaps). What a chained op costs is its own time; an op after
+  // compute also pays for the ranks that finish their compute later (Note [Fitted
+  // collectives]).
   std::map<std::string, LinkCost> intra_chained, inter_chained;
   // Cores of a host that its ranks share (0: every rank has its own, as a GPU does).
   // Ranks x threads beyond them divide the compute rate (Note [Ranks sharing cores]).
@@ -140,6 +143,7 @@ struct StageWork {
   double timed_s = -1;
   double timed_forward_s = -1;  // the forward part of timed_s
   double optimizer_s = 0;  // the optimizer's update of what the rank owns, timed alike
+  double loading_s = 0;    // its batch read and assembled from the dataset, timed alike
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis
   std::map<std::string, collectives::Traffic> chained;  // of `traffic`, the ops that run chained
 };
@@ -164,6 +168,7 @@ struct StepPrediction {
   double bubble_s = 0;    // idle while the pipeline fills and drains
   double other_s = 0;     // the other axes' communication (the slowest stage's)
   double optimizer_s = 0; // its optimizer update, after the pipeline has drained
+  double loading_s = 0;   // its batch loaded, before the step
   double total_s = 0;
   double samples_per_s = 0;
   double single_rank_s = 0;  // the whole global batch on one rank

@@ -51,9 +51,9 @@ struct RankEstimate {
   int64_t updated_elements = 0;
   int64_t activations = 0;  // saved for backward at the peak (an estimate: not measured)
   std::map<std::string, collectives::Traffic> traffic;  // per mesh axis, one step
-  // Of `traffic`, the ops issued behind another of their group with no compute between
-  // that all ranks wait on (ZeRO-3's prefetched gathers, its reduce-scatters queued during
-  // backward): the cost model prices them chained (Note [Fitted collectives]).
+  // Of `traffic`, the ops issued before the compute they overlap (ZeRO-3's prefetched
+  // gathers), so that no rank is late to them: the cost model prices them chained (Note
+  // [Fitted collectives]).
   std::map<std::string, collectives::Traffic> chained;
   std::vector<std::string> notes;                       // what an estimate assumed
   // What the cost model reads of the plan beside bytes (set by the strategies' estimate,

@@ -329,7 +329,7 @@ struct RankState {
       grad_received, act_sent, grad_sent;
   // Whether the unit's input gradient is computed (by either kind of backward).
   bool grad_done(size_t idx) const { return backward_done[idx] || input_done[idx]; }
-  // Sends posted but not yet left (Costs::sends_leave_when_idle), in order.
+  // Sends posted but not yet left (Costs::progress_when_waiting), in order.
   std::vector<std::pair<std::tuple<int, int, int>, Message>> unsent;
 };
 
@@ -558,8 +558,9 @@ class Simulator {
         if (msg.micro != in.micro || msg.stage != stage - 1)
           return out_of_order("activation", prev_rank, r, in, Op::kSendAct, msg);
         ++ch.received;
-        if (msg.time > st.time) leave(r);
-        st.time = std::max(st.time, msg.time);
+        const double ready = arrival(msg, st.time);
+        if (ready > st.time) leave(r);
+        st.time = std::max(st.time, ready);
         st.act_received[idx] = 1;
         break;
       }
@@ -577,8 +578,9 @@ class Simulator {
         if (msg.micro != in.micro || msg.stage != stage + 1)
           return out_of_order("gradient", next_rank, r, in, Op::kSendGrad, msg);
         ++ch.received;
-        if (msg.time > st.time) leave(r);
-        st.time = std::max(st.time, msg.time);
+        const double ready = arrival(msg, st.time);
+        if (ready > st.time) leave(r);
+        st.time = std::max(st.time, ready);
         st.grad_received[idx] = 1;
         break;
       }
@@ -588,24 +590,29 @@ class Simulator {
     return Step::kRan;
   }
 
-  // A send posted by rank r: it leaves now, or when r next idles.
+  // A send posted by rank r: it leaves now, or (Costs::progress_when_waiting) when r
+  // next waits. A channel's message holds the time it left.
   void post(int r, const ChannelKey& key, Message msg) {
-    if (costs_.sends_leave_when_idle) {
+    msg.time = state_[r].time;
+    if (costs_.progress_when_waiting)
       state_[r].unsent.push_back({key, msg});
-      return;
-    }
-    msg.time = state_[r].time + costs_.transfer;
-    channels_[key].sent.push_back(msg);
+    else
+      channels_[key].sent.push_back(msg);
   }
 
-  // Rank r idles from its time on: the sends it has posted leave.
+  // Rank r waits from its time on: the sends it has posted leave.
   void leave(int r) {
     RankState& st = state_[r];
     for (auto& [key, msg] : st.unsent) {
-      msg.time = st.time + costs_.transfer;
+      msg.time = st.time;
       channels_[key].sent.push_back(msg);
     }
     st.unsent.clear();
+  }
+
+  // When a message that left is ready for a receiver that waits for it from `waiting`.
+  double arrival(const Message& msg, double waiting) const {
+    return (costs_.progress_when_waiting ? std::max(msg.time, waiting) : msg.time) + costs_.transfer;
   }
 
   Step out_of_order(const char* channel, int from, int to, const Instr& recv, Op send_op,

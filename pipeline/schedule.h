@@ -128,14 +128,15 @@ Schedule make_schedule(const std::string& kind, int stages, int micro_batches, i
 // The time of one chunk's compute for one micro-batch. A fused backward takes
 // input + weight. `transfer`: from a send to its message's arrival at another rank (the
 // sender goes on at once, as the executor's sends do); 0: messages arrive as sent.
-// `sends_leave_when_idle`: a message leaves when its sender next idles (waits for a
-// message that has not arrived, or ends its step), not when it is posted: a rank whose
-// host's ranks outnumber its cores computes on while its progress thread, which must post
-// the send, waits for a core that the rank only gives up when it waits itself.
+// `progress_when_waiting`: a rank's progress thread, which moves its messages, gets a
+// core only when the rank waits (its host's ranks outnumber its cores, and a transport
+// such as TCP needs both ends to move each fragment): a message leaves when its sender
+// next waits (for a message not yet there, or at the end of its step), and travels only
+// while its receiver waits for it, so it is ready `transfer` after the later of the two.
 struct Costs {
   double forward = 1, input = 1, weight = 1;
   double transfer = 0;
-  bool sends_leave_when_idle = false;
+  bool progress_when_waiting = false;
 };
 
 // What the simulator found.

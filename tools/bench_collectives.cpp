@@ -321,9 +321,10 @@ double matmul_flops_per_s(Communicator& world) {
 // twice. As in a step, an op follows a burst of compute (the same on every rank, started
 // together): the time from a rank's end of it to the op's end includes waiting for the
 // ranks that finish their share later, which ranks sharing cores always do. A second op
-// follows the first at once: chained, it costs its own time only. Each size's time is the
-// mean over the ranks of each one's median over the repetitions (what a step meets on a
-// shared machine, not its luckiest run).
+// follows the first at once: chained, it costs its own time only. Sends go in pairs and
+// as a pipeline's stages send them: after compute, the sender computes while its message
+// travels. Each size's time is the mean over the ranks of each one's median over the
+// repetitions (what a step meets on a shared machine, not its luckiest run).
 struct KindFits {
   std::map<std::string, tetra::core::LinkCost> after_compute, chained;
 };
@@ -353,25 +354,46 @@ KindFits fit_kinds(Communicator& world) {
           case K::kAllreduce: world.allreduce(whole)->wait(); break;
           case K::kReduceScatter: world.reduce_scatter(whole, part)->wait(); break;
           case K::kAllgather: world.allgather(part, whole)->wait(); break;
-          case K::kSend:
-            if (world.rank() < n / 2) world.send(whole, partner)->wait();
-            else world.recv(whole, partner)->wait();
-            break;
           default: world.broadcast(whole)->wait(); break;
         }
+      };
+      const bool sender = world.rank() < n / 2;
+      // A send as a pipeline's stage sends: posted, then the sender computes while it
+      // travels (what it costs when the sender's progress thread must wait for a core);
+      // chained, with both ends idle. Timed on the receiver, from a barrier both leave
+      // together; a sender's time counts 0.
+      auto send_timed = [&](bool busy) {
+        world.barrier()->wait();
+        const auto t0 = Clock::now();
+        if (sender) {
+          WorkPtr w = world.send(whole, partner);
+          if (busy) burst();
+          w->wait();
+          return 0.0;
+        }
+        world.recv(whole, partner)->wait();
+        return std::chrono::duration<double>(Clock::now() - t0).count();
       };
       const int reps = b <= (1 << 20) ? 15 : 5;
       std::vector<double> first, second;
       for (int i = 0; i < reps + 1; ++i) {
-        world.barrier()->wait();
-        burst();
-        const auto t0 = Clock::now();
-        op();
-        const auto t1 = Clock::now();
-        op();
+        double after_s = 0, chained_s = 0;
+        if (kind == K::kSend) {
+          after_s = send_timed(true);
+          chained_s = send_timed(false);
+        } else {
+          world.barrier()->wait();
+          burst();
+          const auto t0 = Clock::now();
+          op();
+          const auto t1 = Clock::now();
+          op();
+          after_s = std::chrono::duration<double>(t1 - t0).count();
+          chained_s = std::chrono::duration<double>(Clock::now() - t1).count();
+        }
         if (i == 0) continue;  // a warm-up
-        first.push_back(std::chrono::duration<double>(t1 - t0).count());
-        second.push_back(std::chrono::duration<double>(Clock::now() - t1).count());
+        first.push_back(after_s);
+        second.push_back(chained_s);
       }
       at::Tensor t = at::empty({2}, at::kDouble);
       for (auto [i, times] : {std::pair<int, std::vector<double>*>{0, &first}, {1, &second}}) {
@@ -379,9 +401,10 @@ KindFits fit_kinds(Communicator& world) {
         t[i] = (*times)[times->size() / 2];
       }
       world.allreduce(t)->wait();  // the ranks' medians, summed
+      const double timed = kind == K::kSend ? n / 2 : n;  // the ranks that timed it
       bytes.push_back(double(elems * 4));  // the payload as Note [Traffic counters] counts it
-      after.push_back(t[0].item<double>() / n);
-      chained.push_back(t[1].item<double>() / n);
+      after.push_back(t[0].item<double>() / timed);
+      chained.push_back(t[1].item<double>() / timed);
     }
     out.after_compute[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, after);
     out.chained[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, chained);

@@ -136,7 +136,7 @@ slow = max(ranks, key=lambda k: phase(k, "forward", "backward"), default=0)
 step = med([batch / r["samples_per_s"] * 1e3 for r in recs])
 comp, coll, opt, load = (phase(slow, "forward", "backward"), phase(slow, "gradients"), phase(slow, "optimizer"),
                          phase(slow, "data"))
-pred = [c["compute_s"], c["other_s"], c["optimizer_s"], 0, c["pipeline_s"] + c["bubble_s"], c["step_s"]]
+pred = [c["compute_s"], c["other_s"], c["optimizer_s"], c["loading_s"], c["pipeline_s"] + c["bubble_s"], c["step_s"]]
 got = [comp, coll, opt, load, step - comp - coll - opt - load, step]
 print("  %-30s" % name + "".join("%15s" % ("%.1f / %.1f" % (p * 1e3, m)) for p, m in zip(pred, got)))
 PY

@@ -895,16 +895,14 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   if (n == 1) return;  // nothing travels
   collectives::Traffic& t = rank.traffic["data"];
   collectives::Traffic& chained = rank.chained["data"];
-  // Stage 3 reduce-scatters each unit's gradients as its backward ends, while the next
-  // unit's runs: each queues behind the one before but the first.
-  for (size_t k = 0; k < units.size(); ++k) {
-    t.record(collectives::Traffic::kReduceScatter, units[k].padded * e, n);
-    if (parts.parameters && k > 0) chained.record(collectives::Traffic::kReduceScatter, units[k].padded * e, n);
-  }
+  // A reduce-scatter is issued when a unit's backward ends: after compute, it waits for
+  // the ranks whose backward ends later.
+  for (const auto& u : units) t.record(collectives::Traffic::kReduceScatter, u.padded * e, n);
   // Stage 3 gathers each layer for its forward and again for its backward, but the last,
   // which stays from its forward to its backward; stages 1 and 2 once, after the step.
-  // With prefetch, every gather but the forward's first is issued while an earlier layer
-  // computes (the backward's first while the last layer's backward runs).
+  // With prefetch, every gather but the forward's first is issued before an earlier
+  // layer computes (the backward's first before the last layer's backward), so the ranks'
+  // skew is spent computing: chained.
   for (size_t k = 0; k < units.size(); ++k) {
     const int64_t gathers = !parts.parameters ? 1 : k + 1 == units.size() ? micro : 2 * micro;
     for (int64_t g = 0; g < gathers; ++g) {

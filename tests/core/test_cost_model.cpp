@@ -183,6 +183,7 @@ TEST(CostModel, RanksThatOutnumberTheCoresShareThemAndTimedWorkStretches) {
   w.flops = 1e9;  // 1 s at the rate
   w.timed_s = 0.25;
   w.optimizer_s = 0.05;
+  w.loading_s = 0.01;
   w.traffic["data"].record(Traffic::kAllreduce, 1'000'000, 4);
   const std::vector<AxisLinks> links = {{"data", 4, 1, 4, false}};
   const StepPrediction p = predict_step({w}, links, 1, 1, 64, 4e9, 4, c, -1, 0.5);
@@ -190,14 +191,15 @@ TEST(CostModel, RanksThatOutnumberTheCoresShareThemAndTimedWorkStretches) {
   EXPECT_DOUBLE_EQ(p.core_share, 0.5);
   EXPECT_NEAR(p.compute_s, 0.5, 1e-12);
   EXPECT_NEAR(p.optimizer_s, 0.1, 1e-12);
+  EXPECT_NEAR(p.loading_s, 0.02, 1e-12);
   EXPECT_NEAR(p.other_s, ring_allreduce_s(4, 1e6, kIntra), 1e-12);
-  EXPECT_NEAR(p.total_s, 0.6 + p.other_s, 1e-12);
+  EXPECT_NEAR(p.total_s, 0.62 + p.other_s, 1e-12);
   EXPECT_NEAR(p.single_rank_s, 4e9 * 0.25 / 1e9, 1e-12);  // the timed rate, a core to itself
   w.timed_s = -1;  // untimed: FLOPs over the rate, not stretched
   EXPECT_NEAR(predict_step({w}, links, 1, 1, 64, 4e9, 4, c, -1, 0.5).compute_s, 1.0, 1e-12);
   // The dry run names the terms with their shares and the one that dominates.
   const std::string text = prediction_text(p, c);
-  for (const char* want : {"each rank gets 50% of a core", "optimizer", "dominated by compute"})
+  for (const char* want : {"each rank gets 50% of a core", "optimizer", "loading", "dominated by compute"})
     EXPECT_NE(text.find(want), std::string::npos) << want << "\n" << text;
 }
 

@@ -501,28 +501,33 @@ TEST(Schedule, TransfersDelayArrivalsNotSenders) {
   EXPECT_LE(simulate(make_schedule("zbh1", 2, 4), c).makespan, four.makespan);
 }
 
-// Where a rank's progress thread waits for a core (Costs::sends_leave_when_idle), what it
-// sends leaves when it next waits. GPipe, 2 stages, 2 micro-batches, F = 1, B = 2, no
-// transfer time: stage 0's F0 and F1 leave together when it waits for its first gradient
-// (t = 2), stage 1 computes to its end (t = 8) before its gradients leave, and stage 0's
-// two backwards end at 12, against 9 when messages leave as posted.
-TEST(Schedule, SendsLeaveWhenTheSenderWaits) {
+// Where a rank's progress thread gets a core only when its rank waits
+// (Costs::progress_when_waiting), a message leaves when its sender waits and travels
+// while its receiver waits. GPipe, 2 stages, 2 micro-batches, F = 1, B = 2, transfer 0.5.
+// As posted: stage 1's forwards run from 1.5 to 3.5, its backwards to 7.5, the last
+// gradient is there at 8 and stage 0 ends at 10. Moved only while waiting: stage 0's
+// activations leave together when it waits (t = 2); stage 1 has waited since 0, so the
+// first is ready at 2.5, the second 0.5 after stage 1 waits for it (3.5 -> 4); its
+// backwards run from 5 to 9, and its gradients leave when its step ends (9); stage 0
+// takes each 0.5 after it waits for it: 9.5 to 11.5, then 12 to 14.
+TEST(Schedule, MessagesMoveWhileTheirRanksWait) {
   Costs c;
   c.forward = 1;
   c.input = c.weight = 1;
+  c.transfer = 0.5;
   const Simulation posted = simulate(make_schedule("gpipe", 2, 2), c);
   ASSERT_TRUE(posted.ok) << posted.error;
-  EXPECT_DOUBLE_EQ(posted.makespan, 9);
-  c.sends_leave_when_idle = true;
-  const Simulation idle = simulate(make_schedule("gpipe", 2, 2), c);
-  ASSERT_TRUE(idle.ok) << idle.error;
-  EXPECT_DOUBLE_EQ(idle.makespan, 12);
+  EXPECT_DOUBLE_EQ(posted.makespan, 10);
+  c.progress_when_waiting = true;
+  const Simulation waiting = simulate(make_schedule("gpipe", 2, 2), c);
+  ASSERT_TRUE(waiting.ok) << waiting.error;
+  EXPECT_DOUBLE_EQ(waiting.makespan, 14);
   // Every schedule still completes, only later.
   for (const char* kind : {"1f1b", "interleaved_1f1b", "zbh1", "zbv"}) {
     const int v = std::string(kind) == "interleaved_1f1b" || std::string(kind) == "zbv" ? 2 : 1;
-    c.sends_leave_when_idle = false;
+    c.progress_when_waiting = false;
     const Simulation a = simulate(make_schedule(kind, 4, 8, v), c);
-    c.sends_leave_when_idle = true;
+    c.progress_when_waiting = true;
     const Simulation b = simulate(make_schedule(kind, 4, 8, v), c);
     ASSERT_TRUE(a.ok && b.ok) << kind << ": " << a.error << b.error;
     EXPECT_GE(b.makespan, a.makespan) << kind;

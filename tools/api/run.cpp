@@ -88,6 +88,7 @@ struct LayerTimes {
   std::vector<pipeline::LayerCost> costs;
   int64_t micro = 1;  // the rows they were timed on
   int threads = 1;
+  double load_s = 0;  // those rows read from the training set (Dataset::get), the best of 5
 };
 
 LayerTimes time_layers(Trainer& trainer) {
@@ -98,6 +99,16 @@ LayerTimes time_layers(Trainer& trainer) {
   t.costs = pipeline::measure_layers(trainer.model(), trainer.dataset(), t.micro,
                                      plan.spec().train.precision == Precision::kBf16, /*time=*/true,
                                      pipeline::kDryRunTimedFlops, &trainer.probe());
+  const Dataset& data = trainer.dataset();
+  const int64_t rows = std::min<int64_t>(t.micro, data.size(Split::kTrain));
+  t.load_s = 1e300;
+  for (int i = 0; i < 5 && rows > 0; ++i) {
+    const at::Tensor idx = at::randint(data.size(Split::kTrain), {rows}, at::kLong);
+    const auto t0 = std::chrono::steady_clock::now();
+    data.get(Split::kTrain, idx);
+    t.load_s = std::min(t.load_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (rows <= 0) t.load_s = 0;
   return t;
 }
 
@@ -155,6 +166,9 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
         w.timed_forward_s += c.forward_s * per_rank / double(timed->micro);
       }
       w.optimizer_s = time_optimizer(plan.spec().optimizer, r.updated_elements);
+      // The first stage reads the inputs, the last the targets.
+      const bool loads = r.layers.empty() || r.layers.front() == 0 || r.layers.back() + 1 == static_cast<int>(fwd.size());
+      if (loads) w.loading_s = timed->load_s * per_rank / double(timed->micro);
     }
     w.traffic = r.traffic;
     w.chained = r.chained;
@@ -205,19 +219,21 @@ StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estima
       collectives::Traffic one;
       one.record(collectives::Traffic::kSend,
                  t->second.payload[collectives::Traffic::kSend] / t->second.count[collectives::Traffic::kSend], l->size);
-      // The wire's time (the chained fit: no rank late to it); when the message leaves
-      // is the simulation's. Across hosts (TCP) the sender's progress thread pushes each
-      // fragment of it: where ranks outnumber cores, that thread gets a core when its rank
-      // waits, so the message leaves then. Inside a host the receiver copies it from the
+      // The wire's time (the chained fit: both ends idle); when the message moves is the
+      // simulation's. Across hosts (TCP) both ends' progress threads move each fragment;
+      // where ranks outnumber cores those threads get a core when their ranks wait: the
+      // message leaves when its sender waits and travels while its receiver does
+      // (measured on the test hosts: activations, whose senders compute on, took 5-9 ms
+      // to arrive, gradients 0.5-0.9 ms). Inside a host the receiver copies it from the
       // sender's memory (Open MPI's single-copy shared memory): posting it is enough.
       costs.transfer = axis_time(one, *l, cal, &one).seconds;
-      costs.sends_leave_when_idle = share < 1 && l->hosts > 1;
+      costs.progress_when_waiting = share < 1 && l->hosts > 1;
     }
     const pipeline::Schedule sched = pipeline::make_schedule(kind, static_cast<int>(work.size()), m,
                                                              virtual_stages);
     const pipeline::Simulation with = pipeline::simulate(sched, costs);
     costs.transfer = 0;
-    costs.sends_leave_when_idle = false;
+    costs.progress_when_waiting = false;
     const pipeline::Simulation without = pipeline::simulate(sched, costs);
     if (with.ok && without.ok) simulated = {with.makespan, without.makespan};
   }
