@@ -330,7 +330,7 @@ struct RankState {
   // Whether the unit's input gradient is computed (by either kind of backward).
   bool grad_done(size_t idx) const { return backward_done[idx] || input_done[idx]; }
   // Sends posted but not yet left (Costs::progress_when_waiting), in order.
-  std::vector<std::pair<std::tuple<int, int, int>, Message>> unsent;
+  std::vector<std::pair<ChannelKey, Message>> unsent;
 };
 
 enum class Step { kRan, kBlocked, kFailed };
