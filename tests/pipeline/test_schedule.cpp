@@ -482,11 +482,21 @@ TEST(Draw, OneRowPerRankOneColumnPerUnit) {
 // micro-batch through 2 stages waits for both of its crossings (F = 1, B + W = 2,
 // transfer 0.5); with 4 micro-batches some crossings hide behind other micro-batches'
 // work.
-TEST(Schedule, TransfersDelayArrivalsNotSenders) {
+namespace {
+
+// F = B = W = 1, each message 0.5 on the wire.
+Costs unit_costs_with_transfer() {
   Costs c;
   c.forward = 1;
   c.input = c.weight = 1;
   c.transfer = 0.5;
+  return c;
+}
+
+}  // namespace
+
+TEST(Schedule, TransfersDelayArrivalsNotSenders) {
+  Costs c = unit_costs_with_transfer();
   const Simulation one = simulate(make_schedule("1f1b", 2, 1), c);
   ASSERT_TRUE(one.ok) << one.error;
   EXPECT_DOUBLE_EQ(one.makespan, 2 * (1 + 2) + 2 * 0.5);
@@ -511,10 +521,7 @@ TEST(Schedule, TransfersDelayArrivalsNotSenders) {
 // backwards run from 5 to 9, and its gradients leave when its step ends (9); stage 0
 // takes each 0.5 after it waits for it: 9.5 to 11.5, then 12 to 14.
 TEST(Schedule, MessagesMoveWhileTheirRanksWait) {
-  Costs c;
-  c.forward = 1;
-  c.input = c.weight = 1;
-  c.transfer = 0.5;
+  Costs c = unit_costs_with_transfer();
   const Simulation posted = simulate(make_schedule("gpipe", 2, 2), c);
   ASSERT_TRUE(posted.ok) << posted.error;
   EXPECT_DOUBLE_EQ(posted.makespan, 10);
