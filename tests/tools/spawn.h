@@ -99,6 +99,16 @@ inline int wait_within(pid_t pid, std::chrono::seconds limit, double* took = nul
   return -1;
 }
 
+// wait_within, and when `pid` is still running at the limit, every process left on the
+// test hosts (tools/test-hosts.sh `hosts_script`) killed too: ranks orphaned by a killed
+// mpirun.
+inline int wait_on_test_hosts(pid_t pid, std::chrono::seconds limit, const std::string& hosts_script) {
+  const int status = wait_within(pid, limit);
+  if (status == -1)
+    for (const char* host : {"tetra-host1", "tetra-host2"}) wait_status(spawn_tool(hosts_script, {"kill", host}, "/dev/null"));
+  return status;
+}
+
 // mpirun's arguments for `exe args...` on np local ranks (--oversubscribe: CI has 2 cores;
 // the run-as-root variables set, as CI runs as root and they are ignored otherwise).
 inline std::vector<std::string> mpirun_args(int np, const std::string& exe, const std::vector<std::string>& args) {

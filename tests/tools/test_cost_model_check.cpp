@@ -77,11 +77,8 @@ class CostModelCheck : public ::testing::Test {
     all.insert(all.end(), args.begin(), args.end());
     const pid_t pid = spawn_tool(kHosts, all, dir_ / "stdout.txt", dir_ / "stderr.txt");
     Outcome r;
-    r.status = wait_within(pid, std::chrono::minutes(3));
-    if (r.status == -1) {
-      for (const char* host : {"tetra-host1", "tetra-host2"}) run_tool(kHosts, dir_, {"kill", host});
-      ADD_FAILURE() << exe << " across the test hosts was still running after 3 minutes";
-    }
+    r.status = wait_on_test_hosts(pid, std::chrono::minutes(3), kHosts);
+    if (r.status == -1) ADD_FAILURE() << exe << " across the test hosts was still running after 3 minutes";
     r.out = slurp(dir_ / "stdout.txt");
     r.err = slurp(dir_ / "stderr.txt");
     return r;

@@ -50,14 +50,7 @@ struct Result {
 const std::string kHosts = std::string(TETRA_SOURCE_DIR) + "/tools/test-hosts.sh";
 const std::string kSlurm = std::string(TETRA_SOURCE_DIR) + "/tools/test-slurm.sh";
 
-// wait_within (spawn.h), and when `pid` is still running at the limit, every process
-// left on the hosts killed too: ranks orphaned by a killed mpirun.
-int wait_on_hosts(pid_t pid, std::chrono::seconds limit) {
-  const int status = wait_within(pid, limit);
-  if (status == -1)
-    for (const char* host : {"tetra-host1", "tetra-host2"}) wait_status(spawn_tool(kHosts, {"kill", host}, "/dev/null"));
-  return status;
-}
+int wait_on_hosts(pid_t pid, std::chrono::seconds limit) { return wait_on_test_hosts(pid, limit, kHosts); }
 
 // Runs `exe args...` to its end, at most 5 minutes (a hang is a failure, not ctest's timeout).
 Result run(const std::string& exe, const std::vector<std::string>& args, const fs::path& log) {
