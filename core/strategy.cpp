@@ -98,6 +98,14 @@ void RankEstimate::replicated_state(const JobSpec& spec) {
   }
 }
 
+std::string model_problems(const PlanInput& in) {
+  std::string msg;
+  for (const auto& cfg : in.plan.strategies())
+    for (const PlanIssue& p : cfg->model_issues(in))
+      msg += (in.spec.source.empty() ? std::string() : in.spec.source + ": ") + "error: " + p.key + ": " + p.message + "\n";
+  return msg;
+}
+
 std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
   const Plan& plan = in.plan;
   const MeshLayout layout(plan.processes());

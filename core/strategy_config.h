@@ -110,6 +110,11 @@ struct StrategyConfig : PluginConfig {
   virtual YAML::Node to_yaml() const = 0;
 };
 
+// What the active strategies' model_issues find, one "error: key: message" line each
+// (prefixed with the job file's path when it has one); "" when nothing: what `train
+// --check` and the tuner ask of a plan once the model's shapes are known.
+std::string model_problems(const PlanInput& input);
+
 // Every process rank's estimate: core's start, refined by the active strategies in
 // composition order.
 std::vector<RankEstimate> estimate_ranks(const PlanInput& input);

@@ -178,11 +178,7 @@ std::string Trainer::plan() const {
 
 void Trainer::check_model() const {
   PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
-  std::string msg;
-  for (const auto& cfg : plan_.strategies())
-    for (const PlanIssue& p : cfg->model_issues(in))
-      msg += (spec_.source.empty() ? std::string() : spec_.source + ": ") + "error: " + p.key + ": " + p.message + "\n";
-  if (!msg.empty()) throw ConfigError(msg);
+  if (const std::string msg = model_problems(in); !msg.empty()) throw ConfigError(msg);
 }
 
 std::vector<RankEstimate> Trainer::estimate() const {

@@ -38,6 +38,7 @@
 #include "hardware/host.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
+#include "tetra/tune.h"
 
 namespace {
 
@@ -117,6 +118,8 @@ int train_main(int argc, char** argv) {
   int np = 0, ranks_per_host = 0;
   std::string calibration;
   bool time_layers = false;
+  bool tune = false;
+  tetra::TuneOptions tuning;
   app.add_option("job", job, "the job file (YAML)")->group("Run");
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->group("Run")
@@ -144,6 +147,35 @@ int train_main(int argc, char** argv) {
                "with --dry-run --calibration FILE: price compute by timing the job's layers and optimizer on this "
                "machine (as without a file), not by the file's FLOP rate")
       ->group("Check and plan");
+  app.add_flag("--tune", tune,
+               "search the layouts (data, pipeline, tensor, replicas) and knobs (ZeRO stage, micro-batches and "
+               "schedule, buckets, hierarchy, threads) of --np processes with the cost model, measure the best few in "
+               "short trials under mpirun, and write the fastest as a complete job (-o); with --dry-run on paper only")
+      ->group("Tune");
+  app.add_option("--memory-gb", tuning.memory_gb,
+                 "with --tune: the memory a process may use; candidates whose estimate exceeds it are dropped "
+                 "(default: this host's memory shared by its processes; on cuda the device's)")
+      ->group("Tune")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--budget", tuning.budget_s, "with --tune: seconds for the whole search, the best so far at the end")
+      ->group("Tune")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("-o,--output", tuning.output, "with --tune: the chosen job's file (default: JOB-tuned.yaml beside JOB)")
+      ->group("Tune");
+  app.add_option("--trials", tuning.trials, "with --tune: how many of the best predicted to measure (besides the job "
+                                            "as given)")
+      ->group("Tune")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--trial-steps", tuning.trial_steps, "with --tune: measured steps per trial, after 5 of warm-up")
+      ->group("Tune")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--launcher", tuning.launcher,
+                 "with --tune: what starts a trial's processes, before `train JOB` ({np} is replaced by --np); default "
+                 "mpirun -np N --oversubscribe --bind-to none (srun --mpi=pmix -n N inside a Slurm allocation)")
+      ->group("Tune");
   app.add_flag("--json", json, "with --dry-run: the plan as one JSON object (for tools)")->group("Check and plan");
   app.add_flag("--list-keys", list_keys,
                "print every key a job file takes (a.b.c), and each choice's words (a.b.c=word), one a line, "
@@ -172,6 +204,7 @@ int train_main(int argc, char** argv) {
       "  train configs/quickstart.yaml                          one process\n"
       "  train job.yaml --set optimizer.lr=3e-4 --set train.max_steps=100\n"
       "  train job.yaml --dry-run --np 512 --ranks-per-host 8   the plan and a predicted step at 512 ranks\n"
+      "  train job.yaml --tune --np 2 -o tuned.yaml             the fastest layout of 2 processes, measured\n"
       "  mpirun -np 4 train configs/dp.yaml                     4 processes (Open MPI)\n"
       "  srun --mpi=pmix train job.yaml                         a Slurm step\n"
       "  torchrun --nproc_per_node 2 -r 1 -t 1 --no_python train job.yaml --set collectives.backend=gloo\n"
@@ -189,7 +222,17 @@ int train_main(int argc, char** argv) {
   }
   // The plan's options without --dry-run: a user who typed --np wanted that many
   // processes, which only a launcher starts.
-  if (!dry_run && (np > 0 || ranks_per_host > 0 || !calibration.empty() || json || time_layers)) {
+  const bool tune_only = tuning.memory_gb > 0 || !tuning.output.empty() || !tuning.launcher.empty();
+  if (tune_only && !tune) {
+    std::fprintf(stderr, "train: error: --memory-gb, -o and --launcher are options of --tune\n");
+    return 2;
+  }
+  if (tune && (json || time_layers || check || print_config)) {
+    std::fprintf(stderr, "train: error: --tune does not take %s\n",
+                 json ? "--json" : time_layers ? "--time-layers (it times the layers itself)" : check ? "--check" : "--print-config");
+    return 2;
+  }
+  if (!dry_run && !tune && (np > 0 || ranks_per_host > 0 || !calibration.empty() || json || time_layers)) {
     const std::string option = np > 0                  ? "--np"
                                : ranks_per_host > 0    ? "--ranks-per-host"
                                : !calibration.empty()  ? "--calibration"
@@ -249,6 +292,25 @@ int train_main(int argc, char** argv) {
     tetra::register_builtin_plugins(plugins);
     ParsedJob parsed = parse_job_file(job, sets, plugins);
     JobSpec& spec = parsed.spec;
+    if (tune) {
+      tuning.job = job;
+      tuning.sets = sets;
+      tuning.np = np > 0 ? np : 1;
+      tuning.ranks_per_host = ranks_per_host;
+      tuning.calibration = calibration;
+      tuning.dry_run = dry_run;
+      if (np == 0)
+        std::fprintf(stderr, "train: --tune without --np: tuning for 1 process (--np N for the processes the job will run on)\n");
+      const tetra::TuneResult r = tetra::tune(tuning);
+      std::printf("\n== %s: tuned for %d process%s in %s ==\n", spec.name.c_str(), tuning.np, tuning.np == 1 ? "" : "es",
+                  human_duration(r.seconds).c_str());
+      std::printf("%s", r.table().c_str());
+      const tetra::Candidate& c = r.candidates[static_cast<size_t>(r.chosen)];
+      std::printf("chosen: %s\nwritten: %s (run it: %s)\n", c.label.c_str(), r.written.c_str(),
+                  tuning.np > 1 ? ("mpirun -np " + std::to_string(tuning.np) + " train " + r.written).c_str()
+                                : ("train " + r.written).c_str());
+      return 0;
+    }
     if (check) {
       // What would fail later fails here (Note [Preflight]): the paths, the data read and
       // the model built (as shapes: nothing is allocated), room for a checkpoint.

@@ -7,9 +7,12 @@
 #include <cstdio>
 #include <chrono>
 #include <functional>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "collectives/backends.h"
@@ -91,10 +94,10 @@ struct LayerTimes {
   double load_s = 0;  // those rows read from the training set (Dataset::get), the best of 5
 };
 
-LayerTimes time_layers(Trainer& trainer) {
+LayerTimes time_layers(Trainer& trainer, int64_t micro) {
   const Plan& plan = trainer.job_plan();
   LayerTimes t;
-  t.micro = std::max<int64_t>(1, plan.micro_batch_size());
+  t.micro = std::max<int64_t>(1, micro);
   t.threads = at::get_num_threads();
   t.costs = pipeline::measure_layers(trainer.model(), trainer.dataset(), t.micro,
                                      plan.spec().train.precision == Precision::kBf16, /*time=*/true,
@@ -143,9 +146,8 @@ double time_optimizer(const OptimizerSpec& spec, int64_t owned) {
 // `per_host` consecutive processes share a host. With `timed`, a stage's compute is its
 // layers' measured seconds for the step's rows and its optimizer update is timed too,
 // both shared out when the host's ranks outnumber its cores (Note [Ranks sharing cores]).
-StepPrediction predict(Trainer& trainer, const std::vector<RankEstimate>& estimates, int per_host,
+StepPrediction predict(const Plan& plan, Trainer& trainer, const std::vector<RankEstimate>& estimates, int per_host,
                        const Calibration& cal, const LayerTimes* timed, int threads) {
-  const Plan& plan = trainer.job_plan();
   const int R = plan.replicas();
   const std::vector<double> fwd = forward_flops(trainer.model(), trainer.probe());
   const int64_t batch = plan.spec().data.batch_size;
@@ -293,7 +295,7 @@ Calibration this_machine(Trainer& trainer, const LayerTimes& layers, bool spans_
 
 // The calibration the dry run prices with, and whether its compute is the layers timed
 // here (`layers` is filled then).
-Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool spans_hosts,
+Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, int64_t micro, bool spans_hosts,
                            std::optional<LayerTimes>& layers) {
   std::string file = how.calibration;
   if (file.empty())
@@ -304,7 +306,7 @@ Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, bool span
                "host, 8 x 100 Gbit/s InfiniBand across, 150 TFLOP/s per GPU)";
     return c;
   }
-  if (file.empty() || how.time_layers) layers = time_layers(trainer);
+  if (file.empty() || how.time_layers) layers = time_layers(trainer, micro);
   if (file.empty()) return this_machine(trainer, *layers, spans_hosts);
   Calibration c = load_calibration(file);
   if (how.time_layers) {
@@ -345,10 +347,10 @@ PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const Dry
   // which the layers are timed at.
   if (!r.ranks.empty()) r.threads = set_threads(r.ranks.front().threads, plan.replicas());
   std::optional<LayerTimes> layers;
-  r.calibration = calibration_of(how, trainer, r.hosts() > 1, layers);
+  r.calibration = calibration_of(how, trainer, plan.micro_batch_size(), r.hosts() > 1, layers);
   // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
   r.estimates = trainer.estimate();
-  r.prediction = predict(trainer, r.estimates, local, r.calibration, layers ? &*layers : nullptr, r.threads);
+  r.prediction = predict(plan, trainer, r.estimates, local, r.calibration, layers ? &*layers : nullptr, r.threads);
   r.data = trainer.dataset().info().description;
   r.model = options.model ? "the program's own" : spec.model.type;
   r.parameters = trainer.model_parameters();
@@ -357,6 +359,64 @@ PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const Dry
     r.model_text.insert(r.model_text.size() - 1, " (tensor rank 0's parts of the split layers)");
   r.strategies_text = trainer.plan();
   r.steps = trainer.total_steps();
+  return r;
+}
+
+struct JobPricer::Impl {
+  RunOptions options;
+  DryRunOptions how;
+  std::map<int, std::unique_ptr<Trainer>> models;  // by tensor degree
+  std::map<std::tuple<int, int64_t, int>, LayerTimes> times;  // (tensor, micro-batch rows, threads)
+  std::optional<Calibration> calibration;
+  bool timed = false;
+};
+
+JobPricer::JobPricer(const RunOptions& options, const DryRunOptions& how) : impl_(std::make_unique<Impl>()) {
+  impl_->options = options;
+  impl_->how = how;
+}
+
+JobPricer::~JobPricer() = default;
+
+const Calibration* JobPricer::calibration() const { return impl_->calibration ? &*impl_->calibration : nullptr; }
+
+PlanReport JobPricer::price(const JobSpec& spec) {
+  Impl& m = *impl_;
+  Plan plan(spec);
+  PlanReport r(plan);
+  const int np = m.how.np > 0 ? m.how.np : plan.process_count();
+  plan.check_world(np, "--np " + std::to_string(np));
+  const int local = m.how.ranks_per_host > 0 ? std::min(m.how.ranks_per_host, plan.process_count()) : np;
+  r.per_host = local;
+  r.ranks = rank_rows(plan, local);
+  r.threads = set_threads(r.ranks.front().threads, plan.replicas());
+  const int tensor = spec.mesh.size("tensor");
+  std::unique_ptr<Trainer>& built = m.models[tensor];
+  if (!built) {
+    TrainerOptions topts = trainer_options(m.options);
+    topts.dry_run = true;
+    built = std::make_unique<Trainer>(spec, topts);
+  }
+  Trainer& trainer = *built;
+  PlanInput in{plan, spec, trainer.model(), trainer.dataset(), trainer.probe()};
+  if (const std::string problems = model_problems(in); !problems.empty()) throw ConfigError(problems);
+  const auto key = std::make_tuple(tensor, std::max<int64_t>(1, plan.micro_batch_size()), r.threads);
+  if (!m.calibration) {
+    std::optional<LayerTimes> layers;
+    m.calibration = calibration_of(m.how, trainer, std::get<1>(key), r.hosts() > 1, layers);
+    m.timed = layers.has_value();
+    if (layers) m.times.emplace(key, std::move(*layers));
+  }
+  const LayerTimes* timed = nullptr;
+  if (m.timed) {
+    auto it = m.times.find(key);
+    if (it == m.times.end()) it = m.times.emplace(key, time_layers(trainer, std::get<1>(key))).first;
+    timed = &it->second;
+  }
+  r.calibration = *m.calibration;
+  r.estimates = estimate_ranks(in);
+  r.prediction = predict(plan, trainer, r.estimates, local, r.calibration, timed, r.threads);
+  r.parameters = trainer.model_parameters();
   return r;
 }
 

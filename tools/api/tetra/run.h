@@ -110,6 +110,30 @@ struct PlanReport {
 };
 PlanReport plan_report(const core::JobSpec& spec, const RunOptions& options = {}, const DryRunOptions& how = {});
 
+// Prices many variants of one job (the tuner's candidates: tetra/tune.h) as plan_report
+// does, without building again what they share: the model's shapes and its probe (once
+// per tensor degree), the layers' timings (once per micro-batch size, threads and tensor
+// degree) and the calibration (once). Every spec it is given must be the same job (model,
+// data, precision) under other layouts and knobs. The report's text fields are left
+// empty; its plan, ranks, estimates, calibration and prediction are what plan_report
+// finds.
+class JobPricer {
+ public:
+  JobPricer(const RunOptions& options, const DryRunOptions& how);
+  ~JobPricer();
+  JobPricer(const JobPricer&) = delete;
+  JobPricer& operator=(const JobPricer&) = delete;
+  // Throws tetra::ConfigError when the plan does not fit how.np, or a strategy's rule on
+  // the model's shapes (a pipeline stage's memory_gb, a tensor split) fails: what `train
+  // --check` would say of the spec.
+  PlanReport price(const core::JobSpec& spec);
+  const core::Calibration* calibration() const;  // once the first spec is priced
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Trains the job in the launch this process runs in and returns this process's result
 // (its first replica's). Collective over the launch: every process calls it with the same
 // job. A job that does not fit the launch is a ConfigError before anything communicates.
