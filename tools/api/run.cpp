@@ -405,7 +405,10 @@ PlanReport JobPricer::price(const JobSpec& spec) {
     std::optional<LayerTimes> layers;
     m.calibration = calibration_of(m.how, trainer, std::get<1>(key), r.hosts() > 1, layers);
     m.timed = layers.has_value();
-    if (layers) m.times.emplace(key, std::move(*layers));
+    if (layers) {
+      m.times.emplace(key, std::move(*layers));
+      m.calibration->source += "; each plan's layers timed at its own threads and micro-batch";
+    }
   }
   const LayerTimes* timed = nullptr;
   if (m.timed) {

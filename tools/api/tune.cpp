@@ -85,7 +85,7 @@ void say(std::FILE* out, const char* format, ...) {
 }
 
 std::string fmt(const char* format, ...) {
-  char line[512];
+  char line[2048];
   va_list args;
   va_start(args, format);
   std::vsnprintf(line, sizeof line, format, args);
@@ -570,7 +570,9 @@ void read_metrics(Candidate& c, const std::string& path, int warmup) {
     if (r.contains("pipeline_bubble") && r["samples_per_s"].get<double>() > 0)
       bubble.push_back(r["pipeline_bubble"].get<double>() * batch / r["samples_per_s"].get<double>());
   }
-  for (const auto& [axis, v] : comm) c.measured_phases["comm " + axis] = median(v);
+  // A pipeline's busy time on its axis is its waits for the other stages: the bubble's.
+  for (const auto& [axis, v] : comm)
+    if (axis != "pipeline") c.measured_phases["comm " + axis] = median(v);
   if (!bubble.empty()) c.measured_phases["bubble"] = median(bubble);
   c.measured_phases["step"] = c.measured_s;
 }
@@ -579,9 +581,10 @@ void read_metrics(Candidate& c, const std::string& path, int warmup) {
 std::map<std::string, double> predicted_phases(const StepPrediction& p) {
   std::map<std::string, double> m = {{"compute", p.compute_s}, {"optimizer", p.optimizer_s},
                                      {"loading", p.loading_s}, {"step", p.total_s}};
-  for (const AxisTime& a : p.axes) m["comm " + a.axis] = a.seconds;
-  if (p.pipeline_s > 0) m["comm pipeline"] = p.pipeline_s;
-  if (p.bubble_s > 0) m["bubble"] = p.bubble_s;
+  for (const AxisTime& a : p.axes)
+    if (a.axis != "pipeline") m["comm " + a.axis] = a.seconds;
+  // What a stage idles: the fill and drain, and the activations' transfers it waits for.
+  if (p.bubble_s + p.pipeline_s > 0) m["bubble"] = p.bubble_s + p.pipeline_s;
   return m;
 }
 
@@ -697,12 +700,13 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
   }
   h += "# Chosen by `" + command_line(o) + "` (tetra " + TETRA_VERSION +
        (*TETRA_GIT_COMMIT ? std::string(", commit ") + TETRA_GIT_COMMIT : std::string()) + ", " + when + "):\n";
-  h += fmt("#   %zu candidates, %d priced by the cost model, %d within %s a process, %d measured in trials of %d steps "
-           "after %d of warm-up%s%s.\n",
-           r.candidates.size(), priced, fits, human_bytes(r.memory_limit).c_str(), r.trials_run, o.trial_steps,
-           o.warmup_steps, launcher.empty() ? "" : (" under `" + launcher + "`").c_str(),
-           r.out_of_budget ? "; the budget ran out first" : "");
-  h += "#   calibration: " + r.calibration + "\n";
+  h += fmt("#   %zu candidates, %d priced valid by the cost model, %d within %s a process; ", r.candidates.size(), priced,
+           fits, human_bytes(r.memory_limit).c_str());
+  h += o.dry_run ? std::string("on paper (--dry-run): no trial run") :
+                   fmt("%d measured in trials of %d steps after %d of warm-up%s", r.trials_run, o.trial_steps,
+                       o.warmup_steps, launcher.empty() ? "" : (" under `" + launcher + "`").c_str());
+  h += r.out_of_budget ? "; the budget ran out first.\n" : ".\n";
+  h += "#   priced with: " + r.calibration + "\n";
   h += "#   this job: " + c.label + "\n";
   if (c.trial == Candidate::Trial::kOk) {
     h += "#   measured " + ms(c.measured_s) + " ms a step (predicted " + ms(c.predicted_s) + "), peak RSS " +
@@ -727,8 +731,6 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
 
 std::string TuneResult::table() const {
   std::string out;
-  out += fmt("  %-3s %-72s %10s %10s %6s %10s %10s %10s  %s\n", "#", "candidate", "pred ms", "meas ms", "ratio",
-             "pred mem", "peak RSS", "state", "trial");
   // The measured, in the order they ran, then the best on paper not measured.
   std::vector<int> rows;
   for (size_t i = 0; i < candidates.size(); ++i)
@@ -741,18 +743,22 @@ std::string TuneResult::table() const {
   int shown = 0;
   for (int i : paper)
     if (candidates[i].trial == Candidate::Trial::kNotRun && shown < on_paper) rows.push_back(i), ++shown;
+  int width = 9;
+  for (int i : rows) width = std::max(width, static_cast<int>(candidates[static_cast<size_t>(i)].label.size()));
+  out += fmt("  %-4s %-*s %9s %9s %6s %9s %9s %9s  %s\n", "#", width, "candidate", "pred ms", "meas ms", "ratio",
+             "pred mem", "peak RSS", "state", "trial");
   for (int i : rows) {
     const Candidate& c = candidates[static_cast<size_t>(i)];
     const bool ok = c.trial == Candidate::Trial::kOk;
-    std::string label = c.label;
-    if (label.size() > 72) label = label.substr(0, 69) + "...";
-    out += fmt("  %-3d %-72s %10s %10s %6s %10s %10s %10s  %s%s\n", i, label.c_str(), ms(c.predicted_s).c_str(),
+    out += fmt("  %-4d %-*s %9s %9s %6s %9s %9s %9s  %s%s\n", i, width, c.label.c_str(), ms(c.predicted_s).c_str(),
                ok ? ms(c.measured_s).c_str() : "-", ok ? fmt("%.2f", c.measured_s / c.predicted_s).c_str() : "-",
                human_bytes(c.predicted_bytes).c_str(), c.measured_rss ? human_bytes(c.measured_rss).c_str() : "-",
                c.measured_state ? human_bytes(c.measured_state).c_str() : "-",
                c.trial == Candidate::Trial::kNotRun ? "on paper" : to_string(c.trial).c_str(),
                i == chosen ? "  <- chosen" : c.failure.empty() ? "" : ("  (" + c.failure + ")").c_str());
   }
+  out += "  (pred mem: the largest process's model state and activations, the dry run's estimate; peak RSS: what the "
+         "kernel counted on the largest rank; state: the model state the run counted there)\n";
   if (trials_run >= 3)
     out += "  rank correlation of predicted and measured step: " + fmt("%.2f", correlation) + " over " +
            std::to_string(trials_run) + " trials\n";
@@ -850,13 +856,27 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
   const double pricing_budget = o.dry_run ? o.budget_s : o.budget_s * 0.4;
   say(o.progress, "[tune %s] pricing %d structures with the cost model%s\n", clock_text(elapsed()).c_str(), structures,
       calibration.empty() ? " (this machine's figures)" : (" (calibration " + calibration + ")").c_str());
+  double said = elapsed();
+  int done = 0;
+  const Candidate* best_so_far = nullptr;
   for (Candidate& c : cs) {
     if (c.refinement) continue;
     if (elapsed() > pricing_budget) {
       r.out_of_budget = true;
+      say(o.progress, "[tune %s] pricing stopped at %s of the budget: %d of %d structures priced\n",
+          clock_text(elapsed()).c_str(), clock_text(pricing_budget).c_str(), done, structures);
       break;
     }
     price_one(c);
+    ++done;
+    if (c.invalid.empty() && c.predicted_s > 0 && (!best_so_far || c.predicted_s < best_so_far->predicted_s))
+      best_so_far = &c;
+    if (elapsed() - said > 15) {
+      said = elapsed();
+      say(o.progress, "[tune %s] priced %d of %d structures; best so far %s ms: %s\n", clock_text(said).c_str(), done,
+          structures, best_so_far ? ms(best_so_far->predicted_s).c_str() : "-",
+          best_so_far ? best_so_far->label.c_str() : "none valid yet");
+    }
   }
   prune_by_memory(cs, r.memory_limit);
   std::vector<std::string> best;
