@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -220,11 +221,11 @@ TEST(Tune, MemoryPruningDropsExactlyTheCandidatesOverTheLimit) {
   }
 }
 
-// A cost model of the test's own: every candidate a distinct predicted step, in an order
-// that has nothing to do with its layout.
+// A cost model of the test's own: predicted steps at least 1% apart (beyond the tuner's
+// 0.5% tie), in an order that has nothing to do with the layout.
 void fake_price(Candidate& c) {
   const size_t h = std::hash<std::string>{}(c.label);
-  c.predicted_s = 0.010 + double(h % 100000) * 1e-7;
+  c.predicted_s = 0.010 * std::pow(1.01, double(h % 1000));
   c.predicted_bytes = 1000;
 }
 
@@ -316,6 +317,54 @@ TEST(Tune, AFailedTrialIsRecordedAndTheSearchGoesOn) {
   EXPECT_NE(table.find("the test's"), std::string::npos) << table;
 }
 
+TEST(Tune, PredictionsWithinHalfAPercentAreATieThatLessMemoryWins) {
+  std::vector<Candidate> cs(4);
+  const double steps[] = {0.0100, 0.009995, 0.0110, 0.00999};
+  const int64_t bytes[] = {500, 100, 50, 900};
+  for (size_t i = 0; i < cs.size(); ++i) {
+    cs[i].priced = true;
+    cs[i].structure = "s" + std::to_string(i);
+    cs[i].predicted_s = steps[i];
+    cs[i].predicted_bytes = bytes[i];
+  }
+  // 0.00999, 0.009995 and 0.0100 are one tie (on one cell of the 0.5% grid); 0.0110 is
+  // 10% slower whatever its memory.
+  const std::vector<int> order = trial_order(cs, 4);
+  ASSERT_EQ(order.size(), 4u);
+  EXPECT_EQ(order.back(), 2);
+  EXPECT_EQ(order.front(), 1) << "the smallest of the tie";
+}
+
+TEST(Tune, StopsAtTheBudgetWithTheBestSoFar) {
+  const fs::path dir = fresh_dir("tune", "budget");
+  TuneOptions o;
+  o.job = gpt_job(dir).string();
+  o.sets = {"mesh.data=2"};
+  o.np = 2;
+  o.trials = 4;
+  o.progress = nullptr;
+  o.output = (dir / "tuned.yaml").string();
+  o.budget_s = 12;
+  int calls = 0;
+  TuneHooks hooks;
+  hooks.price = fake_price;
+  hooks.trial = [&](Candidate& c, double seconds_left) {
+    ++calls;
+    // A trial that takes all but 3 s of what is left: no second one fits.
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(0.0, seconds_left - 3)));
+    c.trial = Candidate::Trial::kOk;
+    c.measured_s = c.predicted_s;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const TuneResult r = tune(o, hooks);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(r.out_of_budget);
+  EXPECT_LE(took, o.budget_s + 2);
+  EXPECT_EQ(r.candidates[static_cast<size_t>(r.chosen)].trial, Candidate::Trial::kOk);
+  EXPECT_NE(slurp(r.written).find("the budget ran out first"), std::string::npos);
+}
+
 TEST(Tune, RankCorrelation) {
   EXPECT_NEAR(rank_correlation({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0, 1e-12);
   EXPECT_NEAR(rank_correlation({1, 2, 3, 4}, {4, 3, 2, 1}), -1.0, 1e-12);
@@ -367,6 +416,28 @@ TEST(TrainTune, TrialsThatFailAreRecordedAndThePaperAnswerWritten) {
   const std::string written = slurp(out);
   EXPECT_NE(written.find("not measured (no trial finished)"), std::string::npos) << written.substr(0, 1500);
   EXPECT_EQ(run_tool(kTrain, dir, {out.string(), "--check"}).status, 0);
+}
+
+TEST(TrainTune, ATrialPastTheBudgetIsCutAndLeavesNoRank) {
+  // Trials far longer than the budget: the first is stopped at it (mpirun and its ranks),
+  // recorded as out of time, and the best on paper written.
+  const fs::path dir = fresh_dir("tune", "cli_budget");
+  const fs::path job = poor_job(dir), out = dir / "tuned.yaml";
+  double took = 0;
+  const pid_t pid = spawn_tool(kTrain,
+                               {job.string(), "--tune", "--np", "2", "--trials", "1", "--trial-steps", "1000000",
+                                "--budget", "40", "-o", out.string()},
+                               dir / "stdout.txt", dir / "stderr.txt");
+  const int status = wait_within(pid, std::chrono::seconds(120), &took);
+  const std::string printed = slurp(dir / "stdout.txt") + slurp(dir / "stderr.txt");
+  ASSERT_EQ(status, 0) << printed;
+  EXPECT_LE(took, 40 + 15) << printed;  // the budget, and SIGTERM's grace
+  EXPECT_NE(printed.find("out of time"), std::string::npos) << printed;
+  EXPECT_NE(slurp(out).find("the budget ran out first"), std::string::npos);
+  // No rank of the cut trial is left running.
+  const Outcome ps = run_tool("/usr/bin/pgrep", dir, {"-f", (dir / "run" / "tune" / "trial-0" / "trial.yaml").string()});
+  EXPECT_EQ(ps.out, "") << ps.out;
+  EXPECT_EQ(ps.status, 1);  // pgrep: nothing matched
 }
 
 TEST(TrainTune, ClearErrorsForOptionsOutOfPlace) {

@@ -92,8 +92,9 @@ std::vector<Candidate> enumerate_candidates(const TuneOptions& options, int* rej
 void prune_by_memory(std::vector<Candidate>& candidates, int64_t limit_bytes);
 
 // The candidates to measure, best predicted first: priced, valid, not pruned, and at most
-// `count` of them (the job as given is not counted: tune() runs it first). The best of
-// each structure comes before a second variant of any.
+// `count` of them (the job as given is not counted: tune() runs it first). Steps within
+// 0.5% of each other are a tie, which the smaller memory wins; the best of each structure
+// comes before a second variant of any.
 std::vector<int> trial_order(const std::vector<Candidate>& candidates, int count);
 
 // Spearman's rank correlation of two samples (ties share their mean rank); NaN below 3.
