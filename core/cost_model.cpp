@@ -198,13 +198,6 @@ StepPrediction predict_step(const std::vector<StageWork>& stages, const std::vec
     p.pipeline_s = std::max(0.0, simulated.makespan_s - simulated.without_transfers_s);
     busy[slowest] = p.compute_s + p.pipeline_s;
   }
-  // Note [Ranks sharing cores]: a stage idle in the bubble gives its turns on the cores to
-  // the ranks it shares them with. Where a whole pipeline is on one host, its compute and
-  // bubble take the longer of the work at each rank's share (compute_s) and the schedule's
-  // critical path at a full core's speed.
-  const auto pipe_link = std::find_if(links.begin(), links.end(), [](const AxisLinks& l) { return l.axis == "pipeline"; });
-  if (share < 1 && pp > 1 && pipe_link != links.end() && pipe_link->hosts <= 1)
-    p.bubble_s = std::max(0.0, share * (p.compute_s + p.bubble_s) - p.compute_s);
   p.other_s = *std::max_element(other.begin(), other.end());
   for (const StageWork& w : stages) p.optimizer_s = std::max(p.optimizer_s, w.optimizer_s / share);
   p.loading_s = stages[slowest].loading_s / share;

@@ -156,11 +156,11 @@ struct StageWork {
 // of the host running, so they already pay for the turns. Hosts that are containers or
 // network namespaces of one machine (one kernel: one boot id) share its cores: the
 // calibration gives each host its part, cores / hosts on the machine (the 2 test hosts
-// of a 2-core machine: 1 core each). A pipeline stage idle in its bubble leaves its turns
-// to the others: where the whole pipeline shares one host's cores, compute and bubble
-// together take the longer of the ranks' work at their share and the schedule's critical
-// path at a full core (4 ranks of a 2-stage 1F1B on 2 cores: no bubble to pay; measured
-// on configs/3d.yaml, 1F1B's step was within 5% of ZB-V's).
+// of a 2-core machine: 1 core each). Not priced: a pipeline stage idle in its bubble
+// leaves part of its turns to the ranks it shares cores with (4 ranks of a 2-stage 1F1B
+// on 2 cores measured 18.9 ms of compute where a half core each gives 25, and 10.5 ms of
+// waits); taking the whole bubble as absorbed predicted those layouts 20-26% fast, so
+// the bubble stays priced whole until a simulation shares the cores op by op.
 double core_share(double cores_per_host, int ranks_per_host, int threads_per_rank);
 
 struct StepPrediction {

@@ -220,28 +220,6 @@ TEST(CostModel, ASimulatedPipelineIsItsMakespan) {
   EXPECT_NEAR(p.total_s, 0.010 + 0.001, 1e-12);
 }
 
-// A stage idle in its bubble leaves its cores to the ranks it shares them with: on one
-// host whose ranks outnumber its cores, the bubble costs only what the critical path at a
-// full core's speed adds beyond the ranks' shared work; across hosts, or with a core each,
-// all of it.
-TEST(CostModel, ABubbleOnSharedCoresGoesToTheOtherRanks) {
-  const Calibration c = calibration();
-  StageWork a, b;
-  a.timed_s = b.timed_s = 0.010;
-  const double bubble = 0.2;  // of the step: compute 0.020 at half a core, bubble 0.005
-  const std::vector<AxisLinks> one_host = {{"pipeline", 2, 1, 2, false}};
-  const std::vector<AxisLinks> two_hosts = {{"pipeline", 2, 2, 1, false}};
-  StepPrediction p = predict_step({a, b}, one_host, 4, 1, 64, 1e9, 4, c, bubble, 0.5);
-  EXPECT_NEAR(p.compute_s, 0.020, 1e-12);
-  EXPECT_NEAR(p.bubble_s, 0.0, 1e-12);  // 0.5 x (0.020 + 0.005) < 0.020
-  p = predict_step({a, b}, one_host, 4, 1, 64, 1e9, 4, c, 0.6, 0.5);  // a deep bubble: 0.030
-  EXPECT_NEAR(p.bubble_s, 0.5 * (0.020 + 0.030) - 0.020, 1e-12);
-  p = predict_step({a, b}, two_hosts, 4, 1, 64, 1e9, 4, c, bubble, 0.5);
-  EXPECT_NEAR(p.bubble_s, 0.005, 1e-12);
-  p = predict_step({a, b}, one_host, 4, 1, 64, 1e9, 2, c, bubble, 1.0);
-  EXPECT_NEAR(p.bubble_s, 0.0025, 1e-12);
-}
-
 TEST(CostModel, FittedKindsAndHostCoresRoundTripThroughTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("cost_kinds_" + std::to_string(::getpid()));
   fs::create_directories(dir);
