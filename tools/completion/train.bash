@@ -48,11 +48,12 @@ _tetra_train() {
         compopt -o nospace 2>/dev/null
       fi
       return 0 ;;
-    --calibration) COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
-    --np | --ranks-per-host) return 0 ;;
+    --calibration | -o | --output) COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
+    --np | --ranks-per-host | --memory-gb | --budget | --trials | --trial-steps | --launcher) return 0 ;;
   esac
   if [[ $cur == -* ]]; then
     COMPREPLY=($(compgen -W "--set --check --print-config --dry-run --np --ranks-per-host --calibration --json
+                             --time-layers --tune --memory-gb --budget --output --trials --trial-steps --launcher
                              --schema --list-keys --version --help" -- "$cur"))
     return 0
   fi
