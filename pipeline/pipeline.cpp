@@ -1099,6 +1099,13 @@ const auto kFields = [](auto& v, Options& o) { pipeline_fields(v, o); };
 YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 std::vector<core::PlanIssue> Options::model_issues(const core::PlanInput& input) const {
+  // Every stage holds a layer: what the run and the dry run find, `train --check` finds.
+  const int K = stages * virtual_stages, L = static_cast<int>(input.model->size());
+  if (L < K)
+    return {{virtual_stages > 1 ? "pipeline.virtual_stages" : "mesh.pipeline",
+             "the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
+                 " stages (pipeline " + std::to_string(stages) + " x virtual_stages " + std::to_string(virtual_stages) +
+                 ") that must each hold one"}};
   if (memory_gb <= 0) return {};
   // Whether a cut fits does not depend on the layers' times: the sizes are enough here
   // (by_time then finds a cut that fits when any does).

@@ -94,3 +94,25 @@ TEST(BalanceMemory, TrainCheckNamesTheStageThatDoesNotFit) {
   const core::Trainer roomy(numerics::job(kMlp, {"pipeline.memory_gb=1"}), dry);
   EXPECT_NO_THROW(roomy.check_model());
 }
+
+// More stages than layers fails the dry run and the run; `train --check` says so too (the
+// tuner found it passing: 4 stages x 2 chunks of a 6-layer model).
+TEST(BalanceMemory, TrainCheckNamesMoreStagesThanLayers) {
+  core::set_threads(1);
+  core::TrainerOptions dry;
+  dry.dry_run = true;
+  const core::Trainer eight(numerics::job(kMlp, {"mesh.pipeline=4", "pipeline.schedule=interleaved_1f1b",
+                                                 "pipeline.virtual_stages=2", "pipeline.micro_batches=4"}),
+                            dry);
+  try {
+    eight.check_model();
+    FAIL() << "8 stages of a 6-layer model passed the check";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("error: pipeline.virtual_stages: the model has 6 layers, fewer than the 8 stages"),
+              std::string::npos)
+        << msg;
+  }
+  const core::Trainer four(numerics::job(kMlp, {"mesh.pipeline=4"}), dry);
+  EXPECT_NO_THROW(four.check_model());
+}
