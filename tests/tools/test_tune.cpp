@@ -335,6 +335,61 @@ TEST(Tune, PredictionsWithinHalfAPercentAreATieThatLessMemoryWins) {
   EXPECT_EQ(order.front(), 1) << "the smallest of the tie";
 }
 
+// The cost model learns: a trial that measures a phase at five times its prediction
+// moves every candidate with that phase down the order of the trials still to run.
+TEST(Tune, TrialsAfterTheFirstFollowThePredictionsTheTrialsCorrected) {
+  const fs::path dir = fresh_dir("tune", "learn");
+  TuneOptions o;
+  o.job = gpt_job(dir).string();
+  o.sets = {"mesh.data=2"};
+  o.np = 2;
+  o.trials = 3;
+  o.confirm = 0;
+  o.progress = nullptr;
+  o.output = (dir / "tuned.yaml").string();
+  auto pipelined = [](const Candidate& c) { return c.spec.mesh.size("pipeline") > 1; };
+  TuneHooks hooks;
+  hooks.price = [&](Candidate& c) {
+    // On paper every pipeline beats every other layout: 10 ms of which 4 are bubble,
+    // against 10.5 ms of compute; ties broken by the label's hash.
+    const double jitter = double(std::hash<std::string>{}(c.label) % 1000) * 1e-8;
+    core::StepPrediction& p = c.prediction;
+    p.compute_s = pipelined(c) ? 0.006 : 0.0105;
+    p.bubble_s = pipelined(c) ? 0.004 : 0;
+    p.compute_s += jitter;
+    p.total_s = p.compute_s + p.bubble_s;
+    c.predicted_s = p.total_s;
+    c.predicted_bytes = 1000;
+  };
+  std::vector<bool> ran_pipeline;
+  hooks.trial = [&](Candidate& c, double) {
+    ran_pipeline.push_back(pipelined(c));
+    c.trial = Candidate::Trial::kOk;
+    c.measured_phases = {{"compute", c.prediction.compute_s}};
+    if (pipelined(c)) c.measured_phases["bubble"] = 5 * c.prediction.bubble_s;  // the bubble is five times worse
+    c.measured_s = c.prediction.compute_s + (pipelined(c) ? 5 * c.prediction.bubble_s : 0);
+    c.measured_phases["step"] = c.measured_s;
+  };
+  const TuneResult r = tune(o, hooks);
+  // The job as given (data 2), the best on paper (a pipeline), then no pipeline again.
+  ASSERT_EQ(ran_pipeline.size(), 4u);
+  EXPECT_FALSE(ran_pipeline[0]);
+  EXPECT_TRUE(ran_pipeline[1]);
+  EXPECT_FALSE(ran_pipeline[2]);
+  EXPECT_FALSE(ran_pipeline[3]);
+  EXPECT_NEAR(r.phase_ratios.at("bubble"), 5.0, 1e-9);
+  Candidate c;
+  c.predicted_s = c.prediction.total_s = 0.010;
+  c.prediction.compute_s = 0.004;
+  c.prediction.bubble_s = 0.002;
+  c.prediction.pipeline_s = 0.001;
+  c.prediction.other_s = 0.002;
+  c.prediction.optimizer_s = 0.001;
+  EXPECT_NEAR(corrected_step(c, {{"compute", 2.0}, {"bubble", 3.0}, {"optimizer", 0.5}, {"comm data", 9.0}}),
+              0.008 + 0.009 + 0.002 + 0.0005, 1e-12);
+  EXPECT_EQ(corrected_step(c, {}), 0.010);
+}
+
 TEST(Tune, StopsAtTheBudgetWithTheBestSoFar) {
   const fs::path dir = fresh_dir("tune", "budget");
   TuneOptions o;

@@ -60,7 +60,13 @@
 //   4. Measure: the job as given, then the best predicted, each a short run of the real job
 //      under the launcher (trial_steps after warmup_steps, no checkpoints, metrics every 5
 //      steps), its step the median of the intervals after the warm-up; a trial that fails,
-//      runs out of memory or of time is recorded and the search goes on. The fastest
+//      runs out of memory or of time is recorded and the search goes on. The cost model
+//      learns as it goes: each trial after the first is the best by the predictions with
+//      each phase (compute, bubble, optimizer, loading) scaled by what the trials before
+//      it measured of that phase (corrected_step), so a term the model got wrong stops
+//      steering the search (a bubble measured at 7x its prediction on ranks that share
+//      cores sends the next trial to a layout without one). The fastest three run again
+//      in the opposite order and keep the mean of their rounds. The fastest
 //      measured is written, with a header saying how it was chosen, what it measured and
 //      how far each phase's measurement was from its prediction (compute, each axis's
 //      communication, the bubble: the ratios a user reads to see which term the model got
@@ -365,25 +371,43 @@ void prune_by_memory(std::vector<Candidate>& candidates, int64_t limit_bytes) {
       c.pruned = human_bytes(c.predicted_bytes) + " > " + human_bytes(limit_bytes);
 }
 
-std::vector<int> trial_order(const std::vector<Candidate>& candidates, int count) {
+double corrected_step(const Candidate& c, const std::map<std::string, double>& ratios) {
+  const StepPrediction& p = c.prediction;
+  if (ratios.empty() || p.total_s <= 0) return c.predicted_s;
+  auto r = [&](const char* phase) {
+    auto it = ratios.find(phase);
+    return it == ratios.end() ? 1.0 : it->second;
+  };
+  return p.loading_s * r("loading") + p.compute_s * r("compute") + (p.pipeline_s + p.bubble_s) * r("bubble") +
+         p.other_s + p.optimizer_s * r("optimizer");
+}
+
+std::vector<int> trial_order(const std::vector<Candidate>& candidates, int count,
+                             const std::map<std::string, double>& ratios) {
   std::vector<int> order;
+  std::set<std::string> taken;  // structures measured already
   for (size_t i = 0; i < candidates.size(); ++i) {
     const Candidate& c = candidates[i];
+    if (c.trial != Candidate::Trial::kNotRun) {
+      taken.insert(c.structure);
+      continue;
+    }
     if (!c.as_given && c.priced && c.invalid.empty() && c.pruned.empty() && c.predicted_s > 0)
       order.push_back(static_cast<int>(i));
   }
-  // By predicted step, within the model's resolution (0.5%: steps closer than that are a
-  // tie) the one that holds less memory first (ZeRO-1 before a plain allreduce that
-  // sends the same bytes).
+  // By predicted step (corrected by the trials so far), within the model's resolution
+  // (0.5%: steps closer than that are a tie) the one that holds less memory first (ZeRO-1
+  // before a plain allreduce that sends the same bytes).
+  std::vector<double> step(candidates.size(), 0);
+  for (int i : order) step[static_cast<size_t>(i)] = corrected_step(candidates[static_cast<size_t>(i)], ratios);
   auto key = [&](int i) {
-    const Candidate& c = candidates[static_cast<size_t>(i)];
-    return std::make_pair(std::floor(std::log(c.predicted_s) / std::log(1.005)), c.predicted_bytes);
+    return std::make_pair(std::floor(std::log(step[static_cast<size_t>(i)]) / std::log(1.005)),
+                          candidates[static_cast<size_t>(i)].predicted_bytes);
   };
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return key(a) < key(b); });
   // The best of each structure first (a bucket size rarely moves a step by more than a
   // trial's noise; another layout or stage may), then the rest in the same order.
   std::vector<int> first, then;
-  std::set<std::string> taken;
   for (int i : order) (taken.insert(candidates[static_cast<size_t>(i)].structure).second ? first : then).push_back(i);
   first.insert(first.end(), then.begin(), then.end());
   if (static_cast<int>(first.size()) > count) first.resize(static_cast<size_t>(std::max(0, count)));
@@ -765,6 +789,10 @@ std::string TuneResult::table() const {
   }
   out += "  (pred mem: the largest process's model state and activations, the dry run's estimate; peak RSS: what the "
          "kernel counted on the largest rank; state: the model state the run counted there)\n";
+  if (!phase_ratios.empty())
+    out += "  (per phase, measured / predicted: compute, optimizer and loading on the rank with the most compute; comm "
+           "AXIS the axis's ops' busy time, overlap with compute included, against their predicted time; bubble a "
+           "pipeline's idle wait against its fill, drain and transfers)\n";
   if (trials_run >= 3)
     out += "  rank correlation of predicted and measured step: " + fmt("%.2f", correlation) + " over " +
            std::to_string(trials_run) + " trials\n";
@@ -925,28 +953,42 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
         return n;
       }(), refined, best.size(), valid, kept, human_bytes(r.memory_limit).c_str());
 
-  // Trials: the job as given, then the best predicted.
-  std::vector<int> order;
-  if (!o.dry_run) {
-    if (!cs.empty() && cs.front().as_given && cs.front().priced && cs.front().invalid.empty() && cs.front().pruned.empty())
-      order.push_back(0);
-    for (int i : trial_order(cs, o.trials)) order.push_back(i);
-  }
+  // Trials: the job as given, then the best predicted, each chosen after the trials
+  // before it have corrected the predictions phase by phase (Note [Tuner]).
+  std::vector<int> order;  // as they ran
   std::function<void(Candidate&, double)> trial = hooks.trial;
   int trial_no = 0;
   if (!trial)
     trial = [&](Candidate& c, double seconds) { run_trial(c, o, work + "/trial-" + std::to_string(trial_no), seconds); };
-  for (size_t k = 0; k < order.size(); ++k) {
-    Candidate& c = cs[static_cast<size_t>(order[k])];
+  const bool as_given =
+      !o.dry_run && cs.front().as_given && cs.front().priced && cs.front().invalid.empty() && cs.front().pruned.empty();
+  const size_t planned = o.dry_run ? 0 : (as_given ? 1 : 0) + trial_order(cs, o.trials).size();
+  for (size_t k = 0; k < planned; ++k) {
+    const std::map<std::string, double> ratios = phase_ratios(cs);
+    int next = -1;
+    if (k == 0 && as_given) {
+      next = 0;
+    } else {
+      const std::vector<int> best_now = trial_order(cs, 1, ratios);
+      if (best_now.empty()) break;
+      next = best_now.front();
+    }
+    Candidate& c = cs[static_cast<size_t>(next)];
     if (left() < 5) {
       r.out_of_budget = true;
       say(o.progress, "[tune %s] the budget (%s) is spent: %zu trial%s not run\n", clock_text(elapsed()).c_str(),
-          clock_text(o.budget_s).c_str(), order.size() - k, order.size() - k == 1 ? "" : "s");
+          clock_text(o.budget_s).c_str(), planned - k, planned - k == 1 ? "" : "s");
       break;
     }
     trial_no = static_cast<int>(k);
-    say(o.progress, "[tune %s] trial %zu/%zu: %s (predicted %s ms; %s left)\n", clock_text(elapsed()).c_str(), k + 1,
-        order.size(), c.label.c_str(), ms(c.predicted_s).c_str(), clock_text(left()).c_str());
+    const double corrected = corrected_step(c, ratios);
+    say(o.progress, "[tune %s] trial %zu/%zu: %s (predicted %s ms%s; %s left)\n", clock_text(elapsed()).c_str(), k + 1,
+        planned, c.label.c_str(), ms(c.predicted_s).c_str(),
+        std::abs(corrected - c.predicted_s) > 1e-3 * c.predicted_s
+            ? (", " + ms(corrected) + " as the trials so far correct it").c_str()
+            : "",
+        clock_text(left()).c_str());
+    order.push_back(next);
     trial(c, left());
     ++r.trials_run;
     if (c.trial == Candidate::Trial::kOk) c.rounds = {c.measured_s};

@@ -91,11 +91,20 @@ std::vector<Candidate> enumerate_candidates(const TuneOptions& options, int* rej
 // Marks every priced candidate whose largest rank exceeds `limit_bytes` as pruned.
 void prune_by_memory(std::vector<Candidate>& candidates, int64_t limit_bytes);
 
-// The candidates to measure, best predicted first: priced, valid, not pruned, and at most
-// `count` of them (the job as given is not counted: tune() runs it first). Steps within
-// 0.5% of each other are a tie, which the smaller memory wins; the best of each structure
-// comes before a second variant of any.
-std::vector<int> trial_order(const std::vector<Candidate>& candidates, int count);
+// The candidate's predicted step with each phase scaled by what the trials so far measured
+// of it (`ratios`: measured / predicted, as TuneResult::phase_ratios): compute, the
+// pipeline's bubble and transfers, optimizer and loading; the other axes' communication
+// as predicted (its measured busy time overlaps compute). predicted_s without ratios or
+// without the prediction's phases.
+double corrected_step(const Candidate& c, const std::map<std::string, double>& ratios);
+
+// The candidates to measure next, best predicted first (corrected by `ratios`): priced,
+// valid, not pruned, not run yet, and at most `count` of them (the job as given is not
+// counted: tune() runs it first). Steps within 0.5% of each other are a tie, which the
+// smaller memory wins; the best of each structure not yet measured comes before a
+// second variant of any.
+std::vector<int> trial_order(const std::vector<Candidate>& candidates, int count,
+                             const std::map<std::string, double>& ratios = {});
 
 // Spearman's rank correlation of two samples (ties share their mean rank); NaN below 3.
 double rank_correlation(const std::vector<double>& a, const std::vector<double>& b);
