@@ -762,9 +762,7 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
 std::string TuneResult::table() const {
   std::string out;
   // The measured, in the order they ran, then the best on paper not measured.
-  std::vector<int> rows;
-  for (size_t i = 0; i < candidates.size(); ++i)
-    if (candidates[i].trial != Candidate::Trial::kNotRun) rows.push_back(static_cast<int>(i));
+  std::vector<int> rows = order;
   if (!candidates.empty() && candidates.front().as_given && candidates.front().trial == Candidate::Trial::kNotRun &&
       candidates.front().priced)
     rows.push_back(0);
@@ -1038,6 +1036,7 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
       c = std::move(again);
     }
   }
+  r.order = order;
   // The answer: the fastest measured, else (on paper, or no trial finished) the best predicted.
   std::vector<double> pred, meas;
   for (size_t i = 0; i < cs.size(); ++i) {

@@ -113,6 +113,7 @@ struct TuneResult {
   std::vector<Candidate> candidates;
   int chosen = -1;             // the fastest measured (on paper: the best predicted)
   int trials_run = 0;
+  std::vector<int> order;      // the candidates measured, as they ran
   double correlation = 0;      // of predicted and measured step, over the trials that ran
   std::map<std::string, double> phase_ratios;  // measured / predicted, over the trials
   int64_t memory_limit = 0;
