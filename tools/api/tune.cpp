@@ -245,7 +245,15 @@ std::string to_string(Candidate::Trial t) {
 std::vector<Candidate> enumerate_candidates(const TuneOptions& o, int* rejected) {
   const ParsedJob base = parse_job_file(o.job, o.sets, plugins());
   const JobSpec& spec = base.spec;
-  check_paths(spec);  // the data it reads, the folders it writes: the same for every candidate
+  // The data it reads, the folders it writes: the same for every candidate. A plan on
+  // paper is for another machine: its device is not this one's to check.
+  if (o.dry_run) {
+    JobSpec here = spec;
+    here.train.device = DeviceKind::kCpu;
+    check_paths(here);
+  } else {
+    check_paths(spec);
+  }
   ModelRules rules;
   const int N = o.np;
   if (N < 1) throw ConfigError("--np " + std::to_string(N) + ": the tuner needs the processes the job will run on (--np N)");
