@@ -171,7 +171,7 @@ void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, Model
 }
 
 // What a candidate's keys say, for the table.
-std::string label_of(const std::map<std::string, std::string>& k, const JobSpec& spec) {
+std::string label_of(const std::map<std::string, std::string>& k) {
   auto get = [&](const std::string& key) {
     auto it = k.find(key);
     return it == k.end() ? std::string() : it->second;
@@ -191,8 +191,8 @@ std::string label_of(const std::map<std::string, std::string>& k, const JobSpec&
     s += " | allreduce, bucket " + get("data_parallel.bucket_mb") + " MB";
     if (get("data_parallel.hierarchical") != "auto") s += ", hierarchical " + get("data_parallel.hierarchical");
   }
-  s += " | threads " + get("train.threads");
-  (void)spec;
+  const std::string threads = get("train.threads");
+  s += " | threads " + (threads == "0" ? std::string("auto") : threads);
   return s;
 }
 
@@ -219,7 +219,7 @@ std::string label_of(const JobSpec& spec) {
     k["data_parallel.bucket_mb"] = text("data_parallel", "bucket_mb");
     k["data_parallel.hierarchical"] = text("data_parallel", "hierarchical");
   }
-  return label_of(k, spec) + " (as given)";
+  return label_of(k) + " (as given)";
 }
 
 double median(std::vector<double> v) {
@@ -290,7 +290,8 @@ std::vector<Candidate> enumerate_candidates(const TuneOptions& o, int* rejected)
       c.structure = "as given";
       seen.insert(c.yaml);
       out.push_back(std::move(c));
-    } catch (const ConfigError&) {
+    } catch (const ConfigError&) {  // another np than the job's mesh: only the enumeration's layouts
+    } catch (const DataError&) {
     }
   }
   const bool has_tensor = base.resolved["tensor"].IsDefined();
@@ -357,11 +358,11 @@ std::vector<Candidate> enumerate_candidates(const TuneOptions& o, int* rejected)
                   variants.push_back(k);
                 }
               }
-              const std::string structure = label_of(variants.front(), spec);
+              const std::string structure = label_of(variants.front());
               for (size_t i = 0; i < variants.size(); ++i) {
                 Candidate c;
                 c.keys = variants[i];
-                c.label = label_of(c.keys, spec);
+                c.label = label_of(c.keys);
                 c.structure = structure;
                 c.refinement = i > 0;
                 add(std::move(c));
