@@ -505,6 +505,11 @@ TEST(TrainTune, ClearErrorsForOptionsOutOfPlace) {
   // 3 processes: data 3 does not divide the batch of 128... but pipeline 3 may: whatever
   // is valid is tuned; nothing valid is a clear error.
   EXPECT_TRUE(r.status == 0 || r.err.find("no layout of 3 processes") != std::string::npos) << r.out << r.err;
+  // Where the answer cannot be written: said, naming the path, not "written".
+  r = run_tool(kTrain, dir,
+               {job.string(), "--tune", "--np", "2", "--dry-run", "-o", (dir / "no" / "such" / "t.yaml").string()});
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("no/such/t.yaml: cannot write"), std::string::npos) << r.err;
   r = run_tool(kTrain, dir, {job.string(), "--tune", "--np", "2", "--json"});
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("--tune does not take --json"), std::string::npos) << r.err;

@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdarg>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -1077,7 +1079,12 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
     std::filesystem::path p(o.job);
     out = (p.parent_path() / (p.stem().string() + "-tuned.yaml")).string();
   }
-  std::ofstream(out) << written_job(r, o, launcher_text);
+  {
+    std::ofstream f(out);
+    f << written_job(r, o, launcher_text);
+    f.close();
+    if (!f) throw ConfigError("-o " + out + ": cannot write the chosen job there (" + std::strerror(errno) + ")");
+  }
   r.written = out;
   return r;
 }
