@@ -221,6 +221,20 @@ TEST(Tune, MemoryPruningDropsExactlyTheCandidatesOverTheLimit) {
   }
 }
 
+// The options of a search driven by hooks: the small GPT as given for 2 processes
+// (measured first), `trials` more, no second rounds, nothing printed.
+TuneOptions hooked_options(const fs::path& dir, int trials) {
+  TuneOptions o;
+  o.job = gpt_job(dir).string();
+  o.sets = {"mesh.data=2"};
+  o.np = 2;
+  o.trials = trials;
+  o.confirm = 0;
+  o.progress = nullptr;
+  o.output = (dir / "tuned.yaml").string();
+  return o;
+}
+
 // A cost model of the test's own: predicted steps at least 1% apart (beyond the tuner's
 // 0.5% tie), in an order that has nothing to do with the layout.
 void fake_price(Candidate& c) {
@@ -231,14 +245,7 @@ void fake_price(Candidate& c) {
 
 TEST(Tune, TrialsFollowTheCostModelsOrder) {
   const fs::path dir = fresh_dir("tune", "order");
-  TuneOptions o;
-  o.job = gpt_job(dir).string();
-  o.sets = {"mesh.data=2"};  // a job as given for 2 processes, measured first
-  o.np = 2;
-  o.trials = 4;
-  o.confirm = 0;
-  o.progress = nullptr;
-  o.output = (dir / "tuned.yaml").string();
+  TuneOptions o = hooked_options(dir, 4);
   std::vector<std::string> ran;
   TuneHooks hooks;
   hooks.price = fake_price;
@@ -274,14 +281,7 @@ TEST(Tune, TrialsFollowTheCostModelsOrder) {
 
 TEST(Tune, AFailedTrialIsRecordedAndTheSearchGoesOn) {
   const fs::path dir = fresh_dir("tune", "failed");
-  TuneOptions o;
-  o.job = gpt_job(dir).string();
-  o.sets = {"mesh.data=2"};  // a job as given for 2 processes, measured first
-  o.np = 2;
-  o.trials = 4;
-  o.confirm = 0;
-  o.progress = nullptr;
-  o.output = (dir / "tuned.yaml").string();
+  TuneOptions o = hooked_options(dir, 4);
   int calls = 0;
   TuneHooks hooks;
   hooks.price = fake_price;
@@ -339,14 +339,7 @@ TEST(Tune, PredictionsWithinHalfAPercentAreATieThatLessMemoryWins) {
 // moves every candidate with that phase down the order of the trials still to run.
 TEST(Tune, TrialsAfterTheFirstFollowThePredictionsTheTrialsCorrected) {
   const fs::path dir = fresh_dir("tune", "learn");
-  TuneOptions o;
-  o.job = gpt_job(dir).string();
-  o.sets = {"mesh.data=2"};
-  o.np = 2;
-  o.trials = 3;
-  o.confirm = 0;
-  o.progress = nullptr;
-  o.output = (dir / "tuned.yaml").string();
+  TuneOptions o = hooked_options(dir, 3);
   auto pipelined = [](const Candidate& c) { return c.spec.mesh.size("pipeline") > 1; };
   TuneHooks hooks;
   hooks.price = [&](Candidate& c) {
