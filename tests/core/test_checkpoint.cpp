@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 #include <sys/mount.h>
 
-#include <boost/crc.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -24,6 +23,7 @@
 #include "collectives/error.h"
 #include "collectives/local.h"
 #include "core/checkpoint.h"
+#include "core/crc32c.h"
 #include "core/job_spec.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
@@ -573,7 +573,7 @@ TEST(ShardedCheckpoint, ADamagedIndexOrRankFileIsAClearError) {
 
 namespace {
 
-using Crc32c = boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true>;
+using tetra::core::Crc32c;
 
 void write_all(const fs::path& p, const std::string& bytes) {
   std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;

@@ -30,7 +30,6 @@
 // checksums, and a format-1 one, to <dir> and exits; tools/fuzz/corpus-checkpoint-meta holds them.
 #include <unistd.h>
 
-#include <boost/crc.hpp>
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
@@ -44,6 +43,7 @@
 #include "collectives/error.h"
 #include "collectives/local.h"
 #include "core/checkpoint.h"
+#include "core/crc32c.h"
 #include "core/json_input.h"
 #include "core/safetensors.h"
 
@@ -117,7 +117,7 @@ const Folder& folder() {
 std::string meta_crc(nlohmann::json doc) {
   doc.erase("meta_crc32c");
   const std::string canonical = doc.dump();
-  boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true> crc;
+  tetra::core::Crc32c crc;
   crc.process_bytes(canonical.data(), canonical.size());
   char buf[16];
   std::snprintf(buf, sizeof buf, "\"0x%08x\"", crc.checksum());
