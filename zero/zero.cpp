@@ -50,7 +50,8 @@ int64_t storage_bytes(const at::Tensor& t) {
 // pages on every op).
 void point_storage(const at::Tensor& t, void* bytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr(at::DataPtr(bytes, at::Device(at::kCPU)));  // not owning: the pool frees it
+  // Not owning (the pool frees it), on the tensor's device: a CUDA unit's bytes are the GPU's.
+  s->set_data_ptr(at::DataPtr(bytes, t.device()));
   s->set_nbytes(bytes ? static_cast<size_t>(t.numel()) * t.element_size() : 0);
 }
 
