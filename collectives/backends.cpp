@@ -3,6 +3,8 @@
 #include "collectives/build_config.h"
 #include "collectives/error.h"
 
+#include <cstdlib>
+
 #if TETRA_HAVE_MPI
 #include "collectives/mpi.h"
 #endif
@@ -41,12 +43,37 @@ const BackendEntry& BackendRegistry::at(const std::string& name) const {
 
 CommunicatorPtr BackendRegistry::create_world(const std::string& name, const LaunchInfo& launch,
                                               const WorldOptions& options) const {
+  return create_planes(name, launch, options).data;
+}
+
+Planes BackendRegistry::create_planes(const std::string& name, const LaunchInfo& launch,
+                                      const WorldOptions& options) const {
   const BackendEntry& e = at(name);
   if (std::string why = e.unavailable ? e.unavailable() : ""; !why.empty())
     throw ConfigError("collectives backend \"" + name + "\" cannot run here: " + why);
-  CommunicatorPtr world = e.create(launch, options);
-  check_launch_agrees(launch, name, world->rank(), world->size());
-  return world;
+  Planes planes;
+  if (!e.carries_host) {
+    const std::string host = host_backend_for(launch);
+    if (!contains(host))
+      throw ConfigError("collectives backend \"" + name + "\" carries device tensors only, and the host tensors' backend " +
+                        host + " is not in this build");
+    planes.host = create_planes(host, launch, options).host;
+  }
+  planes.data = e.create(launch, options, planes.host);
+  check_launch_agrees(launch, name, planes.data->rank(), planes.data->size());
+  if (!planes.host) planes.host = planes.data;
+  return planes;
+}
+
+std::string Planes::describe() const {
+  if (!data) return "none";
+  return shared() ? data->backend() : data->backend() + " (host tensors over " + host->backend() + ")";
+}
+
+std::string host_backend_for(const LaunchInfo& launch) {
+  const bool pmi = std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+  const bool mpi = launch.launcher == "mpirun" || launch.launcher == "pmix" || (launch.launcher == "slurm" && pmi);
+  return mpi || !TETRA_HAVE_GLOO ? "mpi" : "gloo";
 }
 
 void register_builtin_backends(BackendRegistry& registry) {

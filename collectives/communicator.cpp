@@ -542,9 +542,9 @@ WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration
   r.queued_us = wall_us();
   // The fingerprint is filled in once the sequence number is known, before the op can run.
   auto print = std::make_shared<std::array<int64_t, kPrint>>();
-  // (A barrier has no tensor to put the fingerprint beside on a GPU-only backend.)
-  if (health_.check && kind != "split" && (d.tensor || backend() != "nccl")) {
-    const at::Device device = d.tensor ? d.tensor->device() : at::Device(at::kCPU);
+  // Where the group carries tensors (Note [Two planes]): beside a GPU's op, a GPU tensor.
+  if (health_.check && kind != "split") {
+    const at::Device device = this->device();
     const int peer = d.peer, tag = d.tag;
     fn = [this, print, device, peer, tag, fn = std::move(fn)](Deadline deadline) {
       fingerprint(print->data(), peer, tag, device, deadline);
@@ -582,7 +582,7 @@ void Communicator::fingerprint(const int64_t* p, int peer, int tag, at::Device d
   at::Tensor mine = at::empty({kPrint}, at::kLong);
   std::memcpy(mine.data_ptr<int64_t>(), p, kPrint * sizeof(int64_t));
   const int64_t code = p[0];
-  auto on_device = [&](const at::Tensor& t) { return device.is_cpu() ? t : t.to(device); };
+  auto on_device = [&](const at::Tensor& t) { return t.device() == device ? t : t.to(device); };
   if (code == kind_code("send")) {
     backend_send(on_device(mine), peer, tag, deadline);
     return;
@@ -624,6 +624,13 @@ void Communicator::fingerprint(const int64_t* p, int peer, int tag, at::Device d
   throw CommError(msg);
 }
 
+void Communicator::check_carried(const std::string& op, const char* which, const at::Tensor& t) const {
+  const std::string why = refuses(t);
+  if (why.empty()) return;
+  throw CommError(name_ + ": " + op + ": the " + (*which ? std::string(which) + " " : std::string()) + "tensor " +
+                  describe(t) + " on " + t.device().str() + ": " + why);
+}
+
 #define TETRA_VALIDATE(what, ...)                              \
   try {                                                        \
     __VA_ARGS__;                                               \
@@ -641,6 +648,8 @@ WorkPtr Communicator::allreduce(at::Tensor input, at::Tensor output, const Allre
     check_tensor(op, "input", input);
     check_tensor(op, "output", output);
     check_same_dtype(op, input, output);
+    check_carried(op, "input", input);
+    check_carried(op, "output", output);
     check_op(op, opts.op, input);
     if (input.numel() != output.numel())
       throw CommError(op + ": input " + describe(input) + " and output " + describe(output) +
@@ -658,6 +667,8 @@ WorkPtr Communicator::reduce_scatter(at::Tensor input, at::Tensor output, const 
     check_tensor(op, "input", input);
     check_tensor(op, "output", output);
     check_same_dtype(op, input, output);
+    check_carried(op, "input", input);
+    check_carried(op, "output", output);
     check_op(op, opts.op, input);
     if (input.numel() != output.numel() * size_)
       throw CommError(op + ": input " + describe(input) + " must hold " + std::to_string(size_) +
@@ -677,6 +688,8 @@ WorkPtr Communicator::allgather(at::Tensor input, at::Tensor output, const Allga
     check_tensor(op, "input", input);
     check_tensor(op, "output", output);
     check_same_dtype(op, input, output);
+    check_carried(op, "input", input);
+    check_carried(op, "output", output);
     if (output.numel() != input.numel() * size_)
       throw CommError(op + ": output " + describe(output) + " must hold " + std::to_string(size_) +
                       " chunks of the input " + describe(input) + " (" +
@@ -692,6 +705,7 @@ WorkPtr Communicator::broadcast(at::Tensor tensor, const BroadcastOptions& opts)
   const std::string op = "broadcast from " + std::to_string(opts.root);
   TETRA_VALIDATE(op, {
     check_tensor(op, "", tensor);
+    check_carried(op, "", tensor);
     check_peer(op, "root", opts.root, size_, rank_);
   });
   int root = opts.root;
@@ -704,6 +718,7 @@ WorkPtr Communicator::send(at::Tensor tensor, int dst, const SendOptions& opts) 
   const std::string op = "send to " + std::to_string(dst) + " tag " + std::to_string(opts.tag);
   TETRA_VALIDATE(op, {
     check_tensor(op, "", tensor);
+    check_carried(op, "", tensor);
     check_peer(op, "destination", dst, size_, rank_);
     if (opts.tag < 0) throw CommError(op + ": tags must be >= 0");
   });
@@ -717,6 +732,7 @@ WorkPtr Communicator::recv(at::Tensor tensor, int src, const RecvOptions& opts) 
   const std::string op = "recv from " + std::to_string(src) + " tag " + std::to_string(opts.tag);
   TETRA_VALIDATE(op, {
     check_tensor(op, "", tensor);
+    check_carried(op, "", tensor);
     check_peer(op, "source", src, size_, rank_);
     if (opts.tag < 0) throw CommError(op + ": tags must be >= 0");
   });
@@ -787,13 +803,17 @@ void finish_average(const at::Tensor& t, ReduceOp op, int size) {
 }
 
 std::string broadcast_string(Communicator& group, const std::string& text, const BroadcastOptions& options) {
-  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  // Where the group carries its tensors (Note [Two planes]): host memory on a host plane.
+  const at::TensorOptions where = at::TensorOptions().device(group.device());
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), where.dtype(at::kLong));
   group.broadcast(len, options)->wait();
   const int64_t n = len.item<int64_t>();
   if (n == 0) return "";
   at::Tensor bytes = at::empty({n}, at::kByte);
   if (group.rank() == options.root) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  bytes = bytes.to(group.device());
   group.broadcast(bytes, options)->wait();
+  bytes = bytes.cpu();
   return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
 }
 

@@ -238,6 +238,17 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Dtypes every backend carries: f32 f64 bf16 f16 i32 i64 u8.
   static bool supported(at::ScalarType t);
 
+  // Note [Two planes] (collectives/backends.h): "" when this backend's ops take `t` where
+  // it lives, else why not ("the nccl backend carries CUDA tensors only, and this one is on
+  // cpu ..."). The public ops ask before they queue anything, so a tensor on the wrong
+  // plane is the same CommError, naming the op and the group, on every backend. Default:
+  // every tensor.
+  virtual std::string refuses(const at::Tensor& t) const { return ""; }
+  // Where a tensor this group carries lives: a tensor made for the group's own bookkeeping
+  // (a split's colors, a shape check, a fingerprint with no tensor beside it, a string's
+  // bytes) is made there. The CPU by default; nccl's GPU.
+  virtual at::Device device() const { return at::kCPU; }
+
   // For a backend polling an op: whether a caller is blocked in wait() on an op of this
   // communicator now (the running one, or one queued behind it, which needs it done).
   // Nobody waiting means the caller computes meanwhile: poll politely, do not take its
@@ -309,6 +320,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void end(uint64_t record);
   std::string diagnose_record(uint64_t record) const;  // "\n  <who has not joined>"
   void fingerprint(const int64_t* print, int peer, int tag, at::Device device, Deadline deadline);
+  // Throws the CommError of Note [Two planes] when refuses(t) says why.
+  void check_carried(const std::string& op, const char* which, const at::Tensor& t) const;
   void count(Traffic::Kind kind, const at::Tensor& t);
   struct Counter {
     std::mutex mu;

@@ -341,7 +341,7 @@ void register_gloo_backend(BackendRegistry& registry) {
   e.name = "gloo";
   e.description = "c10d ProcessGroupGloo (LibTorch)";
   e.unavailable = [] { return std::string(); };
-  e.create = [](const LaunchInfo& l, const WorldOptions& options) -> CommunicatorPtr {
+  e.create = [](const LaunchInfo& l, const WorldOptions& options, const CommunicatorPtr&) -> CommunicatorPtr {
     if (l.world_size == 0)
       throw ConfigError("the gloo backend needs the world size (set WORLD_SIZE, or launch with torchrun or mpirun)");
     std::string addr = l.master_addr;

@@ -77,6 +77,8 @@ class HierarchicalCommunicator final : public Communicator {
   ~HierarchicalCommunicator() override { stop_progress_thread(); }
 
   std::string backend() const override { return "hierarchical"; }
+  // Its bookkeeping crosses the processes over outer (Note [Two planes]).
+  at::Device device() const override { return outer_->device(); }
 
  protected:
   void backend_allreduce(const at::Tensor& input, const at::Tensor& output, ReduceOp op,
@@ -107,11 +109,11 @@ class HierarchicalCommunicator final : public Communicator {
     const int64_t n = input.numel(), m = (n + R_ - 1) / R_, padded = m * R_;
     at::Tensor whole = input.view({-1});
     if (padded != n) {
-      whole = scratch(kWhole, padded, input.scalar_type());
+      whole = scratch(kWhole, padded, input);
       whole.narrow(0, 0, n).copy_(input.view({-1}));
       whole.narrow(0, n, padded - n).zero_();
     }
-    at::Tensor chunk = scratch(kPart, m, input.scalar_type());
+    at::Tensor chunk = scratch(kPart, m, input);
     stage(kInner, deadline, [&](Duration t) { return inner_->reduce_scatter(whole, chunk, {ReduceOp::kSum, t}); });
     stage(kOuter, deadline, [&](Duration t) { return outer_->allreduce(chunk, {ReduceOp::kSum, t}); });
     finish_average(chunk, op, size());  // on 1/R of the elements, before the gather
@@ -132,14 +134,14 @@ class HierarchicalCommunicator final : public Communicator {
     at::Tensor in = input.view({-1});
     if (R_ > 1 && D_ > 1) {
       // [D][R][n] -> [R][D][n]: replica r's inner chunk is then the blocks (., r).
-      at::Tensor t = scratch(kWhole, input.numel(), input.scalar_type());
+      at::Tensor t = scratch(kWhole, input.numel(), input);
       t.view({R_, D_, n}).copy_(in.view({D_, R_, n}).transpose(0, 1));
       in = t;
     }
     bool done = false;
     if (R_ > 1) {
       // Replica r's [D][n]: block (d', r) summed over this process, for every d'.
-      at::Tensor mid = D_ > 1 ? scratch(kPart, int64_t{D_} * n, input.scalar_type()) : output;
+      at::Tensor mid = D_ > 1 ? scratch(kPart, int64_t{D_} * n, input) : output;
       stage(kInner, deadline, [&](Duration t) { return inner_->reduce_scatter(in, mid, {sum_or_op, t}); });
       in = mid;
       done = true;
@@ -157,9 +159,9 @@ class HierarchicalCommunicator final : public Communicator {
     const int64_t n = input.numel();
     if (R_ > 1 && D_ > 1) {
       // The inputs of (., r), then of (., every r') as [R][D][n], transposed into [D][R][n].
-      at::Tensor across = scratch(kPart, int64_t{D_} * n, input.scalar_type());
+      at::Tensor across = scratch(kPart, int64_t{D_} * n, input);
       stage(kOuter, deadline, [&](Duration t) { return outer_->allgather(input, across, {t}); });
-      at::Tensor all = scratch(kWhole, output.numel(), input.scalar_type());
+      at::Tensor all = scratch(kWhole, output.numel(), input);
       stage(kInner, deadline, [&](Duration t) { return inner_->allgather(across, all, {t}); });
       output.view({D_, R_, n}).copy_(all.view({R_, D_, n}).transpose(0, 1));
     } else if (R_ > 1) {
@@ -207,11 +209,11 @@ class HierarchicalCommunicator final : public Communicator {
     if (color < 0) color = -1;
     // Every rank's (color, key), by group rank: each rank checks every color, so that all
     // agree on whether to go on to the inner and outer splits.
-    at::Tensor mine = at::empty({2}, at::kLong);
-    mine.data_ptr<int64_t>()[0] = color;
-    mine.data_ptr<int64_t>()[1] = key;
-    at::Tensor all = at::empty({2 * int64_t{s}}, at::kLong);
+    // Made where the group carries tensors (Note [Two planes]), read on the host.
+    const at::Tensor mine = at::tensor({int64_t{color}, int64_t{key}}, at::kLong).to(device());
+    at::Tensor all = at::empty({2 * int64_t{s}}, at::TensorOptions(at::kLong).device(device()));
     backend_allgather(mine, all, deadline);
+    all = all.cpu();
     const int64_t* v = all.data_ptr<int64_t>();
     std::map<int64_t, std::vector<std::pair<int64_t, int>>> colors;  // color -> (key, rank)
     for (int g = 0; g < s; ++g)
@@ -303,14 +305,15 @@ class HierarchicalCommunicator final : public Communicator {
            "ordered process by process with the replica order the same in each";
   }
 
-  // A 1-d tensor of `numel` elements of `dtype` in kept scratch memory (the transposes'
-  // and chunks' buffers, reused across ops; only the progress thread touches them). Bytes,
-  // so that buckets of different dtypes share one buffer instead of reallocating.
-  at::Tensor scratch(Scratch which, int64_t numel, at::ScalarType dtype) {
+  // A 1-d tensor of `numel` elements of like's dtype in kept scratch memory, beside `like`
+  // (its device: Note [Two planes]) (the transposes' and chunks' buffers, reused across
+  // ops; only the progress thread touches them). Bytes, so that buckets of different dtypes
+  // share one buffer instead of reallocating.
+  at::Tensor scratch(Scratch which, int64_t numel, const at::Tensor& like) {
     at::Tensor& buf = scratch_[which];
-    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    if (!buf.defined() || buf.numel() < bytes) buf = at::empty({bytes}, at::kByte);
-    return buf.narrow(0, 0, bytes).view(dtype);
+    const int64_t bytes = numel * static_cast<int64_t>(like.element_size());
+    if (!buf.defined() || buf.numel() < bytes || buf.device() != like.device()) buf = like.new_empty({bytes}, at::kByte);
+    return buf.narrow(0, 0, bytes).view(like.scalar_type());
   }
 
   CommunicatorPtr inner_, outer_;
@@ -334,13 +337,15 @@ CommunicatorPtr make_hierarchical(CommunicatorPtr inner, CommunicatorPtr outer, 
   const int R = inner->size(), r = inner->rank(), D = outer->size(), d = outer->rank();
   // Each member's view, {D, d, R, r}, to every replica of its process and to every member
   // of its outer group: a mix-up there would otherwise be a wrong result or a hang later.
-  at::Tensor mine = at::empty({4}, at::kLong);
-  int64_t* p = mine.data_ptr<int64_t>();
-  p[0] = D, p[1] = d, p[2] = R, p[3] = r;
-  at::Tensor in_all = at::empty({4 * int64_t{R}}, at::kLong), out_all = at::empty({4 * int64_t{D}}, at::kLong);
+  // Each over its own group, where that group carries tensors (Note [Two planes]).
+  const at::Tensor mine = at::tensor({int64_t{D}, int64_t{d}, int64_t{R}, int64_t{r}}, at::kLong);
+  at::Tensor in_all = at::empty({4 * int64_t{R}}, at::TensorOptions(at::kLong).device(inner->device()));
+  at::Tensor out_all = at::empty({4 * int64_t{D}}, at::TensorOptions(at::kLong).device(outer->device()));
   try {
-    inner->allgather(mine, in_all, {options.timeout})->wait();
-    outer->allgather(mine, out_all, {options.timeout})->wait();
+    inner->allgather(mine.to(inner->device()), in_all, {options.timeout})->wait();
+    outer->allgather(mine.to(outer->device()), out_all, {options.timeout})->wait();
+    in_all = in_all.cpu();
+    out_all = out_all.cpu();
   } catch (const TimeoutError& e) {
     throw TimeoutError(what + ": checking the shape over inner and outer: " + e.what());
   } catch (const std::exception& e) {

@@ -233,6 +233,10 @@ class LocalCommunicator final : public Communicator {
   void name_group(const std::string& identity) { set_identity(identity, false); }
 
   std::string backend() const override { return "local"; }
+  // Note [Two planes]: the ranks read each other's bytes through host pointers.
+  std::string refuses(const at::Tensor& t) const override {
+    return t.is_cpu() ? "" : "the local backend carries host tensors only (thread ranks read each other's memory)";
+  }
   Shared& shared() { return *shared_; }
 
  protected:

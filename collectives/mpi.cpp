@@ -322,6 +322,12 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::string backend() const override { return "mpi"; }
+  // Note [Two planes]: Open MPI as Debian builds it reads host memory only.
+  std::string refuses(const at::Tensor& t) const override {
+    if (t.is_cpu()) return "";
+    return "the mpi backend carries host tensors only (this Open MPI is not CUDA-aware); a job's device tensors go "
+           "over its data plane (collectives.backend: nccl)";
+  }
 
   // Stops the progress thread and frees the MPI communicator; abandoned requests that
   // are still pending go to the runtime. Idempotent (the destructor, and at exit).
@@ -734,7 +740,7 @@ void register_mpi_backend(BackendRegistry& registry) {
   e.name = "mpi";
   e.description = short_version(mpi_library_version());
   e.unavailable = [] { return std::string(); };
-  e.create = [](const LaunchInfo& launch, const WorldOptions& options) {
+  e.create = [](const LaunchInfo& launch, const WorldOptions& options, const CommunicatorPtr&) {
     // A task srun started without a PMI plugin: Open MPI's MPI_Init would print a page
     // about building it with PMI support and abort. Say what to do instead.
     if (launch.launcher == "slurm" && !std::getenv("PMIX_RANK") && !std::getenv("PMI_RANK"))

@@ -100,6 +100,12 @@ class NcclCommunicator final : public Communicator {
     if (comm_) aborted_ ? ncclCommAbort(comm_) : ncclCommDestroy(comm_);
   }
   std::string backend() const override { return "nccl"; }
+  at::Device device() const override { return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)); }
+  std::string refuses(const at::Tensor& t) const override {
+    if (t.is_cuda()) return "";
+    return "the nccl backend carries CUDA tensors only; a job's host tensors go over its host plane (Note [Two "
+           "planes]: Mesh::host, or the world TrainerOptions::host)";
+  }
 
  protected:
   void backend_allreduce(const at::Tensor& in, const at::Tensor& out, ReduceOp op, Deadline d) override {
@@ -252,12 +258,13 @@ void register_nccl_backend(BackendRegistry& registry) {
   BackendEntry e;
   e.name = "nccl";
   e.description = nccl_version();
+  e.carries_host = false;  // Note [Two planes]: the job's host tensors go over a host backend beside it
   e.unavailable = [] { return nccl_unavailable_reason(); };
-  e.create = [](const LaunchInfo& launch, const WorldOptions& options) -> CommunicatorPtr {
-    CommunicatorPtr boot = mpi_world(options);
+  e.create = [](const LaunchInfo& launch, const WorldOptions& options, const CommunicatorPtr& host) -> CommunicatorPtr {
     int devices = 0;
     TETRA_CUDA(cudaGetDeviceCount(&devices));
-    return nccl_from(*boot, launch.local_rank % devices, options);
+    // The unique id goes over the host plane (mpi under mpirun or srun, gloo under torchrun).
+    return nccl_from(host ? *host : *mpi_world(options), launch.local_rank % devices, options);
   };
   registry.add(std::move(e));
 }
