@@ -25,6 +25,12 @@ namespace tetra::core {
 // What stops train.device from being used on this machine ("" when nothing does).
 std::string device_problem(const JobSpec& spec);
 
+// Whether a tensor made in host memory is already on `device`: the plain CPU. Any other
+// device takes it by a copy (the one path of Note [One device]): cuda, and the pretend
+// device cpu:0 that the two-planes test trains on, which tells its tensors from host
+// memory by where they were made (tests/tools/test_two_planes.cpp, Note [Pretend device]).
+inline bool in_host_memory(const c10::Device& device) { return device == c10::Device(c10::kCPU); }
+
 // This rank's device: kCPU, or the GPU of Note [One device]. `local_rank` is the
 // process's rank on its host, `replica` its replica thread of `replicas`.
 c10::Device rank_device(const JobSpec& spec, int local_rank, int replica = 0, int replicas = 1);

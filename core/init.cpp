@@ -9,6 +9,7 @@
 #include <set>
 
 #include "collectives/error.h"
+#include "core/device.h"
 #include "core/models.h"
 #include "core/random.h"
 
@@ -210,7 +211,7 @@ void Materializer::create(const NamedParam& p) const {
   if (!p.tensor.is_meta()) return;
   at::Tensor data = at::empty(p.tensor.sizes(), at::TensorOptions().dtype(p.tensor.scalar_type()));
   draw_part(p.name, 0, data);
-  place(p.tensor, device_.is_cpu() ? data : data.to(device_));
+  place(p.tensor, in_host_memory(device_) ? data : data.to(device_));
 }
 
 void Materializer::create_all(torch::nn::Module& model) const {

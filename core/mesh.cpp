@@ -169,17 +169,29 @@ std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
   return out;
 }
 
-Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::CommunicatorPtr replica)
-    : world_(std::move(world)), layout_(std::move(spec)), replica_(std::move(replica)) {
+Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::CommunicatorPtr replica,
+           collectives::CommunicatorPtr host)
+    : world_(std::move(world)), host_world_(host ? std::move(host) : world_), layout_(std::move(spec)),
+      replica_(std::move(replica)) {
   check_mesh_fits(layout_.spec(), world_->size(), world_->backend() + " world");
-  const int rank = world_->rank();
+  if (host_world_->size() != world_->size() || host_world_->rank() != world_->rank())
+    throw Error("the host plane (" + host_world_->name() + ", rank " + std::to_string(host_world_->rank()) + " of " +
+                std::to_string(host_world_->size()) + ") is not the world's processes (" + world_->name() + ", rank " +
+                std::to_string(world_->rank()) + " of " + std::to_string(world_->size()) + ")");
+  groups_ = split_axes(world_);
+  if (host_world_ != world_) host_groups_ = split_axes(host_world_);
+}
+
+Mesh::Groups Mesh::split_axes(const collectives::CommunicatorPtr& world) const {
+  Groups groups;
+  const int rank = world->rank();
   // Every rank makes the same splits in the same order (they are collective): one per
   // axis of the mesh, and a group of one for each known axis the job leaves out.
   for (const auto& name : kAxisOrder) {
     if (layout_.spec().size(name) == 1 &&
         std::none_of(layout_.spec().axes.begin(), layout_.spec().axes.end(),
                      [&](const MeshAxis& a) { return a.name == name; })) {
-      groups_.emplace_back(name, world_->split(rank, 0, name + " (absent axis)"));
+      groups.emplace_back(name, world->split(rank, 0, name + " (absent axis)"));
     }
   }
   for (const auto& a : layout_.spec().axes) {
@@ -189,21 +201,22 @@ Mesh::Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::Commu
     for (size_t i = 0; i < c.size(); ++i)
       if (layout_.spec().axes[i].name == a.name) c[i] = 0;
     const int color = layout_.rank_of(c);
-    groups_.emplace_back(a.name, world_->split(color, key, a.name + " (of mesh " + layout_.spec().str() + ")"));
+    groups.emplace_back(a.name, world->split(color, key, a.name + " (of mesh " + layout_.spec().str() + ")"));
   }
   // Replicas: the data group is this process's replicas (shared memory) inside, the data
   // processes of this replica index outside — data processes x R ranks in one group.
   if (replica_ && replica_->size() > 1) {
-    for (auto& [name, group] : groups_)
+    for (auto& [name, group] : groups)
       if (name == "data")
         // Its own duplicate of the replica group: a hierarchical group owns its inner group.
         group = collectives::make_hierarchical(
             replica_->split(0, replica_->rank(), replica_->name() + " / data"), group,
             "data (of mesh " + layout_.spec().str() + " x replica=" + std::to_string(replica_->size()) + ")");
-    groups_.emplace_back("replica", replica_);
+    groups.emplace_back("replica", replica_);
   } else {
-    groups_.emplace_back("replica", world_->split(rank, 0, "replica (one per process)"));
+    groups.emplace_back("replica", world->split(rank, 0, "replica (one per process)"));
   }
+  return groups;
 }
 
 int Mesh::size(const std::string& axis) const { return this->axis(axis)->size(); }
@@ -214,7 +227,14 @@ collectives::CommunicatorPtr Mesh::axis(const std::string& name) const {
   throw Error("mesh has no axis \"" + name + "\"");
 }
 
-collectives::HostMap Mesh::hosts(const std::string& name) const { return collectives::gather_hosts(*axis(name)); }
+collectives::CommunicatorPtr Mesh::host(const std::string& name) const {
+  if (host_groups_.empty()) return axis(name);
+  for (const auto& [n, g] : host_groups_)
+    if (n == name) return g;
+  throw Error("mesh has no axis \"" + name + "\"");
+}
+
+collectives::HostMap Mesh::hosts(const std::string& name) const { return collectives::gather_hosts(*host(name)); }
 
 collectives::CommunicatorPtr Mesh::hierarchical(const std::string& name, const collectives::HostMap& hosts,
                                                 collectives::Duration timeout) const {

@@ -83,20 +83,30 @@ class Mesh {
   // Collective over `world`: checks the fit, then splits one sub-communicator per axis.
   // `replica` (optional): this thread's group of the process's replica threads; the data
   // axis then spans data processes x replicas (collectives/hierarchical.h) and `world` is
-  // this replica index's communicator over the processes.
-  Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::CommunicatorPtr replica = nullptr);
+  // this replica index's communicator over the processes. `host` (optional): the host
+  // plane of the same processes when `world` carries device tensors only (Note [Two
+  // planes], collectives/backends.h); its axes are split the same way.
+  Mesh(collectives::CommunicatorPtr world, MeshSpec spec, collectives::CommunicatorPtr replica = nullptr,
+       collectives::CommunicatorPtr host = nullptr);
   const MeshLayout& layout() const { return layout_; }
   int rank() const { return world_->rank(); }
   int coord(const std::string& axis) const { return layout_.coord(world_->rank(), axis); }
   // Ranks in the group along `axis` (data: processes x replicas; replica: R).
   int size(const std::string& axis) const;
-  // The group along `axis` (a group of one when the job leaves a known axis out).
+  // The group along `axis` for device tensors, the data plane (a group of one when the
+  // job leaves a known axis out).
   collectives::CommunicatorPtr axis(const std::string& name) const;
+  // The same ranks for host tensors, the host plane (Note [Two planes]): loss and metric
+  // averages, fingerprints, a norm's partial sums. axis(name) itself when one world
+  // carries both.
+  collectives::CommunicatorPtr host(const std::string& name) const;
   const collectives::CommunicatorPtr& world() const { return world_; }
+  const collectives::CommunicatorPtr& host_world() const { return host_world_; }
   int replicas() const { return replica_ ? replica_->size() : 1; }
 
   // Where the ranks of the group along `axis` run (hardware::hostname on each: the one
-  // notion of a host). Collective over that group; every rank gets the same map.
+  // notion of a host). Collective over that group's host plane; every rank gets the same
+  // map.
   collectives::HostMap hosts(const std::string& axis) const;
   // The group along `axis` as one hierarchical communicator (collectives/hierarchical.h):
   // every collective reduce-scatters inside each host, crosses the hosts once per
@@ -108,10 +118,14 @@ class Mesh {
                                             collectives::Duration timeout) const;
 
  private:
-  collectives::CommunicatorPtr world_;
+  using Groups = std::vector<std::pair<std::string, collectives::CommunicatorPtr>>;
+  // One group per axis of `world` (collective over it), the data axis composed with the
+  // replica group when there is one.
+  Groups split_axes(const collectives::CommunicatorPtr& world) const;
+  collectives::CommunicatorPtr world_, host_world_;
   MeshLayout layout_;
   collectives::CommunicatorPtr replica_;
-  std::vector<std::pair<std::string, collectives::CommunicatorPtr>> groups_;
+  Groups groups_, host_groups_;  // host_groups_ empty: groups_ carry host tensors too
 };
 
 }  // namespace tetra::core

@@ -102,7 +102,7 @@ at::Tensor TensorGroup::column_linear(const at::Tensor& x, const at::Tensor& w, 
 at::Tensor gather_whole(collectives::Communicator& group, const Placement& at, const at::Tensor& part,
                         collectives::Duration timeout) {
   const at::Tensor mine = part.detach().contiguous().view({-1});
-  at::Tensor all = at::empty({mine.numel() * group.size()}, mine.options());
+  at::Tensor all = mine.new_empty({mine.numel() * group.size()});
   collectives::AllgatherOptions o;
   o.timeout = timeout;
   group.allgather(mine, all, o)->wait();

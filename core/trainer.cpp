@@ -33,15 +33,18 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
                       (plan_.replicas() == 1 ? "" : "s") + " per process (replicate.replicas) but this trainer got a replica group of " +
                       std::to_string(group) + "; start the job with tetra::run or replicate::train, which make the replicas");
   if (options_.world) {
-    mesh_ = std::make_unique<Mesh>(options_.world, spec_.mesh, options_.replica);
-    // Every rank of the job, replicas included: checkpoints write a file per rank of it.
+    mesh_ = std::make_unique<Mesh>(options_.world, spec_.mesh, options_.replica, options_.host);
+    // Every rank of the job, replicas included, on the host plane: checkpoints write a file
+    // per rank of it, and the step's decision and the records go over it.
     ranks_ = options_.replica && options_.replica->size() > 1
-                 ? collectives::make_hierarchical(options_.replica->split(0, options_.replica->rank()), options_.world,
-                                                  "every rank (processes x replicas)")
-                 : options_.world;
-    data_group_ = mesh_->axis("data");
+                 ? collectives::make_hierarchical(options_.replica->split(0, options_.replica->rank()),
+                                                  mesh_->host_world(), "every rank (processes x replicas)")
+                 : mesh_->host_world();
+    data_group_ = mesh_->host("data");
     data_rank_ = data_group_->rank();
     data_size_ = data_group_->size();
+  } else if (options_.host) {
+    throw ConfigError("the trainer got a host plane (TrainerOptions::host) but no world to go beside it");
   } else if (options_.replica && options_.replica->size() > 1) {
     throw ConfigError("the trainer got a replica group of " + std::to_string(options_.replica->size()) +
                       " but no world; replicas need the process world (a communicator of 1 for one process)");
@@ -50,8 +53,9 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   // built (a dry run plans for another machine, and builds nothing on a device).
   if (!options_.dry_run) {
     if (const std::string problem = device_problem(spec_); !problem.empty()) throw ConfigError(problem);
-    device_ = rank_device(spec_, collectives::detect_launch().local_rank, options_.replica ? options_.replica->rank() : 0,
-                          plan_.replicas());
+    device_ = options_.device ? *options_.device
+                              : rank_device(spec_, collectives::detect_launch().local_rank,
+                                            options_.replica ? options_.replica->rank() : 0, plan_.replicas());
   }
   if (options_.data) {
     data_ = options_.data;
@@ -67,7 +71,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     std::lock_guard<std::mutex> lock(global_rng_mutex());
     torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
     model_ = options_.model(data_->info());
-    if (!device_.is_cpu()) model_->to(device_);  // a program's own model, built with its values
+    if (!in_host_memory(device_)) model_->to(device_);  // a program's own model, built with its values
   } else {
     // No storage: strategies decide what is created. Under tensor parallelism, this rank's
     // parts of the split layers (a dry run plans the first rank's).
@@ -147,7 +151,7 @@ Trainer::~Trainer() = default;
 ModelStateBytes Trainer::memory() const { return owner_->memory(); }
 
 Batch Trainer::on_device(Batch b) const {
-  if (device_.is_cpu()) return b;
+  if (in_host_memory(device_)) return b;
   return {b.inputs.to(device_, /*non_blocking=*/true), b.targets.to(device_, /*non_blocking=*/true)};
 }
 

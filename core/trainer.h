@@ -40,10 +40,19 @@ struct TrainerOptions {
   // The world of this job (nullptr: one process). The trainer lays it out as the job's
   // mesh and hands the strategies their groups.
   collectives::CommunicatorPtr world;
+  // The world's host plane when `world` carries device tensors only (Note [Two planes],
+  // collectives/backends.h: nccl's host tensors over mpi or gloo), over the same processes
+  // in the same order; nullptr: `world` carries both. Every host tensor of the job (loss
+  // averages, records, checkpoint checksums, the step's one decision) goes over it.
+  collectives::CommunicatorPtr host;
+  // Where this rank's tensors live, when the program decides (its own launcher's GPU);
+  // unset: train.device, resolved per rank (Note [One device], core/device.h).
+  std::optional<c10::Device> device;
   // This thread's replica group when the job runs replicas as threads (replicate): the
-  // process's R replicas over shared memory, this one at rank() of it. `world` is then
-  // this replica's own communicator over the processes (one per replica index), and the
-  // data axis becomes data processes x R (Mesh). nullptr: one rank per process.
+  // process's R replicas over shared memory, this one at rank() of it. `world` (and
+  // `host`) is then this replica's own communicator over the processes (one per replica
+  // index), and the data axis becomes data processes x R (Mesh). nullptr: one rank per
+  // process.
   collectives::CommunicatorPtr replica;
   // The job's data, when it is built elsewhere: one copy shared by a process's replicas
   // (its methods are const and keep no state). nullptr: the trainer reads data.* itself.
@@ -159,6 +168,7 @@ class Trainer {
   std::string resumed_from_;
   Trace trace_;
   std::unique_ptr<Mesh> mesh_;
+  // Host tensors go over the host plane (Note [Two planes]):
   collectives::CommunicatorPtr ranks_;  // every rank: the world, x replicas (nullptr: one)
   collectives::CommunicatorPtr data_group_;  // the data axis (nullptr: one process)
   int data_rank_ = 0, data_size_ = 1;

@@ -151,7 +151,7 @@ std::string describe_exception(std::exception_ptr e) {
 
 // ---- the replica threads -----------------------------------------------------------------
 
-ReplicaSet::ReplicaSet(int replicas, CommunicatorPtr process_world, int threads) {
+ReplicaSet::ReplicaSet(int replicas, CommunicatorPtr process_world, int threads, CommunicatorPtr process_host) {
   if (replicas < 1) throw ConfigError("replicate.replicas must be >= 1, got " + std::to_string(replicas));
   if (process_world) {
     processes_ = process_world->size();
@@ -163,6 +163,11 @@ ReplicaSet::ReplicaSet(int replicas, CommunicatorPtr process_world, int threads)
     worlds_.push_back(process_world
                           ? process_world->split(0, process_world->rank(), process_world->name() + " / replica " + std::to_string(r))
                           : collectives::make_local_group(1, "replica " + std::to_string(r) + " (one process)")[0]);
+  const bool own_host = process_host && process_host != process_world;
+  for (int r = 0; r < replicas; ++r)
+    host_worlds_.push_back(own_host ? process_host->split(0, process_host->rank(),
+                                                          process_host->name() + " / replica " + std::to_string(r))
+                                    : nullptr);
   local_ = collectives::make_local_group(replicas, "replicas of process " + std::to_string(process_rank_));
   // Flight-recorder dumps name each replica by its process too (Note [Flight recorder]).
   for (int r = 0; r < replicas; ++r)
@@ -233,13 +238,14 @@ core::TrainResult Options::train(const core::JobSpec& spec, core::TrainerOptions
 core::TrainResult train(const core::JobSpec& spec, core::TrainerOptions options, const AfterRun& after) {
   auto cfg = spec.plugin<Options>("replicate");
   const int R = cfg ? cfg->replicas : 1;
-  ReplicaSet set(R, options.world, spec.train.threads);
+  ReplicaSet set(R, options.world, spec.train.threads, options.host);
   // One copy of the data per process, read by every replica (Fashion-MNIST is 190 MB).
   if (!options.data) options.data = core::make_dataset(spec.data, spec.train.seed);
   std::vector<core::TrainResult> results(static_cast<size_t>(R));
   set.run([&](int r) {
     core::TrainerOptions o = options;
     o.world = set.world(r);
+    o.host = set.host_world(r);
     o.replica = set.local(r);
     core::Trainer trainer(spec, o);
     results[static_cast<size_t>(r)] = trainer.run();

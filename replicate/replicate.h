@@ -72,8 +72,10 @@ class ReplicaSet {
  public:
   // Collective over `process_world` (nullptr: this process alone): duplicates it once per
   // replica index and makes the shared-memory group of the R replicas. Call from one
-  // thread, in the same order on every process.
-  ReplicaSet(int replicas, collectives::CommunicatorPtr process_world, int threads = 0);
+  // thread, in the same order on every process. `process_host`: the process world's host
+  // plane when it carries device tensors only (Note [Two planes]), duplicated the same way.
+  ReplicaSet(int replicas, collectives::CommunicatorPtr process_world, int threads = 0,
+             collectives::CommunicatorPtr process_host = nullptr);
   ~ReplicaSet();
   ReplicaSet(const ReplicaSet&) = delete;
   ReplicaSet& operator=(const ReplicaSet&) = delete;
@@ -84,6 +86,8 @@ class ReplicaSet {
   // Replica r's communicator over the processes (a duplicate of the process world) and
   // its rank in the shared-memory group of this process's replicas.
   const collectives::CommunicatorPtr& world(int r) const { return worlds_[static_cast<size_t>(r)]; }
+  // Its host plane's duplicate; nullptr when world(r) carries host tensors too.
+  const collectives::CommunicatorPtr& host_world(int r) const { return host_worlds_[static_cast<size_t>(r)]; }
   const collectives::CommunicatorPtr& local(int r) const { return local_[static_cast<size_t>(r)]; }
   const std::vector<Placement>& placement() const { return placement_; }
 
@@ -96,7 +100,7 @@ class ReplicaSet {
  private:
   void worker(int r);
 
-  std::vector<collectives::CommunicatorPtr> worlds_, local_;
+  std::vector<collectives::CommunicatorPtr> worlds_, host_worlds_, local_;
   std::vector<Placement> placement_;
   int processes_ = 1, process_rank_ = 0;
   std::vector<std::thread> threads_;
