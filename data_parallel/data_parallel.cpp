@@ -47,7 +47,7 @@ class DataParallel final : public core::Strategy {
     comm_ = state.mesh->axis("data");
     trace_ = &state.trace;
     timeout_ = collectives::Duration(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
-    core::check_same_job(*comm_, state, "data_parallel");
+    core::check_same_job(*state.mesh->host("data"), state, "data_parallel");
     state.weights->create_all(*state.model);  // every rank holds the whole model
     core::broadcast_from_first(*comm_, state);
     // Hierarchy lives in collectives, and hosts in the mesh: one allreduce per bucket, over

@@ -360,7 +360,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     at::Tensor t = at::full({1}, local, at::kDouble);
     collectives::AllreduceOptions o;
     o.timeout = timeout_;
-    pp_->allreduce(t, o)->wait();
+    pp_host_->allreduce(t, o)->wait();
     return t.item<double>();
   }
 
@@ -389,7 +389,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     collectives::BroadcastOptions o;
     o.root = sched_.rank_of(sched_.total_stages() - 1);  // rank 0 under ZBV's V
     o.timeout = timeout_;
-    pp_->broadcast(t, o)->wait();
+    pp_host_->broadcast(t, o)->wait();
   }
 
   Options opt_;
@@ -418,6 +418,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
     }
   }
   CommunicatorPtr pp_;
+  CommunicatorPtr pp_host_;  // the same ranks' host plane: the loss, norms, state (Note [Two planes])
   // This rank's links, by (from, to) pipeline rank: activations flow from stage s to s+1,
   // gradients back. Under ZBV's V both kinds flow both ways between neighbours.
   std::map<std::pair<int, int>, Link> act_links_, grad_links_;
@@ -546,7 +547,7 @@ Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainS
   if (state.mesh && state.mesh->world()->size() > 1) {
     collectives::BroadcastOptions o;
     o.timeout = timeout_;
-    state.mesh->world()->broadcast(t, o)->wait();
+    state.mesh->host_world()->broadcast(t, o)->wait();
   }
   for (int i = 0; i < L; ++i) {
     costs[i].forward_s = t[2 * i].item<double>();
@@ -557,6 +558,7 @@ Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainS
 
 void Pipeline::make_links(const core::Mesh& mesh) {
   pp_ = mesh.axis("pipeline");
+  pp_host_ = mesh.host("pipeline");
   const int me = pp_->rank();
   // The rank pairs activations cross, in stage order: r -> r+1, P-1 -> 0 when chunks wrap
   // around the ranks (interleaving), r -> r-1 on the way back up a V. Every pipeline rank
@@ -885,26 +887,27 @@ core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
 }
 
 void Pipeline::gather_state(core::TensorMap& tensors) {
-  // Only the writer's pipeline group gathers: the other data replicas hold the same.
+  // Only the writer's pipeline group gathers: the other data replicas hold the same. The
+  // stages' tensors travel as safetensors bytes, host memory: over the host plane.
   if (!pp_ || pp_->size() == 1 || data_coord_ != 0) return;
   collectives::SendOptions so;
   so.timeout = timeout_;
   collectives::RecvOptions ro;
   ro.timeout = timeout_;
-  if (pp_->rank() != 0) {
+  if (pp_host_->rank() != 0) {
     const std::string bytes = core::safetensors_bytes(tensors);
     at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
     at::Tensor buf = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
-    pp_->send(len, 0, so)->wait();
-    pp_->send(buf, 0, so)->wait();
+    pp_host_->send(len, 0, so)->wait();
+    pp_host_->send(buf, 0, so)->wait();
     return;
   }
-  for (int r = 1; r < pp_->size(); ++r) {
+  for (int r = 1; r < pp_host_->size(); ++r) {
     at::Tensor len = at::empty({1}, at::kLong);
-    pp_->recv(len, r, ro)->wait();
+    pp_host_->recv(len, r, ro)->wait();
     at::Tensor buf = at::empty({len.item<int64_t>()}, at::kByte);
-    pp_->recv(buf, r, ro)->wait();
+    pp_host_->recv(buf, r, ro)->wait();
     std::string bytes(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel()));
     for (auto& [k, t] : core::parse_safetensors(bytes, "pipeline stage state from rank " + std::to_string(r)))
       tensors.emplace(k, t);  // names are global; shared entries (the step count) agree

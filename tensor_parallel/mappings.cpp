@@ -39,7 +39,7 @@ class Group final : public core::TensorGroup {
     at::Tensor front = x.movedim(dim, 0).contiguous();
     std::vector<int64_t> sizes = front.sizes().vec();
     sizes[0] *= size();
-    at::Tensor out = at::empty(sizes, front.options());
+    at::Tensor out = front.new_empty(sizes);
     collectives::AllgatherOptions o;
     o.timeout = timeout_;
     comm_->allgather(front, out, o)->wait();
@@ -67,7 +67,7 @@ class Group final : public core::TensorGroup {
     at::Tensor front = x.movedim(dim, 0).contiguous();
     std::vector<int64_t> sizes = front.sizes().vec();
     sizes[0] /= size();
-    out = at::empty(sizes, front.options());
+    out = front.new_empty(sizes);
     collectives::ReduceScatterOptions o;
     o.timeout = timeout_;
     return comm_->reduce_scatter(front, out, o);

@@ -26,7 +26,9 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
     comm_ = state.mesh->axis("tensor");
     timeout_ = collectives::Duration(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
     parts_ = state.weights;
-    core::check_same_job(*comm_, state, "tensor_parallel");
+    device_ = state.device;
+    host_ = state.mesh->host("tensor");  // Note [Two planes]: the norm's partial sums
+    core::check_same_job(*host_, state, "tensor_parallel");
     // Note [Tensor traffic]: four activation sums per block per micro-batch; across hosts
     // they run at the slower link. Said, not refused (a test cluster may have to).
     const collectives::HostMap hosts = state.mesh->hosts("tensor");
@@ -77,17 +79,19 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
     at::Tensor t = at::tensor({local}, at::kDouble);
     collectives::AllreduceOptions o;
     o.timeout = timeout_;
-    comm_->allreduce(t, o)->wait();
+    host_->allreduce(t, o)->wait();
     return t.item<double>();
   }
 
   // Every part becomes the whole tensor (its single-process name, shape and values) on
-  // every rank of the group, so the writer holds the model as one process does.
+  // every rank of the group, so the writer holds the model as one process does. A part a
+  // pipeline already gathered to this rank arrived in host memory (its stages' bytes come
+  // over the host plane): it goes back on this rank's device to cross the tensor group.
   void gather_state(core::TensorMap& tensors) override {
     for (auto& [key, t] : tensors) {
       const core::Placement* part = parts_ ? parts_->placement(core::parameter_of_key(key)) : nullptr;
       if (!part || !part->is_split() || !t.defined() || t.numel() != part->local_numel()) continue;
-      t = core::gather_whole(*comm_, *part, t, timeout_);
+      t = core::gather_whole(*comm_, *part, t.to(device_), timeout_);
     }
   }
 
@@ -95,6 +99,8 @@ class TensorParallel final : public core::Strategy, public core::StateGatherer {
   bool sequence_, overlap_;
   std::string decision_;
   collectives::CommunicatorPtr comm_;
+  collectives::CommunicatorPtr host_;  // the tensor axis' host plane (Note [Two planes])
+  c10::Device device_ = c10::kCPU;      // this rank's (Note [One device])
   collectives::Duration timeout_{collectives::kDefaultTimeout};
   const core::Materializer* parts_ = nullptr;
   std::shared_ptr<core::TensorGroup> group_;

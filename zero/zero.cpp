@@ -128,9 +128,9 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   void before_backward(bool last) override { sync_ = last; }
   void finish_gradients() override;
   double reduce_grad_norm_sq(double local) override {
-    if (!comm_) return local;
+    if (!host_) return local;
     at::Tensor t = at::full({1}, local, at::kDouble);
-    comm_->allreduce(t, sum_opts())->wait();
+    host_->allreduce(t, sum_opts())->wait();
     return t.item<double>();
   }
 
@@ -223,6 +223,8 @@ class Zero final : public core::Strategy, public core::ModelStateOwner {
   const core::JobSpec* spec_ = nullptr;
   core::Trace* trace_ = nullptr;
   CommunicatorPtr comm_, gather_comm_;
+  CommunicatorPtr host_;  // the data axis' host plane (Note [Two planes])
+  at::TensorOptions options_;  // the units' dtype on this rank's device (Note [One device])
   collectives::Duration timeout_ = collectives::kDefaultTimeout;
   int rank_ = 0, size_ = 1;
   bool sync_ = false;
@@ -264,7 +266,8 @@ void Zero::attach(core::TrainState& state) {
     comm_ = state.mesh->axis("data");
     rank_ = comm_->rank();
     size_ = comm_->size();
-    core::check_same_job(*comm_, state, "zero");
+    host_ = state.mesh->host("data");  // Note [Two planes]: the norm's partial sums
+    core::check_same_job(*host_, state, "zero");
     core::broadcast_from_first(*comm_, state);
     // Stage 3's gathers get a communicator (and progress thread) of their own, so a
     // prefetch never queues behind a gradient reduce-scatter.
@@ -302,6 +305,7 @@ void Zero::attach(core::TrainState& state) {
       throw ConfigError("zero: the parameters have several dtypes; ZeRO shards one dtype (they are " +
                         std::string(c10::toString(dtype)) + " and " + c10::toString(b.dtype) + ")");
   const auto options = at::TensorOptions().dtype(dtype).device(state.device);  // Note [One device]
+  options_ = options;
 
   // The flat layout: every unit a flat buffer the unit's parameters are views of, this
   // rank's chunks back to back in the shard buffers. The parameters arrive as shapes (Note
@@ -393,7 +397,7 @@ void Zero::wrap_layers(core::TrainState& state, const std::vector<int>& unit_lay
 void Zero::issue_gather(int u) {
   Unit& un = units_[u];
   if (gather_free_.empty()) {
-    gather_free_.push_back(at::empty({buckets_.max_padded()}, un.full.options()));
+    gather_free_.push_back(at::empty({buckets_.max_padded()}, options_));
     ++gather_buffers_;
   }
   un.gathered_in = gather_free_.back();
@@ -664,7 +668,7 @@ void Zero::save_split(core::Checkpoint& ckpt, int u) {
   // The unit's flat buffer of parameters, and of each optimizer slot, whole over the data ranks.
   auto full = [&](const at::Tensor& chunk) {
     if (!comm_) return chunk.clone();
-    at::Tensor out = at::empty({un.chunk * size_}, chunk.options());
+    at::Tensor out = chunk.new_empty({un.chunk * size_});
     AllgatherOptions o;
     o.timeout = timeout_;
     comm_->allgather(chunk.contiguous(), out, o)->wait();
