@@ -281,7 +281,8 @@ int main(int argc, char** argv) {
     if (launch.multi_process()) {
       collectives::WorldOptions options;
       options.timeout = timeout;
-      collectives::CommunicatorPtr world = registry.create_world(backend, launch, options);
+      // The topology is host memory: it travels over the host plane (Note [Two planes]).
+      collectives::CommunicatorPtr world = registry.create_planes(backend, launch, options).host;
       rank = world->rank();
       topo = collectives::gather_topology(*world, launch, host, timeout);
     } else {

@@ -528,7 +528,7 @@ void set_up_health(const JobSpec& spec) {
 }
 
 TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& plan,
-                   const collectives::LaunchInfo& launch, const collectives::CommunicatorPtr& world);
+                   const collectives::LaunchInfo& launch, const collectives::Planes& planes);
 
 }  // namespace
 
@@ -546,21 +546,21 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
   // Every path the job reads and writes, before anything is loaded or trained (Note [Preflight]).
   check_paths(spec, /*own_data=*/static_cast<bool>(options.data));
   set_up_health(spec);
-  collectives::CommunicatorPtr world;
+  collectives::Planes planes;  // Note [Two planes]
   if (launch.multi_process()) {
     collectives::BackendRegistry backends;
     collectives::register_builtin_backends(backends);
     collectives::WorldOptions wo;
     wo.timeout = collectives::Duration(static_cast<int64_t>(spec.collectives.timeout_s * 1000));
-    world = backends.create_world(core::backend_of(spec), launch, wo);
+    planes = backends.create_planes(core::backend_of(spec, launch), launch, wo);
     // The out-of-band channel that names a dead or failed rank to the others (Note [Monitor]).
     collectives::MonitorOptions mo;
     mo.timeout = wo.timeout;
     mo.silence = collectives::Duration(static_cast<int64_t>(spec.collectives.peer_silence_s * 1000));
-    collectives::Monitor::start(*world, mo);
+    collectives::Monitor::start(*planes.host, mo);
   }
   try {
-    TrainResult result = run_in(spec, options, plan, launch, world);
+    TrainResult result = run_in(spec, options, plan, launch, planes);
     collectives::Monitor::stop();
     return result;
   } catch (const PreemptedError&) {
@@ -577,11 +577,13 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
 
 namespace {
 TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& plan,
-                   const collectives::LaunchInfo& launch, const collectives::CommunicatorPtr& world) {
-  const collectives::HostMap hosts = world ? collectives::gather_hosts(*world) : collectives::HostMap{};
+                   const collectives::LaunchInfo& launch, const collectives::Planes& planes) {
+  const collectives::CommunicatorPtr& world = planes.data;
+  const collectives::HostMap hosts = world ? collectives::gather_hosts(*planes.host) : collectives::HostMap{};
   const int threads = set_threads(spec.train.threads, plan.replicas());
   TrainerOptions topts = trainer_options(options);
   topts.world = world;
+  if (world && !planes.shared()) topts.host = planes.host;
   const bool speak = launch.rank == 0;
   topts.on_start = [&](const Trainer& trainer) {
     if (!speak || !trainer.writer() || !options.out) return;
@@ -593,7 +595,7 @@ TrainResult run_in(const JobSpec& spec, const RunOptions& options, const Plan& p
         (world ? ", rank 0 on cpus " + hardware::affinity_cpus() : "");
     std::fprintf(options.out, "tetra %s | job %s | %s%s, %s | backend %s | device %s | %d thread%s | %s | %s\n",
                  TETRA_VERSION, spec.name.c_str(), collectives::describe(launch).c_str(), ranks.c_str(), where.c_str(),
-                 world ? world->backend().c_str() : "none", trainer.device().str().c_str(), threads, threads == 1 ? "" : "s",
+                 planes.describe().c_str(), trainer.device().str().c_str(), threads, threads == 1 ? "" : "s",
                  to_string(spec.train.precision).c_str(), blas_description().c_str());
     std::fprintf(options.out, "%s; model %s, %lld parameters; %lld steps\n", trainer.dataset().info().description.c_str(),
                  options.model ? "the program's own" : spec.model.type.c_str(),
