@@ -106,11 +106,11 @@ env_ranks() {
       "$@" > >(sed -u "s/^/[rank $r] /") 2>&1 &
     pids+=($!)
   done
+  local code
   for r in "${!pids[@]}"; do
-    if ! wait "${pids[$r]}"; then
-      local code=$?
-      ((rc == 0)) && rc=$code
-    fi
+    code=0
+    wait "${pids[$r]}" || code=$?
+    if ((code && rc == 0)); then rc=$code; fi
   done
   return "$rc"
 }

@@ -9,11 +9,14 @@ events; the median time gives the TFLOP/s. On cpu (the check's rehearsal): the s
 with a wall clock, at a size a CPU finishes.
 """
 import argparse
-import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+
+
+RESULT = []
 
 
 def main():
@@ -23,8 +26,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--repeat", type=int, default=20)
     a = ap.parse_args()
-    with contextlib.redirect_stdout(sys.stderr):
-        import torch
+    import torch
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     dev = torch.device(a.device)
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -65,9 +67,20 @@ def main():
         "finite": finite,
         "torch": torch.__version__,
     }
-    sys.stdout.write(json.dumps(out) + "\n")
+    RESULT.append(json.dumps(out))
     return 0 if finite else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # stdout carries the JSON alone: what torch or CUDA write to descriptor 1 goes to stderr.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        rc = main()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    sys.stdout.write(RESULT[0] + "\n" if RESULT else "")
+    sys.exit(rc)

@@ -49,6 +49,13 @@ def probe():
             info["gloo_available"] = bool(dist.is_available() and dist.is_gloo_available())
         except Exception:  # noqa: BLE001
             info["gloo_available"] = False
+    # Debian's python3-torch has no CMake package of its own: libtorch-dev's is LibTorch's.
+    if not os.path.exists(os.path.join(info["cmake_prefix"], "Torch", "TorchConfig.cmake")):
+        debian_cmake = "/usr/lib/x86_64-linux-gnu/cmake"
+        if info["debian"] and os.path.exists(os.path.join(debian_cmake, "Torch", "TorchConfig.cmake")):
+            info["cmake_prefix"] = debian_cmake
+        else:
+            info["cmake_prefix_missing"] = True
     site = os.path.dirname(torch_dir)
     # The NCCL this torch loads (a wheel's nvidia-nccl-cu*): tetra's nccl backend links
     # the same library, with the headers beside it.
@@ -88,5 +95,15 @@ def probe():
 
 
 if __name__ == "__main__":
-    result = probe()
+    # Whatever the import writes to file descriptor 1 from C (CUDA, a plugin's printf)
+    # lands on stderr too: stdout is pointed there until the JSON is written.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = probe()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     sys.stdout.write(json.dumps(result) + "\n")

@@ -76,6 +76,9 @@ step_environment() {
     PY=$chosen
     figure torch "$(cat "$json")"
     if [[ $DEVICE == cuda && $(torch available) != True ]]; then problems+=("${notes[*]}"); fi
+    if [[ $NO_BUILD != 1 && $(torch cmake_prefix_missing) == True ]]; then
+      problems+=("$chosen's torch has no CMake package (no Torch/TorchConfig.cmake under $(torch cmake_prefix)): LibTorch cannot be built against")
+    fi
     if [[ $(torch cxx11_abi) != True ]]; then
       problems+=("$chosen's torch is built with _GLIBCXX_USE_CXX11_ABI=0, the carried Debian C++ libraries (yaml-cpp, GoogleTest) with the new ABI: they cannot link into one program")
     fi
@@ -578,17 +581,25 @@ step_nccl_two() {
   corpus=$(make_corpus)
   zero3_sets "$dir" "$corpus"
   figure gpus "${GPU_COUNT:-0}"
-  local rc=0
-  # NCCL's communicators start from an MPI world (the nccl backend's bootstrap): mpirun.
-  timeout "$(left)" "${MPIRUN[@]}" -np 2 "$BUILD/bin/train" "$REPO/configs/zero3-gpt.yaml" "${ZSETS[@]}" \
-    --set name=gpu-check-nccl-two --set mesh.data=2 --set zero.stage=3 --set collectives.backend=nccl || rc=$?
+  local rc=0 launcher
+  launcher=$(two_rank_launcher)
+  figure_str launcher "$launcher"
+  # NCCL carries the device tensors; its communicators bootstrap over the host plane
+  # beside it (mpi under mpirun, gloo under the environment rendezvous).
+  local -a cmd=("$BUILD/bin/train" "$REPO/configs/zero3-gpt.yaml" "${ZSETS[@]}" --set name=gpu-check-nccl-two
+                --set mesh.data=2 --set zero.stage=3 --set collectives.backend=nccl)
+  if [[ $launcher == mpirun ]]; then
+    timeout "$(left)" "${MPIRUN[@]}" -np 2 "${cmd[@]}" || rc=$?
+  else
+    timeout "$(left)" bash -c "$(declare -f env_ranks); env_ranks 2 $(free_port) \"\$@\"" _ "${cmd[@]}" || rc=$?
+  fi
   if ((rc)); then
     local words
     words=$(grep -m1 -i 'duplicate gpu' "$LOG" | sed 's/^[^A-Za-z]*//' | cut -c1-300 || true)
     if [[ -n $words && ${GPU_COUNT:-0} -lt 2 ]]; then
       skip "NCCL refuses two ranks on one GPU (\"$words\"): the two-rank NCCL job needs 2 GPUs; this machine has ${GPU_COUNT:-0}"
     fi
-    fail "2 ranks of train over nccl (mpirun): exit $rc (log: $LOG)"
+    fail "2 ranks ($launcher) of train over nccl: exit $rc (log: $LOG)"
   fi
   local figs rc2=0
   figs=$(hpy "$GPU_DIR/runs.py" compare "$LOGS/runs/zero3-one-rank" "$dir") || rc2=$?
