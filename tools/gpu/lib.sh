@@ -83,7 +83,9 @@ prefix_env() {
 }
 
 # The carried mpirun, for ranks on this host alone.
+# shellcheck disable=SC2034  # used by the steps that source this file
 MPIRUN=()
+# shellcheck disable=SC2034
 mpirun_cmd() { MPIRUN=("$PREFIX/usr/bin/mpirun" --oversubscribe --bind-to none); }
 
 # A fresh run folder (a run folder of an earlier check would be resumed or refused).

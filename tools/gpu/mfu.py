@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 
+sys.dont_write_bytecode = True  # no __pycache__ left in the tree that travels
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runs  # noqa: E402  (tools/gpu/runs.py, beside this file)
 

@@ -36,7 +36,7 @@ while IFS= read -r f; do
   hidden+=("$f")
 done < <(dpkg -L libopenmpi3 libopenmpi-dev openmpi-bin libpmix2 libpmix-dev 2>/dev/null | sort -u)
 echo "rehearse: hidden in this namespace (${#hidden[@]}): ${hidden[*]:0:12} ..."
-echo "rehearse: ls /usr/lib/$T/openmpi: [$(ls /usr/lib/$T/openmpi | xargs)]; /etc/openmpi: [$(ls /etc/openmpi | xargs)]; /usr/include/boost: [$(ls /usr/include/boost | head -3 | xargs)]"
+echo "rehearse: entries left in /usr/lib/$T/openmpi: $(find /usr/lib/$T/openmpi -mindepth 1 | wc -l), /etc/openmpi: $(find /etc/openmpi -mindepth 1 | wc -l), /usr/include/boost: $(find /usr/include/boost -mindepth 1 | wc -l)"
 echo "rehearse: /usr/lib/$T/libmpi.so.40 is $(stat -L -c %s /usr/lib/$T/libmpi.so.40) bytes; mpirun: $(mpirun --version 2>&1 | head -1)"
 rc=0
 bash "$REPO/tools/gpu-check.sh" --device cpu "$@" || rc=$?

@@ -87,7 +87,7 @@ step_environment() {
   local t
   for t in g++ gcc timeout tar; do command -v "$t" >/dev/null || problems+=("no $t on the PATH"); done
   local gen=""
-  if command -v ninja >/dev/null; then gen="ninja $(ninja --version)"; elif command -v make >/dev/null; then gen=make; fi
+  if command -v ninja >/dev/null; then gen="ninja $(ninja --version)"; elif command -v make >/dev/null; then gen="make"; fi
   [[ -n $gen ]] || problems+=("neither ninja nor make on the PATH")
   figure_str generator "$gen"
   if command -v cmake >/dev/null; then
@@ -523,7 +523,7 @@ zero3_sets() {
 two_rank_launcher() {
   local l=$LAUNCHER
   if [[ $l == auto ]]; then
-    if [[ $(cat "$STEPS/mpirun.status" 2>/dev/null) == pass ]]; then l=mpirun; else l=env; fi
+    if [[ $(cat "$STEPS/mpirun.status" 2>/dev/null) == pass ]]; then l="mpirun"; else l="env"; fi
   fi
   echo "$l"
 }
