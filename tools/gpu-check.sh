@@ -62,12 +62,14 @@
 #                    itself when the torch ships no Gloo headers
 #   --device D       cuda (default), or cpu: the rehearsal on a machine without a GPU
 #                    (every step's limit x4, a small GPT; the cuda tests' skip is expected)
-#   --launcher L     how the 2-rank gloo run starts: auto (mpirun when the mpirun step
-#                    passed, else env), mpirun, env (RANK, WORLD_SIZE, MASTER_ADDR, ...)
+#   --launcher L     how the 2-rank runs start: auto (mpirun when the mpirun step passed,
+#                    else env), mpirun, env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 #   --jobs N         build jobs (default nproc)
 #   -h, --help       this text
-# The rehearsal here, with the system's Open MPI, PMIx and /etc/openmpi hidden so the
-# carried one is the one used: tools/gpu/rehearse.sh (a --no-build run under unshare -m).
+# The rehearsal here, under unshare -m with the system's Open MPI, PMIx, /etc/openmpi and
+# Boost headers hidden so the carried Open MPI is the one used (tools/gpu/rehearse.sh):
+#     tools/gpu/rehearse.sh --no-build --build-dir build --out /tmp/gpu-rehearsal
+# (without --no-build it configures and builds too, in --work's folder).
 # Exit: 0 when every step passed or was skipped for a stated reason, 1 when one failed.
 set -euo pipefail
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
