@@ -2,6 +2,7 @@
 #include "collectives/hierarchical.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h stopped bringing it in LibTorch 2.x
 
 #include <algorithm>
 #include <map>

@@ -1,6 +1,7 @@
 #include "collectives/local.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h stopped bringing it in LibTorch 2.x
 
 #include <algorithm>
 #include <atomic>
