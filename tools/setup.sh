@@ -10,6 +10,7 @@ set -euo pipefail
 
 packages=(
   g++ cmake make pkg-config
+  git                     # the commit train --version names (collectives/git_commit.cmake)
   libtorch-dev            # LibTorch (CPU build on Debian)
   libopenblas0-pthread    # fast BLAS for LibTorch (else the reference BLAS, ~30x slower)
   libopenmpi-dev openmpi-bin
@@ -23,6 +24,7 @@ packages=(
   libgloo-dev             # headers for LibTorch's c10d Gloo process group
   dataset-fashion-mnist   # /usr/share/datasets/fashion-mnist/*.gz
   iproute2                # ip, tc: tools/test-hosts.sh (network namespaces as test hosts)
+  procps                  # pgrep: the tuner's test looks for a trial left running
   python3-torch           # torchrun: the tests launch train under it
   slurmctld slurmd slurm-client munge  # a real Slurm for the srun tests (tools/test-slurm.sh)
   protobuf-compiler python3-protobuf   # the TensorBoard test decodes event files independently
