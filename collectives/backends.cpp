@@ -71,8 +71,10 @@ std::string Planes::describe() const {
 }
 
 std::string host_backend_for(const LaunchInfo& launch) {
-  const bool pmi = std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
-  const bool mpi = launch.launcher == "mpirun" || launch.launcher == "pmix" || (launch.launcher == "slurm" && pmi);
+  // srun with a PMI plugin, or TETRA_RANK's override inside an mpirun job, can start MPI too.
+  const bool mpi_env = std::getenv("OMPI_COMM_WORLD_RANK") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+  const bool mpi = launch.launcher == "mpirun" || launch.launcher == "pmix" ||
+                   ((launch.launcher == "slurm" || launch.launcher == "override") && mpi_env);
   return mpi || !TETRA_HAVE_GLOO ? "mpi" : "gloo";
 }
 

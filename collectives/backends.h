@@ -59,7 +59,8 @@ struct Planes {
 };
 
 // The backend that carries the host plane of this launch: mpi under mpirun, PMIx, or srun
-// with a PMI plugin; gloo otherwise (torchrun, srun without PMI) when this build has it.
+// with a PMI plugin (and TETRA_RANK's override inside such a job); gloo otherwise
+// (torchrun, srun without PMI) when this build has it.
 std::string host_backend_for(const LaunchInfo& launch);
 
 class BackendRegistry {

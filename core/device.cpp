@@ -22,15 +22,15 @@ std::string device_problem(const JobSpec& spec) {
            (visible ? " (CUDA_VISIBLE_DEVICES=\"" + std::string(visible) + "\")" : std::string("")) +
            "; set train.device=cpu, or run it where a GPU is";
   }
-  // A GPU rank's tensors travel between processes by NCCL, or by Gloo (c10d's Gloo takes
-  // CUDA tensors in its collectives, not in its sends: no pipeline over it); MPI here
-  // takes CPU tensors only.
   // Replica threads reduce through the local backend, whose thread ranks read each other's
   // memory through host pointers (Note [Two planes]): not a GPU's.
   if (const int replicas = Plan(spec).replicas(); replicas > 1)
     return "train.device: cuda with replicate.replicas " + std::to_string(replicas) +
            ": replica threads share host memory only (the local backend), not GPUs; run one process per GPU "
            "(mpirun -np / torchrun --nproc_per_node) and set replicate.replicas=1";
+  // A GPU rank's tensors travel between processes by NCCL, or by Gloo (c10d's Gloo takes
+  // CUDA tensors in its collectives, not in its sends: no pipeline over it); MPI here
+  // takes CPU tensors only.
   const int world = spec.mesh.world_size();
   const std::string backend = backend_of(spec);
   if (world > 1 && backend != "nccl" && backend != "gloo")

@@ -13,7 +13,6 @@
 #include <limits>
 #include <set>
 
-#include "collectives/backends.h"
 #include "collectives/error.h"
 #include "core/fields.h"
 #include "core/plan.h"
@@ -502,11 +501,6 @@ const std::string& to_string(DeviceKind device) { return device_names().at(stati
 std::string backend_of(const JobSpec& spec) {
   if (spec.collectives.backend != "auto") return spec.collectives.backend;
   return spec.train.device == DeviceKind::kCuda ? "nccl" : "mpi";
-}
-
-std::string backend_of(const JobSpec& spec, const collectives::LaunchInfo& launch) {
-  if (spec.collectives.backend != "auto" || spec.train.device == DeviceKind::kCuda) return backend_of(spec);
-  return collectives::host_backend_for(launch);
 }
 
 const std::vector<std::string>& on_nonfinite_names() {

@@ -14,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "collectives/launch.h"
 #include "core/config.h"
 #include "core/mesh.h"
 
@@ -142,8 +141,8 @@ struct LogSpec {
 struct CollectivesSpec {
   // auto | mpi | gloo | nccl (a build without one rejects it): the data plane's backend
   // (Note [Two planes], collectives/backends.h); host tensors go over a host backend beside
-  // one that carries none (nccl). auto: nccl when train.device is cuda, else the launch's
-  // host backend (mpi under mpirun and srun, gloo under torchrun) (backend_of).
+  // one that carries none (nccl: mpi under mpirun and srun with PMI, gloo under torchrun).
+  // auto: nccl when train.device is cuda, else mpi (backend_of).
   std::string backend = "auto";
   double timeout_s = 300;       // set-up and default op timeout: a lost peer is an error, not a hang
   // Every op's (op, dtype, shape, sequence number) agreed by the group before it runs
@@ -215,9 +214,6 @@ struct JobSpec {
 // The backend the job's world is made over: collectives.backend, with auto resolved (nccl
 // for a job on cuda, whose tensors MPI here cannot carry; mpi otherwise).
 std::string backend_of(const JobSpec& spec);
-// The same for the launch this process runs in: auto on the CPU is the launch's host
-// backend (collectives::host_backend_for: gloo under torchrun, mpi under mpirun).
-std::string backend_of(const JobSpec& spec, const collectives::LaunchInfo& launch);
 
 struct ParsedJob {
   JobSpec spec;

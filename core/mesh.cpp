@@ -221,17 +221,21 @@ Mesh::Groups Mesh::split_axes(const collectives::CommunicatorPtr& world) const {
 
 int Mesh::size(const std::string& axis) const { return this->axis(axis)->size(); }
 
-collectives::CommunicatorPtr Mesh::axis(const std::string& name) const {
-  for (const auto& [n, g] : groups_)
+namespace {
+
+const collectives::CommunicatorPtr& group_of(const std::vector<std::pair<std::string, collectives::CommunicatorPtr>>& groups,
+                                             const std::string& name) {
+  for (const auto& [n, g] : groups)
     if (n == name) return g;
   throw Error("mesh has no axis \"" + name + "\"");
 }
 
+}  // namespace
+
+collectives::CommunicatorPtr Mesh::axis(const std::string& name) const { return group_of(groups_, name); }
+
 collectives::CommunicatorPtr Mesh::host(const std::string& name) const {
-  if (host_groups_.empty()) return axis(name);
-  for (const auto& [n, g] : host_groups_)
-    if (n == name) return g;
-  throw Error("mesh has no axis \"" + name + "\"");
+  return group_of(host_groups_.empty() ? groups_ : host_groups_, name);
 }
 
 collectives::HostMap Mesh::hosts(const std::string& name) const { return collectives::gather_hosts(*host(name)); }

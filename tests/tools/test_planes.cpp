@@ -135,13 +135,9 @@ TEST_F(Planes, TheLaunchPicksTheHostBackend) {
   EXPECT_EQ(collectives::host_backend_for(l), "mpi");
   l.launcher = "torchrun";
   EXPECT_EQ(collectives::host_backend_for(l), "gloo");
-  const core::JobSpec cpu = numerics::job("train: {max_steps: 1}\n", {});
-  const core::JobSpec cuda = numerics::job("train: {max_steps: 1, device: cuda}\n", {});
-  EXPECT_EQ(core::backend_of(cpu, l), "gloo");  // auto on the CPU under torchrun: its host backend
-  EXPECT_EQ(core::backend_of(cuda, l), "nccl");
-  l.launcher = "mpirun";
-  EXPECT_EQ(core::backend_of(cpu, l), "mpi");
-  EXPECT_EQ(core::backend_of(numerics::job("collectives: {backend: gloo}\n", {}), l), "gloo");
+  l.launcher = "override";  // TETRA_RANK alone: no MPI to start (the suite runs outside mpirun)
+  if (!std::getenv("OMPI_COMM_WORLD_RANK") && !std::getenv("PMIX_RANK") && !std::getenv("PMI_RANK"))
+    EXPECT_EQ(collectives::host_backend_for(l), "gloo");
 }
 
 namespace {

@@ -552,7 +552,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
     collectives::register_builtin_backends(backends);
     collectives::WorldOptions wo;
     wo.timeout = collectives::Duration(static_cast<int64_t>(spec.collectives.timeout_s * 1000));
-    planes = backends.create_planes(core::backend_of(spec, launch), launch, wo);
+    planes = backends.create_planes(core::backend_of(spec), launch, wo);
     // The out-of-band channel that names a dead or failed rank to the others (Note [Monitor]).
     collectives::MonitorOptions mo;
     mo.timeout = wo.timeout;
