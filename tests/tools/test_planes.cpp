@@ -136,8 +136,9 @@ TEST_F(Planes, TheLaunchPicksTheHostBackend) {
   l.launcher = "torchrun";
   EXPECT_EQ(collectives::host_backend_for(l), "gloo");
   l.launcher = "override";  // TETRA_RANK alone: no MPI to start (the suite runs outside mpirun)
-  if (!std::getenv("OMPI_COMM_WORLD_RANK") && !std::getenv("PMIX_RANK") && !std::getenv("PMI_RANK"))
+  if (!std::getenv("OMPI_COMM_WORLD_RANK") && !std::getenv("PMIX_RANK") && !std::getenv("PMI_RANK")) {
     EXPECT_EQ(collectives::host_backend_for(l), "gloo");
+  }
 }
 
 namespace {
