@@ -1,5 +1,7 @@
-// The few LibTorch calls whose spelling changed between 1.13 (Debian) and 2.x (the CUDA
-// build on GPU machines). Everything version-dependent lives here.
+// The few LibTorch calls whose spelling or default changed between 1.13 (Debian 12) and
+// 2.x (Debian 13's 2.6, tools/check-libtorch2.sh; the CUDA build on GPU machines).
+// Everything version-dependent lives here. Header-only, on LibTorch alone: the
+// collectives layer, below core, includes it too.
 #pragma once
 
 #include <ATen/autocast_mode.h>
@@ -60,5 +62,19 @@ class CpuAllocator : public c10::Allocator {
   c10::DataPtr allocate(size_t n) { return make(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
 };
+
+// c10d's TCPStore (the gloo backend's rendezvous): from 2.4 its options ask for the libuv
+// server by default, and a LibTorch built without libuv (Debian 13's 2.6) then refuses to
+// serve ("use_libuv was requested but PyTorch was build without libuv support"). The
+// classic server, the only one 1.13 has, is in every build: every version gets it. A
+// template so that this header needs no c10d include.
+template <class TCPStoreOptions>
+void use_classic_tcp_store(TCPStoreOptions& options) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  options.useLibUV = false;
+#else
+  (void)options;
+#endif
+}
 
 }  // namespace tetra::core::compat
