@@ -531,6 +531,14 @@ ConfigDocument ConfigDocument::from_string(const std::string& text, const std::s
     return doc;
   } catch (const YAML::Exception& e) {
     std::string msg = "invalid YAML: " + e.msg;
+    // yaml-cpp 0.8 (Debian 13) names the anchor an alias refers to and nobody defined
+    // ("... not defined: nowhere"), 0.7 (Debian 12) does not: named here on both.
+    if (e.msg == "the referenced anchor is not defined" && e.mark.pos >= 0 &&
+        static_cast<size_t>(e.mark.pos) < text.size() && text[e.mark.pos] == '*') {
+      const size_t from = static_cast<size_t>(e.mark.pos) + 1;
+      const size_t to = std::min(text.find_first_of(" \t\r\n,[]{}", from), text.size());
+      msg += ": " + text.substr(from, to - from);
+    }
     // yaml-cpp's word for a tab in the indentation is "illegal map value" or the like.
     if (e.mark.line >= 0) {
       std::istringstream lines(text);

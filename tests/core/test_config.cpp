@@ -242,7 +242,7 @@ TEST(ConfigSyntax, TabIndentation) {
 TEST(ConfigSyntax, Garbage) {
   EXPECT_EQ(errors_of("}{"), "job.yaml:1:1: error: invalid YAML: illegal flow end");
   EXPECT_EQ(errors_of("a: *nowhere\n"),
-            "job.yaml:1:4: error: invalid YAML: the referenced anchor is not defined");
+            "job.yaml:1:4: error: invalid YAML: the referenced anchor is not defined: nowhere");
 }
 
 TEST(ConfigSyntax, DeepNestingIsAnErrorNotACrash) {
