@@ -75,6 +75,9 @@ unmount_under() {
 # network (for apt: its resolv.conf is copied in).
 mount_root() {
   local r=$ROOT n
+  # The root a mount of its own, as / is on a machine: `ip netns add` (the test hosts)
+  # makes / a slave mount, which a plain folder cannot be.
+  mount --bind "$r" "$r"
   mount -t proc -o nosuid,nodev,noexec proc "$r/proc"
   mount -t sysfs -o nosuid,nodev,noexec sysfs "$r/sys"
   mount -t tmpfs -o mode=755,nosuid dev "$r/dev"

@@ -192,7 +192,9 @@ write_hostfile() {  # N -> path
 }
 
 # Open MPI's settings for the hosts, as environment variables (OMPI_MCA_*), so that a plain
-# mpirun picks them up. The agent starts Open MPI's daemon inside each host; daemons and
+# mpirun picks them up. Open MPI 5 (Debian 13) starts its daemons through PRRTE, which
+# reads its own (PRTE_MCA_*, its ssh launcher's names) and not OMPI_MCA_plm_*; Open MPI 4
+# ignores those. The agent starts Open MPI's daemon inside each host; daemons and
 # ranks talk over the bridge only (each host's loopback is its own).
 mpirun_env() {
   cat <<EOF
@@ -201,6 +203,9 @@ export OMPI_MCA_plm_rsh_no_tree_spawn=1
 export OMPI_MCA_oob_tcp_if_include=$net.0/24
 export OMPI_MCA_btl_tcp_if_include=$net.0/24
 export OMPI_MCA_btl=self,vader,tcp
+export PRTE_MCA_plm_ssh_agent="$self agent"
+export PRTE_MCA_plm_ssh_no_tree_spawn=1
+export PRTE_MCA_oob_tcp_if_include=$net.0/24
 EOF
 }
 
