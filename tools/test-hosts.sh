@@ -205,7 +205,6 @@ export OMPI_MCA_btl_tcp_if_include=$net.0/24
 export OMPI_MCA_btl=self,vader,tcp
 export PRTE_MCA_plm_ssh_agent="$self agent"
 export PRTE_MCA_plm_ssh_no_tree_spawn=1
-export PRTE_MCA_oob_tcp_if_include=$net.0/24
 EOF
 }
 
