@@ -9,14 +9,12 @@ events; the median time gives the TFLOP/s. On cpu (the check's rehearsal): the s
 with a wall clock, at a size a CPU finishes.
 """
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
-
-RESULT = []
+sys.dont_write_bytecode = True  # no __pycache__ left in the tree that travels
+import json_stdout  # noqa: E402  (tools/gpu/json_stdout.py, beside this file)
 
 
 def main():
@@ -67,20 +65,8 @@ def main():
         "finite": finite,
         "torch": torch.__version__,
     }
-    RESULT.append(json.dumps(out))
-    return 0 if finite else 1
+    return out, 0 if finite else 1
 
 
 if __name__ == "__main__":
-    # stdout carries the JSON alone: what torch or CUDA write to descriptor 1 goes to stderr.
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        rc = main()
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    sys.stdout.write(RESULT[0] + "\n" if RESULT else "")
-    sys.exit(rc)
+    sys.exit(json_stdout.run(main))

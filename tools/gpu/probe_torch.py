@@ -6,9 +6,11 @@ importing goes to stderr (the step's log), never into the JSON. Without torch it
 """
 import contextlib
 import glob
-import json
 import os
 import sys
+
+sys.dont_write_bytecode = True  # no __pycache__ left in the tree that travels
+import json_stdout  # noqa: E402  (tools/gpu/json_stdout.py, beside this file)
 
 
 def probe():
@@ -96,14 +98,5 @@ def probe():
 
 if __name__ == "__main__":
     # Whatever the import writes to file descriptor 1 from C (CUDA, a plugin's printf)
-    # lands on stderr too: stdout is pointed there until the JSON is written.
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        result = probe()
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    sys.stdout.write(json.dumps(result) + "\n")
+    # lands on stderr too: stdout carries the JSON alone.
+    sys.exit(json_stdout.run(lambda: (probe(), 0)))
