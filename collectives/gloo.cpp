@@ -16,6 +16,7 @@
 
 #include "collectives/error.h"
 #include "collectives/watchdog.h"
+#include "core/torch_compat.h"
 
 namespace tetra::collectives {
 
@@ -312,6 +313,7 @@ CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port
   so.numWorkers = static_cast<std::size_t>(size);
   so.waitWorkers = false;  // await_everyone waits, and names who is missing
   so.timeout = options.timeout;
+  tetra::core::compat::use_classic_tcp_store(so);  // 2.6 asks for libuv, which Debian builds without
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(addr, so);
