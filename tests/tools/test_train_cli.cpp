@@ -692,6 +692,33 @@ TEST(TrainCli, DryRunPredictsAStepOnTheCalibrationsLinks) {
   EXPECT_NE(missing.out.find("nope.json: cannot read it"), std::string::npos) << missing.out;
 }
 
+// Issue 47, item 4: a dry run of a cuda job times nothing on a GPU (it builds nothing on a
+// device), so this host's CPU does not price it: without a calibration file it is the
+// GPU-cluster defaults, and the plan says why (a calibration file measured on its GPUs
+// still decides).
+TEST(TrainCli, DryRunOfACudaJobIsPricedOnTheGpuDefaultsAndSaysSo) {
+  const fs::path d = fresh_dir("cuda_dry_run");
+  const fs::path job = write_job(d, "job.yaml",
+                                 "name: gpus\nmodel: {type: mlp, hidden: [32]}\n"
+                                 "data: {type: synthetic, batch_size: 64, shape: [100], classes: 10}\n"
+                                 "train: {threads: 1, device: cuda}\nmesh: {data: 4}\n");
+  const Outcome json = run({job.string(), "--dry-run", "--json", "--np", "4"});
+  ASSERT_EQ(json.status, 0) << json.out;
+  const nlohmann::json cost = nlohmann::json::parse(json.out.substr(json.out.find('{')))["cost"];
+  EXPECT_DOUBLE_EQ(cost["calibration"]["compute"]["gflops_per_s"].get<double>(), 150000) << cost.dump();
+  EXPECT_NE(cost["calibration"].dump().find("the GPU-cluster defaults, as train.device is cuda and no --calibration "
+                                            "file measured its GPUs"),
+            std::string::npos)
+      << cost.dump();
+  const Outcome text = run({job.string(), "--dry-run", "--np", "4"});
+  EXPECT_NE(text.out.find("cost model (Note [Cost model]; the GPU-cluster defaults, as train.device is cuda"),
+            std::string::npos)
+      << text.out;
+  // The same job on the CPU is this host's to price.
+  const Outcome here = run({job.string(), "--dry-run", "--np", "4", "--set", "train.device=cpu"});
+  EXPECT_NE(here.out.find("this machine, measured"), std::string::npos) << here.out;
+}
+
 // Issue 33, item 6: without a calibration the dry run prices the step on this machine
 // (Note [This machine's figures]): compute from the layers it times, a measured local
 // pair inside the host, and the GPU-cluster defaults across hosts only when the layout

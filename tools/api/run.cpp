@@ -300,10 +300,16 @@ Calibration calibration_of(const DryRunOptions& how, Trainer& trainer, int64_t m
   std::string file = how.calibration;
   if (file.empty())
     if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) file = env;
-  if (file == "gpu-cluster") {
+  // A job on cuda runs on GPUs this dry run does not time (it builds nothing on a device):
+  // this host's CPU says nothing of them, so without a file measured on them it is priced
+  // on the GPU-cluster defaults, and says so.
+  const bool on_gpus = trainer.spec().train.device == DeviceKind::kCuda && file.empty() && !how.time_layers;
+  if (file == "gpu-cluster" || on_gpus) {
     Calibration c;
-    c.source = "the GPU-cluster defaults, as --calibration gpu-cluster asks (an A100-class cluster: NVLink inside a "
-               "host, 8 x 100 Gbit/s InfiniBand across, 150 TFLOP/s per GPU)";
+    c.source = std::string("the GPU-cluster defaults, ") +
+               (on_gpus ? "as train.device is cuda and no --calibration file measured its GPUs"
+                        : "as --calibration gpu-cluster asks") +
+               " (an A100-class cluster: NVLink inside a host, 8 x 100 Gbit/s InfiniBand across, 150 TFLOP/s per GPU)";
     return c;
   }
   if (file.empty() || how.time_layers) layers = time_layers(trainer, micro);
