@@ -218,7 +218,9 @@ namespace {
 // One-way seconds for `bytes` between ranks a and b (others only take part in the
 // barriers): half the best round trip of `iters`.
 double one_way_s(collectives::Communicator& comm, int a, int b, int64_t bytes, int iters) {
-  at::Tensor buf = at::zeros({std::max<int64_t>(1, bytes)}, at::kByte);
+  // Where the group carries tensors (Note [Two planes]): a GPU's link is timed on its memory.
+  const at::TensorOptions where = at::TensorOptions().device(comm.device());
+  at::Tensor buf = at::zeros({std::max<int64_t>(1, bytes)}, where.dtype(at::kByte));
   const int me = comm.rank();
   double best = 1e300;
   for (int i = 0; i < iters + 2; ++i) {
@@ -235,7 +237,7 @@ double one_way_s(collectives::Communicator& comm, int a, int b, int64_t bytes, i
     if (i >= 2) best = std::min(best, s);  // two warm-up rounds
   }
   // Rank a's measurement, to everyone.
-  at::Tensor t = at::full({1}, me == a ? best : 0.0, at::kDouble);
+  at::Tensor t = at::full({1}, me == a ? best : 0.0, where.dtype(at::kDouble));
   comm.allreduce(t)->wait();
   return t.item<double>();
 }

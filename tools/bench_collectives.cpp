@@ -105,7 +105,8 @@ Case make_case(const Args& a, Communicator& comm, int64_t bytes, at::ScalarType 
   const int64_t esz = c10::elementSize(dt);
   int64_t count = std::max<int64_t>(1, bytes / esz);
   Case c;
-  auto opts = at::TensorOptions().dtype(dt);
+  // Where the backend carries tensors (Note [Two planes]): nccl's on its GPU.
+  auto opts = at::TensorOptions().dtype(dt).device(comm.device());
   if (a.op == "allreduce") {
     c.in = at::full({count}, r + 1, opts);
     c.out = a.in_place ? c.in : at::empty({count}, opts);
@@ -276,7 +277,8 @@ int run_rank(const Args& a, Communicator& comm, bool print) {
   if (a.fused > 0) {
     const int64_t count = std::max<int64_t>(1, lo / c10::elementSize(dt));
     std::vector<at::Tensor> ts;
-    for (int i = 0; i < a.fused; ++i) ts.push_back(at::full({count}, comm.rank() + 1, at::TensorOptions().dtype(dt)));
+    for (int i = 0; i < a.fused; ++i)
+      ts.push_back(at::full({count}, comm.rank() + 1, at::TensorOptions().dtype(dt).device(comm.device())));
     FusedAllreduce fused;
     double sep = time_loop([&] { for (auto& t : ts) comm.allreduce(t)->wait(); }, a.warmup, a.iters, sync);
     double one = time_loop([&] { fused.run(comm, ts); }, a.warmup, a.iters, sync);
@@ -303,14 +305,16 @@ int run_rank(const Args& a, Communicator& comm, bool print) {
 // with every rank computing at once (ranks that share cores share them here too, as they
 // will in training): the mean over the ranks of each one's sustained rate over 30 calls.
 double matmul_flops_per_s(Communicator& world) {
-  at::Tensor x = at::randn({256, 1024}), w = at::randn({1024, 1024});
+  const at::TensorOptions where = at::TensorOptions().device(world.device());
+  at::Tensor x = at::randn({256, 1024}, where), w = at::randn({1024, 1024}, where);
   at::Tensor y = at::mm(x, w);
   world.barrier()->wait();
   const int calls = 30;
   const auto t0 = Clock::now();
   for (int i = 0; i < calls; ++i) at::mm_out(y, x, w);
+  if (!world.device().is_cpu()) (void)y.sum().item<float>();  // a GPU's products are done
   const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-  at::Tensor rate = at::full({1}, calls * 2.0 * 256 * 1024 * 1024 / s, at::kDouble);
+  at::Tensor rate = at::full({1}, calls * 2.0 * 256 * 1024 * 1024 / s, where.dtype(at::kDouble));
   world.allreduce(rate)->wait();
   return rate.item<double>() / world.size();
 }
@@ -332,10 +336,13 @@ struct KindFits {
 KindFits fit_kinds(Communicator& world) {
   using K = Traffic;
   const int n = world.size();
-  // 8 products of 128 x 512 x 512: half a GFLOP, about 10 ms of a core.
-  at::Tensor x = at::randn({128, 512}), w = at::randn({512, 512}), y = at::empty({128, 512});
+  // 8 products of 128 x 512 x 512: half a GFLOP, about 10 ms of a core. Everything on the
+  // device the world carries tensors on (Note [Two planes]).
+  const at::TensorOptions where = at::TensorOptions().device(world.device());
+  at::Tensor x = at::randn({128, 512}, where), w = at::randn({512, 512}, where), y = at::empty({128, 512}, where);
   auto burst = [&] {
     for (int i = 0; i < 8; ++i) at::mm_out(y, x, w);
+    if (!world.device().is_cpu()) (void)y.sum().item<float>();  // a GPU's products run before the op is timed
   };
   const std::vector<int64_t> sizes = {8, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20};
   KindFits out;
@@ -348,7 +355,7 @@ KindFits fit_kinds(Communicator& world) {
     std::vector<double> bytes, after, chained;
     for (int64_t b : sizes) {
       const int64_t elems = std::max<int64_t>(n, b / 4 / n * n);  // whole floats, a multiple of n
-      at::Tensor whole = at::ones({elems}), part = at::ones({elems / n});
+      at::Tensor whole = at::ones({elems}, where), part = at::ones({elems / n}, where);
       auto op = [&] {
         switch (kind) {
           case K::kAllreduce: world.allreduce(whole)->wait(); break;
@@ -400,7 +407,9 @@ KindFits fit_kinds(Communicator& world) {
         std::nth_element(times->begin(), times->begin() + times->size() / 2, times->end());
         t[i] = (*times)[times->size() / 2];
       }
+      t = t.to(world.device());
       world.allreduce(t)->wait();  // the ranks' medians, summed
+      t = t.cpu();
       const double timed = kind == K::kSend ? n / 2 : n;  // the ranks that timed it
       bytes.push_back(double(elems * 4));  // the payload as Note [Traffic counters] counts it
       after.push_back(t[0].item<double>() / timed);
@@ -412,8 +421,9 @@ KindFits fit_kinds(Communicator& world) {
   return out;
 }
 
-int calibrate(Communicator& world, const std::string& path) {
-  const HostMap hosts = gather_hosts(world);
+// `world` the data plane measured, `host` its host plane (itself on the CPU; Note [Two planes]).
+int calibrate(Communicator& world, Communicator& host_plane, const std::string& path) {
+  const HostMap hosts = gather_hosts(host_plane);
   const int n = world.size();
   int intra_b = -1, inter_b = -1;
   for (int r = 1; r < n; ++r) {
@@ -526,11 +536,14 @@ int main(int argc, char** argv) {
       BackendRegistry registry;
       register_builtin_backends(registry);
       LaunchInfo launch = detect_launch();
-      CommunicatorPtr world = registry.create_world(a.backend, launch);
-      if (!a.calibrate.empty()) return calibrate(*world, a.calibrate);
+      // The backend measured carries the buffers; what the ranks tell each other (their
+      // hosts, failures) goes over its host plane (Note [Two planes]: mpi or gloo beside nccl).
+      const Planes planes = registry.create_planes(a.backend, launch);
+      const CommunicatorPtr& world = planes.data;
+      if (!a.calibrate.empty()) return calibrate(*world, *planes.host, a.calibrate);
       failures = run_rank(a, *world, world->rank() == 0);
       at::Tensor f = at::full({1}, failures, at::kInt);
-      world->allreduce(f)->wait();
+      planes.host->allreduce(f)->wait();
       failures = f.item<int>();
     }
     if (failures) {
