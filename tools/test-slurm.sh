@@ -134,6 +134,15 @@ MinJobAge=30
 $nodes
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
+  # No cgroups (proctrack/linuxproc and task/none use none). Slurm 24.11's slurmd looks
+  # for a cgroup file system all the same and stops where /sys/fs/cgroup has none (a
+  # container, a chroot: "No filesystem mounted on /sys/fs/cgroup") unless cgroup.conf
+  # says CgroupPlugin=disabled, a value that came with 24.05 (22.05 knows no such value).
+  local v
+  v=$(slurmd -V 2>/dev/null | sed -n 's/^slurm[^ ]* \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')  # "slurm-wlm 22.05.8"
+  if [[ -n $v ]] && ((10#${v% *} * 100 + 10#${v#* } >= 2405)); then
+    echo "CgroupPlugin=disabled" >"$state/cgroup.conf"
+  fi
   echo "$shape" >"$state/shape"
 }
 
