@@ -119,6 +119,33 @@ inline std::vector<std::string> mpirun_args(int np, const std::string& exe, cons
   return all;
 }
 
+// mpirun's arguments (from -np on) for `cmd...` on values.size() ranks where rank r has
+// `var` set to values[r], or unset where values[r] is empty: each rank is a shell that
+// sets it from its rank (OMPI_COMM_WORLD_RANK, or PMIx's or PMI's) and execs cmd, so the
+// rank is cmd itself. This rather than mpirun's MPMD form (`-x V=a A : -x V=b B`), on
+// which Debian 13's Open MPI 5.0.7 segfaults before any rank starts (open-mpi/ompi#13303;
+// Ubuntu 25.04 and 26.04 too): with more than one app, PMIx's pmdl/ompi (5.0.2 to 5.0.9,
+// fixed after) reads the entries it took from PMIx's parameter file as another type, and
+// Debian's file has one (mca_base_component_path).
+inline std::vector<std::string> mpirun_per_rank_env(const std::string& var, const std::vector<std::string>& values,
+                                                    const std::vector<std::string>& cmd) {
+  std::vector<std::string> args = {"-np", std::to_string(values.size())};
+  std::string unset = "unset";
+  for (size_t r = 0; r < values.size(); ++r) {
+    const std::string name = "TETRA_TEST_RANK_ENV_" + std::to_string(r);
+    if (!values[r].empty()) args.insert(args.end(), {"-x", name + "=" + values[r]});
+    unset += " " + name;
+  }
+  args.insert(args.end(), {"/bin/sh", "-c",
+                           "r=${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-$PMI_RANK}}; "
+                           "eval \"is_=\\${TETRA_TEST_RANK_ENV_$r+set} v_=\\${TETRA_TEST_RANK_ENV_$r-}\"; " +
+                               unset + "; unset " + var + "; if [ -n \"$is_\" ]; then export " + var +
+                               "=\"$v_\"; fi; unset is_ v_ r; exec \"$@\"",
+                           "sh"});
+  args.insert(args.end(), cmd.begin(), cmd.end());
+  return args;
+}
+
 // Runs `exe args...` to its end; its output lands in dir/stdout.txt and dir/stderr.txt.
 inline Outcome run_tool(const std::string& exe, const std::filesystem::path& dir, const std::vector<std::string>& args) {
   const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";

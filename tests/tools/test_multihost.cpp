@@ -199,7 +199,8 @@ TEST_F(MultiHost, ReplicasAcrossTwoHostsFollowOneProcess) {
 }
 
 // Two hosts on one machine by name (hardware::hostname: TETRA_HOSTNAME, as Horovod's
-// HOROVOD_HOSTNAME): mpirun's MPMD form gives each pair of ranks its own. Data parallelism
+// HOROVOD_HOSTNAME), each pair of ranks its own (mpirun_per_rank_env: a shell that sets it
+// by rank, where mpirun's MPMD form, A : B, crashes Debian 13's Open MPI). Data parallelism
 // with `hierarchical: on` and small buckets (every bucket through reduce-scatter inside a
 // host, allreduce across, allgather inside) follows one process with plain SGD, parameters
 // too; the plan names both hosts. No namespaces: this runs wherever mpirun does.
@@ -208,11 +209,10 @@ TEST(NamedHosts, HierarchicalDataParallelOverTwoNamedHostsFollowsOneProcess) {
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   const Launch named = [](const fs::path& dir, const std::vector<std::string>& args) {
     std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none"};
-    for (const std::string host : {"named-a", "named-b"}) {
-      if (all.size() > 3) all.push_back(":");
-      all.insert(all.end(), {"-np", "2", "-x", "TETRA_HOSTNAME=" + host, kTrain});
-      all.insert(all.end(), args.begin(), args.end());
-    }
+    std::vector<std::string> cmd = {kTrain};
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    for (const std::string& a : mpirun_per_rank_env("TETRA_HOSTNAME", {"named-a", "named-a", "named-b", "named-b"}, cmd))
+      all.push_back(a);
     return run(TETRA_MPIEXEC, all, dir / "named.log");
   };
   const std::string out = expect_follows_one_process(
