@@ -12,6 +12,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -117,6 +120,19 @@ inline std::vector<std::string> mpirun_args(int np, const std::string& exe, cons
   std::vector<std::string> all = {"--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), exe};
   all.insert(all.end(), args.begin(), args.end());
   return all;
+}
+
+// The major version of the Open MPI whose launcher `mpiexec` is ("mpirun (Open MPI)
+// 5.0.7": 5; 4 on Debian 12, 5 on Debian 13, whose mpirun is PRRTE's); 0 when it names none.
+inline int open_mpi_major(const std::string& mpiexec) {
+  int major = 0;
+  if (FILE* p = ::popen(("'" + mpiexec + "' --version 2>&1").c_str(), "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, p))
+      if (const char* at = std::strstr(line, "(Open MPI) "); at && major == 0) major = std::atoi(at + 11);
+    ::pclose(p);
+  }
+  return major;
 }
 
 // mpirun's arguments (from -np on) for `cmd...` on values.size() ranks where rank r has

@@ -241,8 +241,15 @@ TEST(Faults, UnderMpirunAKilledRankEndsTheJobWithinThirtySeconds) {
 // MPI 4.1 does not forward it, but ends the job in steps: SIGCONT to the ranks, then after
 // odls_base_sigkill_timeout seconds SIGTERM, then as long after SIGKILL. With the timeout
 // long enough for a step and a save, the ranks write their agreed checkpoint; mpirun still
-// exits 1 (its own abort), not 4.
+// exits 1 (its own abort), not 4. Open MPI 5's mpirun (PRRTE 3.0) has no such timeout: on
+// SIGTERM it sends the ranks SIGCONT, SIGTERM 0.25 s later and SIGKILL 0.25 s after that
+// (a constant of its odls), relays nothing they write meanwhile, and forwards no SIGTERM;
+// `--mca odls_base_sigkill_timeout` is ignored there. Nothing to test under it: the
+// ranks are to be signalled instead (README, as TrainMpi.SigtermToOneRank... does).
 TEST(Faults, SigtermToMpirunCheckpointsWhenTheKillTimeoutLeavesTimeForIt) {
+  if (const int major = open_mpi_major(TETRA_MPIEXEC); major >= 5)
+    GTEST_SKIP() << "Open MPI " << major << "'s mpirun (PRRTE) has no kill timeout: SIGTERM reaches the ranks 0.25 s "
+                 << "after mpirun gets it and SIGKILL 0.25 s later, whatever odls_base_sigkill_timeout says";
   const fs::path d = fresh_dir("faults", "mpirun_sigterm");
   std::string job = long_job(d, "mpi", 2);
   {

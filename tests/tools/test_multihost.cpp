@@ -367,6 +367,14 @@ TEST_F(MultiHost, AHostThatDiesEndsTheJobOnTheOtherNamingItsRanks) {
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string out = slurp(d / "run.log");
   ASSERT_NE(status, -1) << "the job did not end within 30 s of its host dying:\n" << out;
+  // Open MPI 5.0's mpirun (PRRTE 3.0) exits at once, with status 0, when it loses a host's
+  // daemon, and the other host's ranks are killed without a word of theirs relayed (its
+  // node-died path sets no exit status: tools/test-hosts.sh run -np 4 sleep 60 and a kill
+  // ends the same way, 0 in 16 ms; Open MPI 4.1: 205 after 2 s). Nothing of tetra's to
+  // test under it; under any launcher that waits for the survivors, everything below.
+  if (status == 0 && has(out, "PRTE has lost communication with a remote daemon"))
+    GTEST_SKIP() << "mpirun (PRRTE) ended with status 0 " << took << " s after losing tetra-host2's daemon, "
+                 << "without waiting for the other host's ranks:\n" << out;
   EXPECT_NE(status, 0) << out;
   EXPECT_TRUE(has(out, "tetra-host2")) << out;
   // Both of its ranks, named together by the other host's ranks.
