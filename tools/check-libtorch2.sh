@@ -5,8 +5,8 @@
 #   tools/check-libtorch2.sh [--build-dir DIR] [--no-suite] ROOT_DIR [-- CTEST_ARGS...]
 #   tools/check-libtorch2.sh --shell ROOT_DIR [-- CMD...]
 #       CMD (default: bash) in the root as the suite sees it (its mounts and namespaces,
-#       in this checkout), after phases 1 and 2: to look into a failure, e.g.
-#       -- ctest --test-dir build-lt2 -R Gloo --output-on-failure
+#       in this checkout; a fresh /tmp of its own), after phases 1 and 2: to look into
+#       a failure, e.g. -- ctest --test-dir build-lt2 -R Gloo --output-on-failure
 #
 # 1. root       The first run makes ROOT_DIR a minimal trixie root with debootstrap
 #               (--variant=minbase, from deb.debian.org); later runs reuse it. A root
@@ -205,6 +205,11 @@ inner_shell() {
   trap 'unmount_under "$ROOT"' EXIT
   trap 'exit 130' INT TERM
   mount_root
+  # A /tmp of its own (the suite's is the root's, cleared when a suite starts): a shell
+  # may run beside a check, and its PID namespace numbers processes from 1 as the
+  # suite's does, so the session folders mpirun names after its PID (prterun.vm.38.0)
+  # would collide with the suite's or with those a killed run left (prte_init fails).
+  mount -t tmpfs -o mode=1777,nosuid,nodev tmp "$ROOT/tmp"
   in_root ip link set lo up
   ((${#CTEST_ARGS[@]})) || CTEST_ARGS=(bash)
   in_root sh -c 'cd "$1" && shift && exec "$@"' shell "$REPO" "${CTEST_ARGS[@]}"
