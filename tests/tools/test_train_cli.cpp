@@ -366,7 +366,9 @@ log: {every: 1, progress: plain}
 // rendezvous the agent already serves the store on MASTER_PORT and the ranks join it as
 // clients (TORCHELASTIC_USE_AGENT_STORE); with --standalone rank 0 serves its own. Both
 // follow one process with plain SGD, and the banner says how the ranks were found.
-// (`-r 1 -t 1`: torchrun 1.13 on Python 3.11 cannot parse its own default of 0 there.)
+// (`-r 1 -t 1`: torchrun 1.13 on Python 3.11 cannot parse its own default of 0 there.
+// TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: from 2.4 torchrun's c10d rendezvous, which
+// --standalone uses, hands the ranks its own store unless told not to; 1.13 never did.)
 TEST(TrainTorchrun, BothRendezvousFollowOneProcessWithPlainSgd) {
   const std::string torchrun = "/usr/bin/torchrun";
   if (::access(torchrun.c_str(), X_OK) != 0) GTEST_SKIP() << "no torchrun (Debian's python3-torch; tools/setup.sh installs it)";
@@ -396,6 +398,7 @@ log: {every: 1, progress: plain}
     std::string banner;
   };
   const std::string port = std::to_string(tetra::testing_tools::free_port());
+  setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1", 1);
   for (const Case& c : {Case{"static", {"--nnodes", "1", "--master_port", port}, "torchrun's agent's)"},
                         Case{"standalone", {"--standalone"}, "rank 0's)"}}) {
     std::vector<std::string> args = c.rendezvous;
