@@ -17,6 +17,7 @@
 #include "collectives/local.h"
 #include "core/plan.h"
 #include "replicate/replicate.h"
+#include "tests/common/error_of.h"
 #include "tests/common/numerics.h"
 
 using namespace tetra;
@@ -25,6 +26,7 @@ using numerics::expect_follows;
 using numerics::Outcome;
 using numerics::run_parallel;
 using numerics::run_single;
+using testing_errors::error_of;
 
 namespace {
 
@@ -54,15 +56,6 @@ train: {max_steps: 6, seed: 5, threads: 1}
 checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 

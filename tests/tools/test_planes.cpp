@@ -17,11 +17,13 @@
 #include "collectives/local.h"
 #include "core/job_spec.h"
 #include "core/mesh.h"
+#include "tests/common/error_of.h"
 #include "tests/common/numerics.h"
 #include "tests/common/plane_double.h"
 
 using namespace tetra;
 using doubles::PretendDevice;
+using testing_errors::error_of;
 
 namespace {
 
@@ -30,15 +32,6 @@ class Planes : public ::testing::Test {
   static void SetUpTestSuite() { PretendDevice::install(); }
   static at::TensorOptions device() { return at::TensorOptions().device(PretendDevice::device()); }
 };
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 
