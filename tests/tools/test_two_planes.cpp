@@ -122,7 +122,7 @@ TEST(TwoPlanes, ZeroStagesFollowOneProcess) {
   follows(kMlp, kAdamWClipped, {"mesh.data=4", "zero.stage=3"}, 1e-5, "zero 3, adamw clipped");
 }
 
-TEST(TwoPlanes, PipelineUnderEverySchedulefollowsOneProcess) {
+TEST(TwoPlanes, PipelineUnderEveryScheduleFollowsOneProcess) {
   for (const char* schedule : {"gpipe", "1f1b", "interleaved_1f1b", "zbh1", "zbv"}) {
     std::vector<std::string> layout = {"mesh.pipeline=2", "mesh.data=2", "pipeline.micro_batches=4",
                                        std::string("pipeline.schedule=") + schedule};
