@@ -840,6 +840,38 @@ int64_t Section::integer(const std::string& key, int64_t def, int64_t min, int64
   return v;
 }
 
+std::optional<int64_t> Section::integer_or(const std::string& key, const std::string& word,
+                                          std::optional<int64_t> def, int64_t min, int64_t max) {
+  Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), [&] {
+    nlohmann::json count = {{"type", "integer"}};
+    if (min != kNoMin) count["minimum"] = min;
+    if (max != kNoMax) count["maximum"] = max;
+    nlohmann::json j = {{"anyOf", {count, {{"enum", {word}}}}}};
+    j["default"] = def ? nlohmann::json(*def) : nlohmann::json(word);
+    return j;
+  }());
+  std::optional<int64_t> v = def;
+  if (!r.absent()) {
+    const YAML::Node& n = r.entry.value;
+    int64_t x = 0;
+    if (n.IsScalar() && trim(n.Scalar()) == word) {
+      v = std::nullopt;
+    } else if (auto err = read_integer(n, x)) {
+      std::string msg = key_path(key) + ": expected an integer or " + word + ", got " + describe(n);
+      if (n.IsScalar() && !nearest(n.Scalar(), {word}).empty()) msg += "; did you mean " + quote(word) + "?";
+      diag_->error(r.value_where, msg);
+    } else if (x < min || x > max) {
+      diag_->error(r.value_where, key_path(key) + ": " + describe_int_bounds(min, max) + " or " + word + ", got " +
+                                      std::to_string(x));
+    } else {
+      v = x;
+    }
+  }
+  put_resolved(*state_, key_path(key), v ? YAML::Node(*v) : YAML::Node(word));
+  return v;
+}
+
 std::optional<int64_t> Section::optional_integer(const std::string& key, int64_t min, int64_t max) {
   Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
   note_schema(key_path(key), [&] {
@@ -859,6 +891,22 @@ std::optional<int64_t> Section::optional_integer(const std::string& key, int64_t
     } else {
       out = v;
     }
+  }
+  put_resolved(*state_, key_path(key), out ? YAML::Node(*out) : YAML::Node(YAML::NodeType::Null));
+  return out;
+}
+
+std::optional<bool> Section::optional_boolean(const std::string& key) {
+  Read r = begin_read(read_, *state_, key, key_path(key), node_, where_);
+  note_schema(key_path(key), {{"type", {"boolean", "null"}}});
+  std::optional<bool> out;
+  if (!r.absent()) {
+    bool v = false;
+    if (!r.entry.value.IsScalar() || !parse_bool(r.entry.value.Scalar(), v))
+      diag_->error(r.value_where, key_path(key) + ": expected true or false (or null for the default), got " +
+                                      describe(r.entry.value));
+    else
+      out = v;
   }
   put_resolved(*state_, key_path(key), out ? YAML::Node(*out) : YAML::Node(YAML::NodeType::Null));
   return out;

@@ -146,7 +146,13 @@ class Section {
                   int64_t max = kNoMax);
   std::optional<int64_t> optional_integer(const std::string& key, int64_t min = kNoMin,
                                           int64_t max = kNoMax);
+  // An integer in [min, max], or the word `word` (mesh.data: 4, or auto), which reads as
+  // nullopt; `def` likewise (nullopt: the word is the default).
+  std::optional<int64_t> integer_or(const std::string& key, const std::string& word, std::optional<int64_t> def,
+                                    int64_t min = kNoMin, int64_t max = kNoMax);
   bool boolean(const std::string& key, bool def);
+  // true, false, or nullopt when absent (or null): the caller's default decides.
+  std::optional<bool> optional_boolean(const std::string& key);
   std::string string(const std::string& key, const std::string& def);
   // One of `allowed`; otherwise an error listing them (and the nearest one).
   std::string choice(const std::string& key, const std::string& def,

@@ -66,7 +66,7 @@ class Reader {
   void positive(const std::string& key, double& v) { v = s_.positive_number(key, v); }
   void boolean(const std::string& key, bool& v) { v = s_.boolean(key, v); }
   void optional_boolean(const std::string& key, std::optional<bool>& v) {
-    if (s_.has(key)) v = s_.boolean(key, false);
+    if (const std::optional<bool> read = s_.optional_boolean(key)) v = read;
   }
   void string(const std::string& key, std::string& v, Write = kChanged) { v = s_.string(key, v); }
   void choice(const std::string& key, std::string& v, const std::vector<std::string>& words, Write = kChanged) {

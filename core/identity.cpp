@@ -116,6 +116,12 @@ void list_differences(const nlohmann::json& theirs, const nlohmann::json& ours, 
 }
 }  // namespace
 
+std::string differences(const nlohmann::json& theirs, const nlohmann::json& ours) {
+  std::string out;
+  list_differences(theirs, ours, "", out);
+  return out;
+}
+
 nlohmann::json RunIdentity::identity() const {
   const DataInfo& info = data;
   return {{"model", model(/*with_dropout=*/false)},
@@ -162,8 +168,8 @@ std::string RunIdentity::check_resumable(const CheckpointReader& ckpt, int64_t s
                       "--set name=" + meta["job"].get<std::string>() + " goes on with that job; a checkpoint of "
                       "this job's own, or checkpoint.resume=never, starts this one");
   if (const nlohmann::json ours = this->identity(); meta.contains("fingerprint") && meta["fingerprint"] != fingerprint(ours)) {
-    std::string list;  // what differs, key by key: model.hidden [1024,1024] there, [512] here
-    list_differences(meta.contains("identity") ? meta["identity"] : nlohmann::json(), ours, "", list);
+    // what differs, key by key: model.hidden [1024,1024] there, [512] here
+    const std::string list = differences(meta.contains("identity") ? meta["identity"] : nlohmann::json(), ours);
     throw ConfigError("checkpoint " + ckpt.folder() + " holds another model or data (" +
                       (list.empty() ? "its fingerprint differs" : list) +
                       "). --set checkpoint.resume=never starts afresh, and its saves then replace these "

@@ -40,6 +40,10 @@ struct RunIdentity {
   std::string check_resumable(const CheckpointReader& ckpt, int64_t steps_per_epoch) const;
 };
 
+// What differs between two identities (or any two JSON values), key by key, in one line:
+// "model.hidden [1024,1024] there, [512] here, ..."; "" when they are equal.
+std::string differences(const nlohmann::json& theirs, const nlohmann::json& ours);
+
 // A short, stable name for an identity: 16 hex digits of the SHA-256 of its JSON.
 std::string fingerprint(const nlohmann::json& identity);
 

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "collectives/error.h"
+#include "collectives/launch.h"
 #include "core/fields.h"
 #include "core/plan.h"
 #include "core/text.h"
@@ -328,16 +329,65 @@ LogSpec parse_log(Section& l, const std::string& name) {
   return read_section(l, spec, kLog);
 }
 
-// mesh: {axis: size, ...}; axis names from kAxisOrder, in any order.
-MeshSpec parse_mesh(Section& m) {
+// Note [Auto axis]
+// mesh: {axis: size, ...}, axis names from kAxisOrder in any order, each a number of
+// ranks or `auto`; data is auto unless given (torchrun, DeepSpeed and Megatron all infer
+// the data-parallel size from the world). At most one axis is auto; it is the world's size
+// over the product of the others, sized here, when the job is read, so that every rule
+// after it (the batch over the data ranks, the plan's) sees a number. The world is the
+// launch's (JobWorld): `mpirun -np 4 train configs/dp.yaml` trains on 4 data ranks, and
+// `--dry-run --np 8` plans for 8. With no world to fit (one process, a dry run without
+// --np) the auto axis is 1 and the mesh is what the other axes make. The job file, and the
+// run folder's job.yaml, keep the word, so the job runs again on any world it divides.
+MeshSpec parse_mesh(Section& m, const JobWorld& world) {
   std::vector<MeshAxis> axes;
+  std::vector<std::string> autos;   // given as auto
+  bool data_default = false;        // data left out: auto unless another axis is
   for (const std::string& name : kAxisOrder) {
     const bool given = m.has(name);  // every axis is read, so a misspelt one gets a suggestion
-    const int size = static_cast<int>(m.integer(name, 1, 1, 1 << 20));
-    if (given) axes.push_back({name, size});
+    const std::optional<int64_t> size =
+        m.integer_or(name, "auto", name == "data" ? std::nullopt : std::optional<int64_t>(1), 1, 1 << 20);
+    if (size) {
+      if (given) axes.push_back({name, static_cast<int>(*size)});
+    } else if (given) {
+      autos.push_back(name);
+    } else {
+      data_default = true;
+    }
   }
   m.finish();
-  return make_mesh_spec(axes);
+  if (autos.size() > 1) {
+    std::string list;
+    for (const std::string& a : autos) list += (list.empty() ? "" : " and ") + a;
+    m.error(autos[1], "only one axis may be auto, and " + list +
+                          " are: the world fills one axis; give the other a number of ranks");
+    autos.resize(1);
+  }
+  MeshSpec spec = make_mesh_spec(axes);
+  const std::string axis = !autos.empty() ? autos[0] : data_default ? "data" : "";
+  if (axis.empty()) return spec;
+  const int others = spec.world_size();
+  int size = 1;
+  if (world.size > 0) {
+    if (world.size % others != 0) {
+      std::string eq;
+      for (const MeshAxis& a : spec.axes) eq += (eq.empty() ? "" : " x ") + a.name + "=" + std::to_string(a.size);
+      const std::string origin = world.origin.empty() ? "" : " (" + world.origin + ")";
+      m.error(axis, "auto: " + axis + " = world / (" + eq + ") = " + std::to_string(world.size) + " / " +
+                        std::to_string(others) + ", which is not a whole number of ranks: the world has " +
+                        std::to_string(world.size) + origin + ". Launch a multiple of " + std::to_string(others) +
+                        " processes, or make the other axes' product divide " + std::to_string(world.size));
+      return spec;
+    }
+    size = world.size / others;
+  }
+  spec.auto_axis = axis;
+  if (size > 1 || !autos.empty()) {
+    axes.push_back({axis, size});
+    spec = make_mesh_spec(axes);
+    spec.auto_axis = axis;
+  }
+  return spec;
 }
 
 CollectivesSpec parse_collectives(Section& c) { return read_section(c, CollectivesSpec{}, kCollectives); }
@@ -383,7 +433,7 @@ std::string stem_of(const std::string& name) {
 
 ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::string& source,
                          const std::vector<std::string>& overrides,
-                         const SectionRegistry& plugins,
+                         const SectionRegistry& plugins, const JobWorld& world,
                          const std::function<std::string(int)>& origin_of_line = {}) {
   bool loaded = diag.ok();
   for (const std::string& o : overrides) doc.apply_override(o, diag);
@@ -415,7 +465,7 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   Section log = root.section("log");
   spec.log = parse_log(log, spec.name);
   Section mesh = root.section("mesh");
-  spec.mesh = parse_mesh(mesh);
+  spec.mesh = parse_mesh(mesh, world);
   Section collectives = root.section("collectives");
   spec.collectives = parse_collectives(collectives);
   check_cross_fields(spec, model, data);
@@ -460,11 +510,19 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   if (origin_of_line) diag.relocate(origin_of_line);
   diag.throw_if_errors();
   out.resolved = doc.resolved();
+  // log.dir left unset follows the name (Note [One run folder]): the job as written out
+  // (the run folder's job.yaml, a tuned job, --print-config) keeps it unset (`dir: ~`), so
+  // that the job run again under another name gets a folder of its own.
+  if (!log.has("dir")) out.resolved["log"]["dir"] = YAML::Node(YAML::NodeType::Null);
   // A strategy's section left out of the job is not written out with its defaults: read
   // back (the run folder's job.yaml), a present section turns its strategy on, and
   // `pipeline: {micro_batches: 4}` made a one-stage pipeline of four micro-batches.
+  out.left_out = YAML::Node(YAML::NodeType::Map);
   for (const std::string& name : absent)
-    if (!spec.plugins.count(name)) out.resolved.remove(name);
+    if (!spec.plugins.count(name)) {
+      if (out.resolved[name]) out.left_out[name] = YAML::Clone(out.resolved[name]);
+      out.resolved.remove(name);
+    }
   out.spec.resolved = resolved_yaml(out.resolved);
   return out;
 }
@@ -607,23 +665,29 @@ std::string in_run_folder(const std::string& run_dir, const std::string& path) {
   return (std::filesystem::path(run_dir) / path).lexically_normal().string();
 }
 
+JobWorld launch_world() {
+  const collectives::LaunchInfo launch = collectives::detect_launch();
+  if (!launch.multi_process() || launch.world_size <= 0) return {};  // PMIx alone does not say
+  return {launch.world_size, launch.launcher + ": " + launch.evidence};
+}
+
 ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
-                         const SectionRegistry& plugins) {
+                         const SectionRegistry& plugins, const JobWorld& world) {
   return guarded(path, [&] {
     Diagnostics diag;
     ConfigDocument doc = ConfigDocument::load_file(path, diag);
-    return parse_document(doc, diag, path, overrides, plugins);
+    return parse_document(doc, diag, path, overrides, plugins, world);
   });
 }
 
 ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
                            const std::vector<std::string>& overrides,
                            const SectionRegistry& plugins,
-                           const std::function<std::string(int line)>& origin_of_line) {
+                           const std::function<std::string(int line)>& origin_of_line, const JobWorld& world) {
   return guarded(name, [&] {
     Diagnostics diag;
     ConfigDocument doc = ConfigDocument::from_string(yaml, name, diag);
-    return parse_document(doc, diag, "", overrides, plugins, origin_of_line);
+    return parse_document(doc, diag, "", overrides, plugins, world, origin_of_line);
   });
 }
 

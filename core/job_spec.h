@@ -218,22 +218,36 @@ std::string backend_of(const JobSpec& spec);
 struct ParsedJob {
   JobSpec spec;
   YAML::Node resolved;  // every key with its value or default
+  // The strategy sections the job leaves out (so off), with their defaults: not in
+  // `resolved`, where read back they would turn their strategies on.
+  YAML::Node left_out;
 };
 
 // A path the run writes, as the spec holds it (Note [One run folder]): "" stays "" (off),
 // an absolute path stays, a relative one is taken inside `run_dir` (unless that is "").
 std::string in_run_folder(const std::string& run_dir, const std::string& path);
 
+// The world a job is parsed for, which sizes a mesh axis given as auto (Note [Auto axis]
+// in job_spec.cpp). size 0: the mesh's own (the auto axis is 1), as a dry run without --np
+// plans it. launch_world(): the launch this process is in when it has several processes
+// (mpirun, srun, torchrun), else size 0.
+struct JobWorld {
+  int size = 0;
+  std::string origin;  // for messages: "--np 4", "mpirun: OMPI_COMM_WORLD_SIZE=4"
+};
+JobWorld launch_world();
+
 // Parses a job file, applies the `--set` overrides, validates every section and the
 // cross-field rules. Throws tetra::ConfigError carrying every diagnostic at once.
 ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
-                         const SectionRegistry& plugins);
+                         const SectionRegistry& plugins, const JobWorld& world = launch_world());
 // `origin_of_line`, for a document a program wrote: names the call that wrote each line,
 // which the diagnostics then carry instead of name:line:col (the C++ Plan builder).
 ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
                            const std::vector<std::string>& overrides,
                            const SectionRegistry& plugins,
-                           const std::function<std::string(int line)>& origin_of_line = {});
+                           const std::function<std::string(int line)>& origin_of_line = {},
+                           const JobWorld& world = launch_world());
 
 // A core section as the keys its parser reads, leaving out those at their defaults (the
 // keys a type does not read are never written): what the C++ Plan builder writes before it

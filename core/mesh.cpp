@@ -53,6 +53,12 @@ void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& wo
     os << "mesh " << spec.str() << " = " << spec.world_size() << " rank" << (spec.world_size() == 1 ? "" : "s");
   os << ", but the world has " << world_size;
   if (!world_origin.empty()) os << " (" << world_origin << ")";
+  if (!spec.auto_axis.empty()) {  // sized when the job was read, without this world's size
+    const int others = spec.world_size() / spec.size(spec.auto_axis);
+    if (world_size % others == 0)
+      os << "; mesh." << spec.auto_axis << " is auto, and the launch did not say the world's size when the job was "
+         << "read: --set mesh." << spec.auto_axis << "=" << world_size / others;
+  }
   // The hint as a command-line user types it (--set), not as YAML (issue 33, item 7).
   os << "; make the product of the mesh axes equal the number of processes";
   if (spec.axes.empty()) {

@@ -29,6 +29,9 @@ struct MeshAxis {
 
 struct MeshSpec {
   std::vector<MeshAxis> axes;  // in kAxisOrder; sizes >= 1
+  // The axis the job left to the world (`data: auto`, Note [Auto axis] in job_spec.cpp),
+  // sized when the job was parsed; "" when every axis was given.
+  std::string auto_axis;
   int world_size() const;
   int size(const std::string& axis) const;  // 1 when absent
   // "pipeline=2 x data=2"

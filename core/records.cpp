@@ -192,7 +192,7 @@ void RunRecords::write_run_start() const {
 }
 
 void RunRecords::write_summary(const TrainResult& r, const RankState& now, const std::string& trace_path,
-                               const std::string& started_at) {
+                               const std::string& started_at, const nlohmann::json& identity) {
   if (spec_.log.dir.empty()) return;
   // Every rank's totals since the loop began (collective: every rank joins).
   const auto ranks = gather(since(counters(now), start_));
@@ -216,6 +216,7 @@ void RunRecords::write_summary(const TrainResult& r, const RankState& now, const
   for (const MeshAxis& a : spec_.mesh.axes) j["mesh"][a.name] = a.size;
   j["metrics"] = absolute(spec_.log.metrics);
   j["job_yaml"] = spec_.resolved.empty() ? "" : "job.yaml";
+  j["identity"] = identity;  // Note [Checkpoint identity]: what a later run of this name must match
   // The files Trace::write left: trace.json alone, else one per rank beside it.
   nlohmann::json traces = nlohmann::json::array();
   if (!trace_path.empty())

@@ -50,6 +50,9 @@ struct TrainResult {
     double data = 0, forward = 0, backward = 0, gradients = 0, optimizer = 0;
   } phases;
   ModelStateBytes memory;  // this rank's model state after the last step
+  // Note [A finished run stays]: what the run folder already held made this run train
+  // nothing and write nothing ("finished at step 6: nothing to train; ..."); "" when it trained.
+  std::string nothing_to_train;
 };
 
 // One rank's cumulative counters at a moment: its memory now, where its time went.
@@ -83,8 +86,10 @@ class RunRecords {
   void write_run_start() const;
   // summary.json in log.dir: collective (every rank sends its totals); the writer writes.
   // Nothing when log.dir is "".
+  // `identity`: the run's (RunIdentity::identity()), which a later run of the same
+  // name is checked against (Note [A finished run stays]).
   void write_summary(const TrainResult& r, const RankState& now, const std::string& trace_path,
-                     const std::string& started_at);
+                     const std::string& started_at, const nlohmann::json& identity);
 
  private:
   std::vector<double> counters(const RankState& s) const;

@@ -50,11 +50,16 @@ std::optional<CheckpointReader> choose_checkpoint(const CheckpointSpec& ck, coll
       }
       if (verified) from = verified->folder();
     } catch (const Error& e) {
-      from = std::string("\n") + e.what();
+      // A checkpoint the job names that is damaged is the job's mistake (exit 2, as a
+      // missing one is); auto's trouble with its own folder is the run's (exit 1).
+      from = std::string(ck.resume != "auto" ? "\n2" : "\n1") + e.what();
     }
   }
   if (ranks && ranks->size() > 1) from = collectives::broadcast_string(*ranks, from);
-  if (!from.empty() && from[0] == '\n') throw Error(from.substr(1));
+  if (!from.empty() && from[0] == '\n') {
+    if (from[1] == '2') throw ConfigError("checkpoint.resume: " + from.substr(2));
+    throw Error(from.substr(2));
+  }
   if (!from.empty() && !verified) verified.emplace(from);
   return verified;
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 
 #include "collectives/error.h"
@@ -365,6 +366,67 @@ void Trainer::restore(const CheckpointReader& ckpt) {
   resumed_from_ = ckpt.folder();
 }
 
+// Note [A finished run stays]
+// A run folder (log.dir) whose run finished holds its summary.json, and a run of the same
+// name never writes over it: re-running a job file, or the run folder's job.yaml, must not
+// turn a finished run's figures into zeros. So before anything is written:
+//   - resumed at or past the last step (its checkpoint): nothing to train. Said, exit 0,
+//     nothing written (no job.yaml, no records, no eval, no export, no summary).
+//   - not resumed, and summary.json is there: its identity (Note [Checkpoint identity])
+//     must be this job's, else exit 2 naming what differs (so also with checkpoints off,
+//     where no checkpoint refuses it); a run that reached this job's last step leaves
+//     nothing to train; one that stopped short, with no checkpoint to continue from, would
+//     be trained again from step 0 over its files: exit 2, naming a new name.
+// Raising train.max_steps or train.epochs continues a finished run from its checkpoint and
+// appends to its records; a summary is written only by a run that trained. Rank 0 reads
+// the folder and decides; the decision travels to every rank (as choose_checkpoint's).
+std::string Trainer::finished_run() const {
+  auto nothing = [&](const std::string& folder, int64_t at) {
+    return folder + ": finished at step " + std::to_string(at) +
+           (at > total_steps_ ? " (this job stops at step " + std::to_string(total_steps_) + ")" : "") +
+           ": nothing to train; " +
+           (spec_.checkpoint.dir.empty() ? "it kept no checkpoint to continue from, so --set name=NEW for a new run"
+                                         : "raise train.max_steps or train.epochs to continue it, or --set name=NEW "
+                                           "for a new run");
+  };
+  if (!resumed_from_.empty())
+    return step_ < total_steps_ ? "" : nothing(spec_.log.dir.empty() ? resumed_from_ : spec_.log.dir, step_);
+  if (spec_.log.dir.empty()) return "";
+  // The decision: "" train; "\n0" + what to say; "\n2" + the error.
+  std::string verdict;
+  if (writer()) {
+    const fs::path path = fs::path(spec_.log.dir) / "summary.json";
+    std::error_code ec;
+    nlohmann::json summary;
+    if (fs::is_regular_file(path, ec)) {
+      std::ifstream in(path);
+      summary = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);  // not whole: nothing to compare
+    }
+    // Another job's folder is the preflight's refusal (run_folder_problem).
+    if (summary.is_object() && summary.value("job", spec_.name) == spec_.name) {
+      const int64_t done = summary.value("final_step", int64_t{0});
+      const std::string there = "log.dir: " + spec_.log.dir + " holds a finished run of job \"" + spec_.name + "\"";
+      const nlohmann::json ours = identity_->identity();
+      if (summary.contains("identity") && summary["identity"] != ours)
+        verdict = "\n2" + there + " with another model or data (" + differences(summary["identity"], ours) +
+                  "), which this run would write over. --set name=NEW gives this run a folder of its own";
+      else if (done >= total_steps_)
+        verdict = "\n0" + nothing(spec_.log.dir, done);
+      else
+        verdict = "\n2" + there + " that stopped at step " + std::to_string(done) + ", and this job trains to step " +
+                  std::to_string(total_steps_) + ", but " +
+                  (spec_.checkpoint.dir.empty() ? std::string("it kept no checkpoints (checkpoint.dir \"\")")
+                                                : "no checkpoint of it is left in " + spec_.checkpoint.dir) +
+                  " to continue from, and training from step 0 would write over it. --set name=NEW gives this run a "
+                  "folder of its own";
+    }
+  }
+  if (ranks_ && ranks_->size() > 1) verdict = collectives::broadcast_string(*ranks_, verdict);
+  if (verdict.empty()) return "";
+  if (verdict[1] == '2') throw ConfigError(verdict.substr(2));
+  return verdict.substr(2);
+}
+
 TrainResult Trainer::run() {
   if (options_.on_start) options_.on_start(*this);
   const Stopwatch since_start;
@@ -384,6 +446,14 @@ TrainResult Trainer::run() {
 
   // Resume (core/resume.h): checkpoint.resume auto takes the newest intact checkpoint.
   if (std::optional<CheckpointReader> from = choose_checkpoint(ck, ranks_.get())) restore(*from);
+  // Note [A finished run stays]: nothing is written before this.
+  if (std::string said = finished_run(); !said.empty()) {
+    TrainResult result;
+    result.final_step = step_;
+    result.resumed_from = resumed_from_;
+    result.nothing_to_train = std::move(said);
+    return result;
+  }
 
   MetricsWriter metrics;
   if (write && !spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
@@ -567,7 +637,7 @@ TrainResult Trainer::run() {
   result.phases = phases_;
   result.memory = memory();
   // Note [Run folder]: every rank's totals for the summary (collective: every rank joins).
-  records.write_summary(result, rank_state(result.memory), trace_path, started_at);
+  records.write_summary(result, rank_state(result.memory), trace_path, started_at, identity_->identity());
   return result;
 }
 

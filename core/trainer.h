@@ -125,6 +125,10 @@ class Trainer {
 
  private:
   void restore(const CheckpointReader& ckpt);
+  // Note [A finished run stays]: "" to train on; what to say when there is nothing to
+  // train. Throws ConfigError when training would write over the folder's finished run.
+  // Collective over every rank.
+  std::string finished_run() const;
   std::string save_checkpoint(int64_t step, int64_t epoch, int64_t step_in_epoch);
   // What one step did (Note [One decision per step], core/step.cpp).
   struct StepOutcome {

@@ -648,15 +648,19 @@ Estimate estimate(const Run& run, bool wanted) {
   try {
     tetra::core::SectionRegistry plugins;
     tetra::register_builtin_plugins(plugins);
+    // The run's world sizes an auto mesh axis (Note [Auto axis]) as it did for the run.
+    const double world = processes(run.summary);
+    const tetra::core::JobWorld job_world =
+        std::isfinite(world) ? tetra::core::JobWorld{static_cast<int>(world), "the run's summary.json"}
+                             : tetra::core::JobWorld{};
     tetra::core::ParsedJob parsed =
-        tetra::core::parse_job_string(run.job_yaml, run.job_path.string(), {}, plugins);
+        tetra::core::parse_job_string(run.job_yaml, run.job_path.string(), {}, plugins, {}, job_world);
     e.resolved = parsed.resolved;
     if (!wanted) {
       e.why = "not worked out (--no-estimate)";
       return e;
     }
     tetra::DryRunOptions how;
-    const double world = processes(run.summary);
     how.np = std::isfinite(world) ? static_cast<int>(world) : 0;
     e.ranks = tetra::core::estimate_json(tetra::plan_report(parsed.spec, {}, how).estimates);
   } catch (const std::exception& ex) {
@@ -726,10 +730,16 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
   const std::vector<RankMemory> measured = measured_memory(run, &source);
   std::map<int, const RankMemory*> by_rank;
   for (const auto& r : measured) by_rank[r.rank] = &r;
-  std::map<int, json> planned;
+  // The estimate is per process; the run's ranks are processes x replica threads, rank
+  // p * R + r being process p's replica r (make_hierarchical's order): each replica is
+  // set against its process's estimate.
+  const double replicas_read = number(run.summary, "replicas");
+  const int R = std::isfinite(replicas_read) && replicas_read > 1 ? static_cast<int>(replicas_read) : 1;
+  std::map<int, json> planned;  // by the run's rank
   if (est.ranks.is_array())
     for (const auto& r : est.ranks)
-      planned[static_cast<int>(number(r, "rank"))] = member(r, "bytes");
+      for (int replica = 0; replica < R; ++replica)
+        planned[static_cast<int>(number(r, "rank")) * R + replica] = member(r, "bytes");
   std::set<int> ranks;
   for (const auto& kv : by_rank) ranks.insert(kv.first);
   for (const auto& kv : planned) ranks.insert(kv.first);

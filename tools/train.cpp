@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "collectives/mpi.h"
+#include "core/checkpoint.h"
 #include "core/job_spec.h"
 #include "core/preflight.h"
 #include "core/report.h"
@@ -290,7 +292,10 @@ int train_main(int argc, char** argv) {
     speak = launch.rank == 0;
     SectionRegistry plugins;  // the built-in strategy plugins, registered explicitly
     tetra::register_builtin_plugins(plugins);
-    ParsedJob parsed = parse_job_file(job, sets, plugins);
+    // Note [Auto axis]: the world an auto mesh axis fills is --np's for a plan or a tuning,
+    // else the launch's.
+    const JobWorld world = (dry_run || tune) && np > 0 ? JobWorld{np, "--np " + std::to_string(np)} : launch_world();
+    ParsedJob parsed = parse_job_file(job, sets, plugins, world);
     JobSpec& spec = parsed.spec;
     if (tune) {
       tuning.job = job;
@@ -315,6 +320,17 @@ int train_main(int argc, char** argv) {
       // What would fail later fails here (Note [Preflight]): the paths, the data read and
       // the model built (as shapes: nothing is allocated), room for a checkpoint.
       check_paths(spec);
+      // A checkpoint the job names is read whole (each file's size and CRC-32C), as the
+      // run's resume would, so that a damaged one is found here (exit 2).
+      if (spec.checkpoint.resume != "auto" && spec.checkpoint.resume != "never") {
+        try {
+          CheckpointReader(spec.checkpoint.resume).verify();
+        } catch (const ConfigError&) {
+          throw;
+        } catch (const Error& e) {
+          throw ConfigError("checkpoint.resume: " + std::string(e.what()));
+        }
+      }
       TrainerOptions dry;
       dry.dry_run = true;
       const Trainer trainer(spec, dry);
@@ -332,6 +348,15 @@ int train_main(int argc, char** argv) {
     }
     if (print_config) {
       std::printf("%s", resolved_yaml(parsed.resolved).c_str());
+      if (parsed.resolved["log"] && parsed.resolved["log"]["dir"] && parsed.resolved["log"]["dir"].IsNull())
+        std::printf("# log.dir ~ (unset) follows the name: this run's folder is %s\n", spec.log.dir.c_str());
+      // The strategies the job leaves out, with their defaults, as comments: written as
+      // keys, a section turns its strategy on.
+      if (parsed.left_out.IsMap() && parsed.left_out.size() > 0) {
+        std::printf("# Left out of this job, with the defaults its section would take (a section turns its strategy on):\n");
+        std::istringstream lines(resolved_yaml(parsed.left_out));
+        for (std::string line; std::getline(lines, line);) std::printf("# %s\n", line.c_str());
+      }
       return 0;
     }
     if (dry_run) {  // the plan, on one process, whatever the mesh: nothing communicates
@@ -346,7 +371,12 @@ int train_main(int argc, char** argv) {
       return 0;
     }
     const TrainResult r = tetra::run(spec);
-    if (speak) print_summary(spec, r);
+    if (speak) {
+      if (!r.nothing_to_train.empty())
+        std::printf("%s\n", r.nothing_to_train.c_str());  // Note [A finished run stays]: nothing written
+      else
+        print_summary(spec, r);
+    }
     return 0;
   } catch (const tetra::PreemptedError& e) {
     // Every rank stopped at the same step; rank 0 says where it can resume.

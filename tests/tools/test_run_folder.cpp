@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,14 @@ size_t lines_of(const fs::path& p) {
 }
 
 bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+
+// Every file under `dir`, by its path there, with its bytes: a run folder as it stands.
+std::map<std::string, std::string> files_of(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = slurp(e.path());
+  return out;
+}
 
 }  // namespace
 
@@ -281,4 +290,134 @@ TEST(RunFolder, AnExportEvaluatesInPyTorchAsInTetra) {
   EXPECT_EQ(lm_config["input"]["preprocessing"]["kind"], "bytes");
   EXPECT_EQ(lm_config["input"]["preprocessing"]["vocab"], 256);
   EXPECT_EQ(lm_config["input"]["preprocessing"]["seq_len"], 16);
+}
+
+// Issue 48, item 1 (Note [A finished run stays], core/trainer.cpp): running a finished
+// job again, by its own file or by the run folder's job.yaml, trains nothing, says so,
+// exits 0 and leaves every file of the run as it was (before: 0 steps, "final loss
+// 0.0000", a summary of zeros written over the run's). Another model under the same name
+// is exit 2 naming what differs, with checkpoints and without; raising the steps continues
+// the run and appends.
+TEST(RunFolder, AFinishedRunIsNeverWrittenOver) {
+  const fs::path d = scratch_with_job("finished");
+  ASSERT_EQ(run_in(d, kTrain, {"job.yaml"}).status, 0);
+  const fs::path run = d / "runs/small";
+  const auto before = files_of(run);
+  ASSERT_TRUE(before.count("summary.json")) << "no summary";
+
+  for (const std::string& job : {std::string("job.yaml"), std::string("runs/small/job.yaml")}) {
+    const Outcome again = run_in(d, kTrain, {job});
+    EXPECT_EQ(again.status, 0) << job << "\n" << again.out;
+    EXPECT_TRUE(has(again.out, "runs/small: finished at step 6: nothing to train; raise train.max_steps or "
+                               "train.epochs to continue it, or --set name=NEW for a new run"))
+        << again.out;
+    EXPECT_FALSE(has(again.out, "final loss")) << again.out;
+    EXPECT_TRUE(files_of(run) == before) << job << ": the finished run's files changed";
+  }
+  // A checkpoint past this job's end (a shorter run asked of it): nothing to train either.
+  Outcome shorter = run_in(d, kTrain, {"job.yaml", "--set", "train.max_steps=4"});
+  EXPECT_EQ(shorter.status, 0) << shorter.out;
+  EXPECT_TRUE(has(shorter.out, "finished at step 6 (this job stops at step 4): nothing to train")) << shorter.out;
+  EXPECT_TRUE(files_of(run) == before);
+
+  // Another model under the same name: refused, nothing written.
+  Outcome other = run_in(d, kTrain, {"job.yaml", "--set", "model.hidden=[16]"});
+  EXPECT_EQ(other.status, 2) << other.out;
+  EXPECT_TRUE(files_of(run) == before);
+
+  // Raising the steps continues it: the records grow, the summary is the longer run's.
+  Outcome longer = run_in(d, kTrain, {"job.yaml", "--set", "train.max_steps=8"});
+  ASSERT_EQ(longer.status, 0) << longer.out;
+  EXPECT_TRUE(has(longer.out, "resumed from runs/small/ckpt/step-00000006 at step 6")) << longer.out;
+  const nlohmann::json summary = nlohmann::json::parse(slurp(run / "summary.json"));
+  EXPECT_EQ(summary["final_step"], 8);
+  EXPECT_EQ(summary["steps"], 2);
+  EXPECT_GT(lines_of(run / "metrics.jsonl"), std::count(before.at("metrics.jsonl").begin(),
+                                                         before.at("metrics.jsonl").end(), '\n'));
+}
+
+// The same with checkpoints off (checkpoint.dir ""), where no checkpoint refuses another
+// model and none continues the run: the summary's identity decides (before: the run was
+// trained again from step 0 over the finished one's files, whatever its model).
+TEST(RunFolder, AFinishedRunWithoutCheckpointsIsNeverWrittenOver) {
+  const fs::path d = scratch_with_job("finished_nockpt");
+  const std::vector<std::string> off = {"--set", "checkpoint.dir=", "--set", "checkpoint.safetensors="};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), off.begin(), off.end());
+    return run_in(d, kTrain, args);
+  };
+  ASSERT_EQ(with({"job.yaml"}).status, 0);
+  const fs::path run = d / "runs/small";
+  const auto before = files_of(run);
+
+  Outcome again = with({"job.yaml"});
+  EXPECT_EQ(again.status, 0) << again.out;
+  EXPECT_TRUE(has(again.out, "runs/small: finished at step 6: nothing to train; it kept no checkpoint to continue "
+                             "from, so --set name=NEW for a new run"))
+      << again.out;
+  Outcome other = with({"job.yaml", "--set", "model.hidden=[16]"});
+  EXPECT_EQ(other.status, 2) << other.out;
+  EXPECT_TRUE(has(other.out, "train: error: log.dir: runs/small holds a finished run of job \"small\" with another "
+                             "model or data (model.hidden [32] there, [16] here"))
+      << other.out;
+  Outcome longer = with({"job.yaml", "--set", "train.max_steps=9"});
+  EXPECT_EQ(longer.status, 2) << longer.out;
+  EXPECT_TRUE(has(longer.out, "that stopped at step 6, and this job trains to step 9, but it kept no checkpoints "
+                              "(checkpoint.dir \"\") to continue from"))
+      << longer.out;
+  EXPECT_FALSE(has(longer.out, "step 1/")) << longer.out;  // nothing trained
+  EXPECT_TRUE(files_of(run) == before) << "the finished run's files changed";
+}
+
+// Issue 48, item 2: the job files tetra writes (the run folder's job.yaml, the tuner's
+// tuned job) keep log.dir unset, so that each runs again under a new name into a folder
+// of its own (before: job.yaml pinned log.dir: runs/small, and `--set name=copy` was
+// refused as another job in that folder; the tuned job kept the job's name and continued
+// its run). Nothing of the first run changes.
+TEST(RunFolder, JobFilesTetraWritesRunAgainUnderANewName) {
+  const fs::path d = scratch_with_job("rerun");
+  ASSERT_EQ(run_in(d, kTrain, {"job.yaml"}).status, 0);
+  const fs::path run = d / "runs/small";
+  const auto before = files_of(run);
+  EXPECT_TRUE(has(before.at("job.yaml"), "  dir: ~\n")) << before.at("job.yaml");
+
+  fs::copy_file(run / "job.yaml", d / "copy.yaml");
+  Outcome copy = run_in(d, kTrain, {"copy.yaml", "--set", "name=small-copy"});
+  ASSERT_EQ(copy.status, 0) << copy.out;
+  EXPECT_TRUE(fs::exists(d / "runs/small-copy/summary.json")) << copy.out;
+  EXPECT_FALSE(has(copy.out, "resumed")) << copy.out;
+
+  // The tuner's job, on paper: named small-tuned, its own folder.
+  Outcome tune = run_in(d, kTrain, {"job.yaml", "--tune", "--np", "1", "--dry-run"});
+  ASSERT_EQ(tune.status, 0) << tune.out;
+  const std::string tuned = slurp(d / "job-tuned.yaml");
+  EXPECT_TRUE(has(tuned, "\nname: small-tuned\n")) << tuned;
+  EXPECT_TRUE(has(tuned, "#   named small-tuned: its run folder is runs/small-tuned")) << tuned;
+  EXPECT_TRUE(has(tuned, "  dir: ~\n")) << tuned;
+  Outcome tuned_run = run_in(d, kTrain, {"job-tuned.yaml"});
+  ASSERT_EQ(tuned_run.status, 0) << tuned_run.out;
+  EXPECT_FALSE(has(tuned_run.out, "resumed")) << tuned_run.out;
+  EXPECT_TRUE(fs::exists(d / "runs/small-tuned/summary.json")) << tuned_run.out;
+
+  EXPECT_TRUE(files_of(run) == before) << "the first run's files changed";
+}
+
+// Issue 48, item 7: a damaged checkpoint that checkpoint.resume names is the job's
+// mistake, exit 2 (the exit table's), and `train --check` finds it (before: exit 1, and
+// --check passed it).
+TEST(RunFolder, ADamagedCheckpointNamedByResumeIsExit2AndCheckFindsIt) {
+  const fs::path d = scratch_with_job("damaged");
+  ASSERT_EQ(run_in(d, kTrain, {"job.yaml"}).status, 0);
+  const fs::path step = d / "runs/small/ckpt/step-00000003";
+  std::string bytes = slurp(step / "rank-00000.safetensors");
+  bytes[bytes.size() - 2] ^= 0x01;
+  std::ofstream(step / "rank-00000.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+  const std::string resume = "checkpoint.resume=" + step.string();
+  for (const char* how : {"--check", ""}) {
+    std::vector<std::string> args = {"job.yaml", "--set", "name=again", "--set", resume};
+    if (*how) args.push_back(how);
+    const Outcome r = run_in(d, kTrain, args);
+    EXPECT_EQ(r.status, 2) << how << "\n" << r.out;
+    EXPECT_TRUE(has(r.out, "train: error: checkpoint.resume: checkpoint " + step.string() + " is damaged")) << r.out;
+  }
 }

@@ -151,7 +151,7 @@ TEST(TrainCli, NpWithoutDryRunSaysHowToLaunch) {
 TEST(TrainCli, MeshAndCheckpointShapeErrorsHaveThePrefixAndSetHints) {
   fs::path d = fresh_dir("prefix");
   const std::string dp = std::string(TETRA_SOURCE_DIR) + "/configs/dp.yaml";
-  Outcome r = run({dp, "--set", "log.dir=" + (d / "dp").string()});
+  Outcome r = run({dp, "--set", "mesh.data=2", "--set", "log.dir=" + (d / "dp").string()});
   EXPECT_EQ(r.status, 2) << r.out;
   EXPECT_NE(r.out.find("train: error: mesh data=2 = 2 ranks, but the world has 1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("mpirun -np 2 train ..."), std::string::npos) << r.out;
@@ -275,6 +275,73 @@ TEST(TrainCli, SetOverridesAndPrintConfigShowsDefaults) {
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("--set optimizer.lr=fast: error: optimizer.lr: expected a number"), std::string::npos)
       << r.out;
+}
+
+// Issue 48, item 7: collectives.check was accepted but missing from --schema, --list-keys
+// and --print-config; --print-config left out the strategies a job does not use, though
+// it prints every key. Now the key is in all three, and a left-out strategy's section is
+// printed as comments (as keys it would turn the strategy on), and log.dir left unset
+// says where it goes.
+TEST(TrainCli, EveryKeyIsInTheSchemaTheKeyListAndPrintConfig) {
+  fs::path d = fresh_dir("everykey");
+  fs::path job = write_job(d, "job.yaml", "name: every\nmodel: {type: mlp}\n");
+  const Outcome keys = run({"--list-keys"});
+  ASSERT_EQ(keys.status, 0) << keys.out;
+  EXPECT_NE(keys.out.find("\ncollectives.check\n"), std::string::npos) << keys.out;
+  EXPECT_NE(keys.out.find("\nmesh.data=auto\n"), std::string::npos) << keys.out;
+  const Outcome schema = run({"--schema"});
+  ASSERT_EQ(schema.status, 0) << schema.out;
+  const nlohmann::json s = nlohmann::json::parse(schema.out);
+  EXPECT_EQ(s["properties"]["collectives"]["properties"]["check"]["type"], nlohmann::json({"boolean", "null"}));
+  EXPECT_EQ(s["properties"]["mesh"]["properties"]["data"]["default"], "auto");
+  const Outcome printed = run({job.string(), "--print-config"});
+  ASSERT_EQ(printed.status, 0) << printed.out;
+  EXPECT_NE(printed.out.find("  check: ~\n"), std::string::npos) << printed.out;
+  EXPECT_NE(printed.out.find("  data: auto\n"), std::string::npos) << printed.out;
+  EXPECT_NE(printed.out.find("# log.dir ~ (unset) follows the name: this run's folder is runs/every"), std::string::npos)
+      << printed.out;
+  EXPECT_NE(printed.out.find("# Left out of this job"), std::string::npos) << printed.out;
+  EXPECT_NE(printed.out.find("# zero:\n#   stage: "), std::string::npos) << printed.out;
+  // What --print-config prints is a job file that parses as the same job.
+  write_job(d, "printed.yaml", printed.out);
+  const Outcome again = run({(d / "printed.yaml").string(), "--print-config"});
+  ASSERT_EQ(again.status, 0) << again.out;
+  EXPECT_EQ(again.out, printed.out);
+}
+
+// Issue 48, item 3 (Note [Auto axis]): mesh.data is auto unless given, the world over the
+// other axes' product; --dry-run --np sizes it the same way; one auto axis at most; a
+// world the other axes do not divide is an error that names the equation.
+TEST(TrainCli, TheDataAxisSizesItselfForTheDryRunsWorld) {
+  fs::path d = fresh_dir("autoaxis");
+  const std::string dp = std::string(TETRA_SOURCE_DIR) + "/configs/dp.yaml";
+  Outcome r = run({dp, "--dry-run", "--np", "4"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("mesh data=4 = 4 processes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("256 global = 4 data-parallel ranks"), std::string::npos) << r.out;
+  const std::string pp = write_job(d, "pp.yaml", "model: {type: mlp, hidden: [64, 64, 64]}\ndata: {batch_size: 96}\n"
+                                                 "mesh: {pipeline: 2}\n").string();
+  r = run({pp, "--dry-run", "--np", "6"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("mesh pipeline=2 x data=3 = 6 processes"), std::string::npos) << r.out;
+  r = run({pp, "--dry-run", "--np", "3"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("error: mesh.data: auto: data = world / (pipeline=2) = 3 / 2, which is not a whole number of "
+                       "ranks: the world has 3 (--np 3)"),
+            std::string::npos)
+      << r.out;
+  r = run({pp, "--check", "--set", "mesh.pipeline=auto", "--set", "mesh.data=auto"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("only one axis may be auto, and pipeline and data are"), std::string::npos) << r.out;
+  r = run({pp, "--check", "--set", "mesh.data=atuo"});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("mesh.data: expected an integer or auto, got \"atuo\"; did you mean \"auto\"?"),
+            std::string::npos)
+      << r.out;
+  // Another axis auto: data is then 1 unless given.
+  r = run({pp, "--dry-run", "--np", "4", "--set", "mesh.pipeline=auto", "--set", "mesh.data=2"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("mesh pipeline=2 x data=2 = 4 processes"), std::string::npos) << r.out;
 }
 
 TEST(TrainCli, KilledRunResumesAndFollowsTheUninterruptedRun) {
@@ -891,6 +958,31 @@ log: {metrics: ""}
   EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;
 }
 
+// Issue 48, item 3: `mpirun -np 4 train configs/dp.yaml` (an example of `train --help`)
+// failed with "mesh data=2 = 2 ranks, but the world has 4"; its data axis is now auto and
+// it trains on 4 data ranks. Under 3 ranks a pipeline of 2 is the equation's error, exit 2.
+TEST(TrainMpi, FourProcessesTrainTheDataParallelConfigOnFourDataRanks) {
+  fs::path d = fresh_dir("dp4");
+  const std::string dp = std::string(TETRA_SOURCE_DIR) + "/configs/dp.yaml";
+  Outcome r = run_mpi(4, {dp, "--set", "train.max_steps=2", "--set", "log.dir=" + (d / "run").string(), "--set",
+                          "checkpoint.dir=", "--set", "data.eval_samples=200", "--set", "log.progress=plain"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json summary = nlohmann::json::parse(slurp(d / "run/summary.json"));
+  EXPECT_EQ(summary["mesh"], nlohmann::json({{"data", 4}})) << summary.dump();
+  EXPECT_EQ(summary["world"], 4);
+  EXPECT_EQ(summary["final_step"], 2);
+  EXPECT_NE(slurp(d / "run/job.yaml").find("  data: auto\n"), std::string::npos);  // runs again on any world
+
+  const std::string pp = write_job(d, "pp.yaml", "model: {type: mlp, hidden: [32, 32]}\nmesh: {pipeline: 2}\n"
+                                                 "train: {max_steps: 1}\n").string();
+  r = run_mpi(3, {pp, "--set", "log.dir=" + (d / "pp").string()});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("mesh.data: auto: data = world / (pipeline=2) = 3 / 2, which is not a whole number of ranks"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;
+}
+
 TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
   fs::path d = fresh_dir("mpifit");
   // A batch that splits over 3 data ranks: the mesh is the only mistake.
@@ -1157,6 +1249,8 @@ print(json.dumps({f: [e.message for e in v.iter_errors(yaml.safe_load(open(f)) o
       // `key: ~` is the key left out (its default), for a word, a number, a list and a section.
       write_job(d, "nulls_are_defaults.yaml",
                 "model: {type: ~, hidden: ~}\noptimizer: {lr: ~, type: sgd}\nschedule: ~\ntrain: {max_steps: ~}\n")
+          .string(),
+      write_job(d, "auto_and_check.yaml", "mesh: {data: auto, pipeline: 1}\ncollectives: {check: true}\nlog: {dir: ~}\n")
           .string()};
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"unknown_section.yaml", "modle: {type: mlp}\n"},
@@ -1167,6 +1261,9 @@ print(json.dumps({f: [e.message for e in v.iter_errors(yaml.safe_load(open(f)) o
       {"nonpositive_lr.yaml", "optimizer: {lr: 0}\n"},
       {"list_for_a_word.yaml", "pipeline: {schedule: [1f1b]}\n"},
       {"word_for_a_section.yaml", "zero: 3\n"},
+      {"not_auto.yaml", "mesh: {data: atuo}\n"},
+      {"no_ranks.yaml", "mesh: {data: 0}\n"},
+      {"check_a_word.yaml", "collectives: {check: often}\n"},
   };
   std::vector<std::string> bad_files;
   for (const auto& [name, text] : bad) {

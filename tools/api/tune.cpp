@@ -157,13 +157,16 @@ class ModelRules {
   std::map<int, std::unique_ptr<Trainer>> built_;
 };
 
+// Note [Auto axis]: the world a job's auto axis fills is the one it is tuned for.
+JobWorld tuning_world(const TuneOptions& o) { return {o.np, "--np " + std::to_string(o.np)}; }
+
 // The candidate's job: the base's resolved YAML with its keys applied, parsed like a file
 // and checked as `train --check` checks it: the plan's rules, np, the model's rules.
 // Throws ConfigError.
 void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, ModelRules& rules) {
   YAML::Node node = YAML::Clone(resolved);
   for (const auto& [key, value] : c.keys) apply_key(node, key, value);
-  ParsedJob parsed = parse_job_string(resolved_yaml(node), o.job, {}, plugins());
+  ParsedJob parsed = parse_job_string(resolved_yaml(node), o.job, {}, plugins(), {}, tuning_world(o));
   parsed.spec.source = o.job;
   const Plan plan(parsed.spec);
   plan.check_world(o.np, "--np " + std::to_string(o.np));
@@ -245,7 +248,7 @@ std::string to_string(Candidate::Trial t) {
 }
 
 std::vector<Candidate> enumerate_candidates(const TuneOptions& o, int* rejected) {
-  const ParsedJob base = parse_job_file(o.job, o.sets, plugins());
+  const ParsedJob base = parse_job_file(o.job, o.sets, plugins(), tuning_world(o));
   const JobSpec& spec = base.spec;
   // The data it reads, the folders it writes: the same for every candidate. A plan on
   // paper is for another machine: its device is not this one's to check.
@@ -765,7 +768,18 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
     h += "#   predicted against measured step over the trials: rank correlation " + fmt("%.2f", r.correlation) + "\n";
   if (!r.phase_ratios.empty())
     h += "#   measured / predicted per phase (geometric mean over the trials): " + ratios_text(r.phase_ratios) + "\n";
-  return h + c.yaml;
+  // Its own run: named <name>-tuned, so that running it starts a run folder of its own
+  // (runs/<name>-tuned) and never continues the job's (Note [A finished run stays]).
+  YAML::Node job = YAML::Load(c.yaml);
+  const std::string name = c.spec.name + "-tuned";
+  job["name"] = name;
+  std::string folder = "runs/" + name + " (log.dir unset: it follows the name)";
+  if (job["log"] && job["log"]["dir"] && !job["log"]["dir"].IsNull() && !job["log"]["dir"].as<std::string>().empty()) {
+    folder = job["log"]["dir"].as<std::string>() + "-tuned";  // the user's own folder, beside it
+    job["log"]["dir"] = folder;
+  }
+  h += "#   named " + name + ": its run folder is " + folder + ", beside the job's own\n";
+  return h + resolved_yaml(job);
 }
 
 }  // namespace
