@@ -696,6 +696,45 @@ CheckpointReader::CheckpointReader(const std::string& path) : open_(std::make_un
   for (const char* key : kReserved) meta_.erase(key);
 }
 
+CheckpointReader::CheckpointReader() : open_(std::make_unique<Files>()) {}
+
+CheckpointReader CheckpointReader::weights_of(const std::string& path) {
+  const std::string prefix = "model/";
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) {
+    CheckpointReader r(path);
+    for (auto it = r.index_.begin(); it != r.index_.end();)
+      it = it->first.rfind(prefix, 0) == 0 ? std::next(it) : r.index_.erase(it);
+    if (r.index_.empty()) throw Error("checkpoint " + r.folder() + " holds no model weights (no tensor named model/...)");
+    return r;
+  }
+  // An export: one file of whole tensors (or a checkpoint's rank file of slices, read the
+  // same way), its tensors the model's.
+  CheckpointReader r;
+  const fs::path file = fs::absolute(path, ec);
+  r.folder_ = file.parent_path().string();
+  r.format_ = 1;
+  r.files_ = {file.filename().string()};
+  auto st = std::make_unique<SafetensorsFile>(file.string());
+  Index index;
+  index_file(index, r.files_[0], *st, path);
+  check_index(index, path);
+  for (auto& [name, e] : index)
+    r.index_.emplace(prefix + name, Entry{e.dtype, e.shape, numel_of(e.shape, e.dtype), std::move(e.parts)});
+  r.stored_prefix_ = prefix;
+  if (r.index_.empty()) throw Error(path + " holds no tensors");
+  if (auto step = st->metadata().find("step"); step != st->metadata().end()) {
+    try {
+      r.step_ = std::stoll(step->second);
+    } catch (const std::exception&) {
+      r.step_ = 0;  // an export from elsewhere: its step is only said
+    }
+  }
+  r.meta_ = {{"weights", path}};
+  r.open_->open.emplace(r.files_[0], std::move(st));
+  return r;
+}
+
 CheckpointReader::~CheckpointReader() = default;
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
@@ -760,6 +799,8 @@ torch::Tensor CheckpointReader::read_range(const std::string& name, const Entry&
                                           int64_t count, at::IntArrayRef shape) const {
   const int64_t end = begin + count;  // the callers checked [begin, end) is within [0, numel)
   const size_t size = c10::elementSize(e.dtype);
+  const std::string in_file = !stored_prefix_.empty() && name.rfind(stored_prefix_, 0) == 0
+                                  ? name.substr(stored_prefix_.size()) : name;
   // First every part the range touches, checked against its file's header: a damaged index
   // can claim a tensor of 2^58 elements, but the tensor is allocated only once files
   // hold all of its bytes.
@@ -775,11 +816,11 @@ torch::Tensor CheckpointReader::read_range(const std::string& name, const Entry&
     const int64_t lo = std::max(begin, it->begin), hi = std::min(end, it->end);
     if (lo >= hi) continue;
     const SafetensorsFile& f = file(it->file);
-    if (!f.contains(name))
+    if (!f.contains(in_file))
       throw Error("checkpoint " + folder_ + ": " + it->file + " has no tensor " + shown(name) +
                   ", though the index puts its elements " + range_str(it->begin, it->end) +
                   " there");
-    const auto& stored = f.entry(name);
+    const auto& stored = f.entry(in_file);
     if (stored.dtype != e.dtype || stored.numel() != it->end - it->begin)
       throw Error("checkpoint " + folder_ + ": " + it->file + " holds tensor " + shown(name) + " as " +
                   safetensors_dtype_name(stored.dtype) + " " + shape_str(stored.shape) +
@@ -790,7 +831,7 @@ torch::Tensor CheckpointReader::read_range(const std::string& name, const Entry&
   torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(e.dtype));
   char* out = static_cast<char*>(t.data_ptr());
   for (const Piece& p : pieces)
-    p.file->read(name, static_cast<uint64_t>(p.lo - p.part_begin) * size,
+    p.file->read(in_file, static_cast<uint64_t>(p.lo - p.part_begin) * size,
                  static_cast<uint64_t>(p.hi - p.lo) * size, out + static_cast<size_t>(p.lo - begin) * size);
   return t;
 }

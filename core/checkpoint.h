@@ -109,6 +109,11 @@ class CheckpointReader {
  public:
   // A step folder, or a folder of them (its newest). Missing/damaged: tetra::Error naming it.
   explicit CheckpointReader(const std::string& path);
+  // Note [Weights from elsewhere]: the model's weights alone, as "model/<name>": of a
+  // checkpoint (a step folder or a folder of them, any job, any layout; its other tensors
+  // hidden), or of a safetensors file (an export: its tensors are the model's, by their
+  // single-process names). step() is the checkpoint's, or the export's "step" metadata.
+  static CheckpointReader weights_of(const std::string& path);
   ~CheckpointReader();
   CheckpointReader(CheckpointReader&&) noexcept;
   CheckpointReader& operator=(CheckpointReader&&) noexcept;
@@ -148,6 +153,7 @@ class CheckpointReader {
   const std::vector<Part>& parts(const std::string& name) const;
 
  private:
+  CheckpointReader();
   struct Entry {
     at::ScalarType dtype = at::kFloat;
     std::vector<int64_t> shape;
@@ -165,6 +171,9 @@ class CheckpointReader {
   nlohmann::json meta_ = nlohmann::json::object();
   int world_ = 1, format_ = 2;
   std::vector<std::string> files_;
+  // What an index name has that the file's tensor name lacks ("model/" for an export read
+  // by weights_of, whose file names the model's tensors bare); "" for a checkpoint.
+  std::string stored_prefix_;
   std::map<std::string, Entry> index_;
   nlohmann::json checksums_ = nlohmann::json::object();  // file -> {bytes, crc32c}; may be empty
   struct Files;  // the rank files opened so far, behind a mutex (the reader stays movable)

@@ -184,13 +184,17 @@ const Placement* Materializer::placement(const std::string& name) const {
 void Materializer::draw_part(const std::string& name, int64_t first, const at::Tensor& out) const {
   const Init& init = rule(name);
   const Placement* part = placement(name);
+  const at::Tensor flat = out.view({-1});
+  // Elements [whole_begin, +n) of the whole tensor into `into`: the source's, else drawn.
+  auto value = [&](int64_t whole_begin, const at::Tensor& into) {
+    if (!source_ || !source_(name, whole_begin, into)) draw(init, seed_, name, whole_begin, into);
+  };
   if (!part) {
-    draw(init, seed_, name, first, out);
+    value(first, flat);
     return;
   }
-  const at::Tensor flat = out.view({-1});
   for (const Placement::Run& r : part->runs(first, out.numel()))
-    draw(init, seed_, name, r.whole_begin, flat.narrow(0, r.local_begin - first, r.length));
+    value(r.whole_begin, flat.narrow(0, r.local_begin - first, r.length));
 }
 
 void Materializer::fill(const NamedParam& p, int64_t first, const at::Tensor& out) const {

@@ -37,6 +37,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -129,11 +130,21 @@ class Materializer {
   // and ZeRO-3's wrappers keep them).
   void create_all(torch::nn::Module& model) const;
 
+  // Note [Weights from elsewhere]: where initial values come from instead of the seeded
+  // draw. `source(name, whole_begin, out)` fills `out` (CPU, contiguous, 1-D) with elements
+  // [whole_begin, whole_begin + out.numel()) of the whole tensor `name` and returns true,
+  // or returns false for a tensor it does not have (which is then drawn). Set before any
+  // tensor is created: every layout creates its part through draw_part, so the values land
+  // resharded onto whatever this rank holds.
+  using ValueSource = std::function<bool(const std::string& name, int64_t whole_begin, const at::Tensor& out)>;
+  void take_values_from(ValueSource source) { source_ = std::move(source); }
+
  private:
   uint64_t seed_;
   torch::Device device_;
   std::map<std::string, Init> rules_;             // meta tensors only
   std::map<std::string, Placement> placements_;   // those of them a module holds part of
+  ValueSource source_;                            // none: every value is drawn
   // Draws elements [first, first + out.numel()) of p's part into `out` (CPU, contiguous).
   void draw_part(const std::string& name, int64_t first, const at::Tensor& out) const;
 };

@@ -248,6 +248,8 @@ void checkpoint_fields(V& v, CheckpointSpec& c) {
   }
   v.string("safetensors", c.safetensors);
   v.word("on_error", c.on_error, on_checkpoint_error_names());
+  v.string("init_from", c.init_from);
+  v.boolean("init_strict", c.init_strict);
 }
 
 template <class V>

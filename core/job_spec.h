@@ -113,6 +113,14 @@ struct CheckpointSpec {
   int64_t keep = 3;           // newest K kept; >= 1
   std::string resume = "auto"; // auto (newest in dir, if any) | never | a checkpoint path
   std::string safetensors;    // when set (model.safetensors), the final weights are exported there
+  // Note [Weights from elsewhere] (core/trainer.cpp): a checkpoint folder of any job and
+  // layout, or a safetensors export, whose model weights (and nothing else: no optimizer
+  // state, no step, no data position) this run starts from; "" = the seeded initialisation.
+  // Read from the current directory. A run that resumes its own checkpoint ignores it.
+  std::string init_from;
+  // false: tensors of the model that init_from lacks keep their initialisation, and its
+  // tensors the model lacks are left; both listed. true: either is an error listing them.
+  bool init_strict = true;
   // A failed save: stop ends the run with its error; warn prints it on rank 0, counts it
   // (metrics' checkpoint_failures) and trains on. The previous checkpoint stays intact.
   OnCheckpointError on_error = OnCheckpointError::kStop;

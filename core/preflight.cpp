@@ -104,6 +104,11 @@ std::vector<std::string> path_problems(const JobSpec& spec, bool own_data) {
   if (resume != "auto" && resume != "never" && !CheckpointStore::resolve(resume))
     add("checkpoint.resume: no checkpoint at " + resume +
         " (a step folder, ckpt/step-00000500, or a folder of them; auto takes checkpoint.dir's newest)");
+  const std::string& init = spec.checkpoint.init_from;
+  std::error_code ec;
+  if (!init.empty() && !fs::is_regular_file(init, ec) && !CheckpointStore::resolve(init))
+    add("checkpoint.init_from: " + init + (fs::exists(init, ec) ? " is neither" : " does not exist: neither") +
+        " a checkpoint (a step folder, or a folder of them) nor a safetensors file");
   // Write. When the run folder itself cannot be made, that is the one problem to say
   // about the paths inside it.
   const std::string run_dir = write_problem("log.dir", spec.log.dir, true);

@@ -5,7 +5,8 @@
 // nothing. So `train --check`, and every rank at the start of a run, checks each path
 // the job names, each error naming its key:
 //   read   data.path (a file for text, a folder holding the four Fashion-MNIST files),
-//          checkpoint.resume when it is a path: exists, readable, the right kind.
+//          checkpoint.resume when it is a path: exists, readable, the right kind;
+//          checkpoint.init_from: a checkpoint, or a file (an export).
 //   write  log.dir, checkpoint.dir, log.metrics, log.trace, log.tensorboard,
 //          checkpoint.safetensors: either there and of the right kind (a folder, a file)
 //          and writable, or creatable: the nearest existing parent is a folder (not a

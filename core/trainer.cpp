@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 
 #include "collectives/error.h"
 #include "collectives/hierarchical.h"
@@ -23,6 +24,106 @@
 namespace tetra::core {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// Note [Weights from elsewhere]
+// checkpoint.init_from starts a run from another run's weights, and from nothing else of
+// it: no optimizer state, no step, no data position (fine-tuning; DeepSpeed's
+// load_module_only, torchtitan's initial_load_path). The source is a checkpoint folder of
+// any job and any layout, or a safetensors export (CheckpointReader::weights_of: its
+// tensors as model/<name>). Its names and shapes are checked against the whole model
+// before any tensor is created, every mismatch listed at once; then the Materializer takes
+// each tensor's values from it instead of the seeded draw (Materializer::take_values_from),
+// so the weights land resharded on whatever this rank creates: a ZeRO-3 shard, a tensor
+// rank's columns, a pipeline stage's layers. The run is its own: its checkpoints carry its
+// own name, and once it has one, resuming takes that (init_from is then not read).
+
+// Whether the run will resume a checkpoint of its own (then init_from is not read): an
+// explicit checkpoint.resume, or auto with a checkpoint in checkpoint.dir.
+bool resumes_its_own(const CheckpointSpec& ck) {
+  if (ck.resume == "never") return false;
+  if (ck.resume != "auto") return true;
+  if (ck.dir.empty()) return false;
+  try {
+    return CheckpointStore(ck.dir, ck.keep).latest().has_value();
+  } catch (const std::exception&) {
+    return true;  // a damaged folder: the resume decision says so
+  }
+}
+
+CheckpointReader weights_from(const std::string& path) {
+  try {
+    return CheckpointReader::weights_of(path);
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const Error& e) {
+    throw ConfigError("checkpoint.init_from: " + std::string(e.what()));
+  }
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string listed(const std::vector<std::string>& names) {
+  const size_t shown = 8;
+  std::string s;
+  for (size_t i = 0; i < names.size() && i < shown; ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > shown) s += " and " + std::to_string(names.size() - shown) + " more";
+  return s;
+}
+
+// The source's tensors against the whole model's (`whole`: parameter -> whole shape; the
+// buffers, which a source may leave out): a ConfigError listing every mismatch, or what the
+// run starts from, in one line.
+std::string check_weights(const CheckpointReader& source, const std::map<std::string, std::vector<int64_t>>& whole,
+                          const torch::OrderedDict<std::string, at::Tensor>& buffers, const CheckpointSpec& ck) {
+  std::vector<std::string> wrong, missing, extra;
+  std::set<std::string> known;
+  for (const auto& [name, shape] : whole) {
+    known.insert(name);
+    const std::string key = "model/" + name;
+    if (!source.contains(key))
+      missing.push_back(name);
+    else if (source.shape(key) != shape)
+      wrong.push_back(name + " " + shape_text(source.shape(key)) + " there, " + shape_text(shape) + " here");
+  }
+  for (const auto& b : buffers) {
+    known.insert(b.key());
+    const std::string key = "model/" + b.key();
+    if (source.contains(key) && source.shape(key) != b.value().sizes().vec())
+      wrong.push_back(b.key() + " " + shape_text(source.shape(key)) + " there, " + shape_text(b.value().sizes().vec()) +
+                      " here");
+  }
+  for (const std::string& key : source.names())
+    if (!known.count(key.substr(6))) extra.push_back(key.substr(6));
+  const std::string from = ck.init_from + (source.meta().contains("job") && source.meta()["job"].is_string()
+                                               ? " (job \"" + source.meta()["job"].get<std::string>() + "\", step " +
+                                                     std::to_string(source.step()) + ")"
+                                               : " (step " + std::to_string(source.step()) + ")");
+  std::string problems;
+  auto add = [&](const std::string& what, const std::vector<std::string>& names) {
+    if (!names.empty()) problems += "; " + std::to_string(names.size()) + " " + what + ": " + listed(names);
+  };
+  add("of another shape", wrong);
+  if (ck.init_strict) {
+    add("of this model not in it", missing);
+    add("in it that this model does not have", extra);
+  }
+  if (!problems.empty())
+    throw ConfigError("checkpoint.init_from: " + from + " does not fit this model" + problems +
+                      (wrong.empty() ? ". checkpoint.init_strict: false starts from the tensors that match" : ""));
+  std::string note = "weights from " + from + ": " + std::to_string(whole.size() - missing.size()) + " of the model's " +
+                     std::to_string(whole.size()) + " parameters";
+  if (!missing.empty()) note += "; not in it, initialised as usual: " + listed(missing);
+  if (!extra.empty()) note += "; in it, not in this model, left: " + listed(extra);
+  return note + " (no optimizer state, no step: a run of its own)";
+}
+
+}  // namespace
 
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
     : plan_(std::move(spec)), spec_(plan_.spec()), options_(std::move(options)) {
@@ -105,6 +206,26 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   }
   identity_ = std::make_unique<RunIdentity>(
       RunIdentity{spec_, data_->info(), static_cast<bool>(options_.model), std::move(layers), model_parameters_});
+  // Note [Weights from elsewhere]: checked against the whole model, before any tensor exists.
+  if (!spec_.checkpoint.init_from.empty() && !resumes_its_own(spec_.checkpoint)) {
+    if (weights_->given())
+      throw ConfigError("checkpoint.init_from: the program's own model came with its values (TrainerOptions::model "
+                        "built real tensors); init_from gives values to a model tetra builds as shapes");
+    auto source = std::make_shared<CheckpointReader>(weights_from(spec_.checkpoint.init_from));
+    std::map<std::string, std::vector<int64_t>> whole;  // the whole model's tensors, whatever this rank keeps
+    for (const auto& p : params_) {
+      const Placement* part = weights_->placement(p.name);
+      whole[p.name] = part ? part->whole_shape() : p.tensor.sizes().vec();
+    }
+    init_note_ = check_weights(*source, whole, model_->named_buffers(), spec_.checkpoint);
+    if (!options_.dry_run)
+      weights_->take_values_from([source](const std::string& name, int64_t begin, const at::Tensor& out) {
+        const std::string key = "model/" + name;
+        if (!source->contains(key)) return false;
+        out.copy_(source->read_flat(key, begin, out.numel()));
+        return true;
+      });
+  }
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
   total_steps_ = spec_.train.max_steps ? *spec_.train.max_steps
@@ -140,6 +261,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   if (!options_.dry_run) weights_->create_all(*model_);
   if (!runner) local_runner_ = std::make_unique<LocalRunner>(model_, trace_, spec_.train.accumulation_steps, state_->loss);
   runner_ = runner ? runner : local_runner_.get();
+  weights_->take_values_from({});  // every tensor is created: the source's files close
   // After attach: the parameters this rank holds, stepped by core's optimizer — unless a
   // strategy keeps the model state in its own layout and steps it.
   if (!owner)
@@ -462,6 +584,7 @@ TrainResult Trainer::run() {
   RunRecords records(spec_, plan_, mesh_.get(), ranks_);
   if (write && !spec_.log.dir.empty()) records.write_run_start();
   Progress progress(write ? spec_.log.progress : "off", spec_.log.every, options_.out);
+  if (resumed_from_.empty() && !init_note_.empty()) progress.message(init_note_);
   if (!resumed_from_.empty())
     progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_) +
                      (resume_changes_.empty() ? "" : "; changed since it was written: " + resume_changes_));

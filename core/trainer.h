@@ -163,6 +163,7 @@ class Trainer {
   torch::Device device_ = torch::kCPU;  // this rank's (Note [One device], core/device.h)
   std::unique_ptr<RunIdentity> identity_;  // what checkpoints and exports say of the run
   std::string resume_changes_;             // the settings that differ from the resumed checkpoint's
+  std::string init_note_;  // Note [Weights from elsewhere]: what the run started from ("" when drawn)
   int64_t skipped_steps_ = 0;  // this run's
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<BatchPlan> batches_;

@@ -40,8 +40,13 @@ inline core::SectionRegistry all_plugins() {
   return plugins;
 }
 
-inline core::JobSpec job(const std::string& yaml, const std::vector<std::string>& sets,
-                         const std::string& name = "job") {
+// No run folder unless the sets name one (log.dir ""): the tests' runs share a name and
+// a working folder, and a finished run is never trained over (Note [A finished run
+// stays]), so each keeps its records where its sets say.
+inline core::JobSpec job(const std::string& yaml, std::vector<std::string> sets, const std::string& name = "job") {
+  core::ParsedJob parsed = core::parse_job_string(yaml, name, sets, all_plugins());
+  if (!parsed.resolved["log"]["dir"].IsNull()) return parsed.spec;
+  sets.insert(sets.begin(), "log.dir=");
   return core::parse_job_string(yaml, name, sets, all_plugins()).spec;
 }
 

@@ -96,7 +96,11 @@ class CostModelCheck : public ::testing::Test {
   double measure(const Layout& l) {
     const std::string metrics = (dir_ / "metrics.jsonl").string();
     fs::remove(metrics);
-    std::vector<std::string> args = {job_, "--set", "log.metrics=" + metrics, "--set", "log.dir=" + (dir_ / "runs").string()};
+    // A run folder of its own each time: a finished run is never trained again over
+    // (Note [A finished run stays]).
+    const fs::path run = dir_ / "runs";
+    fs::remove_all(run);
+    std::vector<std::string> args = {job_, "--set", "log.metrics=" + metrics, "--set", "log.dir=" + run.string()};
     for (const std::string& s : l.sets) args.insert(args.end(), {"--set", s});
     Outcome r = l.np == 1 ? run_tool(kBin + "/train", dir_, args) : launch(l.np, l.hosts, kBin + "/train", args);
     EXPECT_EQ(r.status, 0) << l.name << ": " << r.out << r.err;

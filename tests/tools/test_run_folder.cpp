@@ -421,3 +421,73 @@ TEST(RunFolder, ADamagedCheckpointNamedByResumeIsExit2AndCheckFindsIt) {
     EXPECT_TRUE(has(r.out, "train: error: checkpoint.resume: checkpoint " + step.string() + " is damaged")) << r.out;
   }
 }
+
+// Issue 48, item 4 (Note [Weights from elsewhere]): checkpoint.init_from gives a run
+// another run's weights and nothing else, from a checkpoint or a safetensors export alike;
+// names and shapes are checked before anything trains, every mismatch listed; the run is
+// its own, and resuming it resumes it.
+TEST(RunFolder, InitFromStartsFromAnotherRunsWeightsAndNothingElse) {
+  const fs::path d = scratch_with_job("init_from");
+  ASSERT_EQ(run_in(d, kTrain, {"job.yaml"}).status, 0);
+  auto first_loss = [&](const std::string& run) {
+    std::ifstream in(d / "runs" / run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.value("step", 0) == 1 && j.contains("loss")) return j["loss"].get<double>();
+    }
+    return -1.0;
+  };
+  const std::vector<std::string> one_step = {"--set", "train.max_steps=1"};
+  auto run = [&](const std::string& name, const std::string& from, std::vector<std::string> more = {}) {
+    std::vector<std::string> args = {"job.yaml", "--set", "name=" + name, "--set", "checkpoint.init_from=" + from};
+    args.insert(args.end(), one_step.begin(), one_step.end());
+    args.insert(args.end(), more.begin(), more.end());
+    return run_in(d, kTrain, args);
+  };
+  Outcome ckpt = run("ft", "runs/small/ckpt/step-00000006");
+  ASSERT_EQ(ckpt.status, 0) << ckpt.out;
+  EXPECT_TRUE(has(ckpt.out, "weights from runs/small/ckpt/step-00000006 (job \"small\", step 6): 4 of the model's 4 "
+                            "parameters (no optimizer state, no step: a run of its own)"))
+      << ckpt.out;
+  Outcome exported = run("ft2", "runs/small/model.safetensors");
+  ASSERT_EQ(exported.status, 0) << exported.out;
+  EXPECT_TRUE(has(exported.out, "weights from runs/small/model.safetensors (step 6)")) << exported.out;
+  ASSERT_EQ(run_in(d, kTrain, {"job.yaml", "--set", "name=fresh", "--set", "train.max_steps=1"}).status, 0);
+  // The same weights on the same first batch: the same loss, bit for bit; not the drawn ones'.
+  EXPECT_EQ(first_loss("ft"), first_loss("ft2"));
+  EXPECT_NE(first_loss("ft"), first_loss("fresh"));
+  EXPECT_GT(first_loss("ft"), 0);
+  // Its checkpoints are its own, from step 1; resuming it takes them, not the source.
+  const nlohmann::json meta = nlohmann::json::parse(slurp(d / "runs/ft/ckpt/step-00000001/meta.json"));
+  EXPECT_EQ(meta["job"], "ft");
+  Outcome resumed = run("ft", "runs/small/ckpt/step-00000006", {"--set", "train.max_steps=2"});
+  ASSERT_EQ(resumed.status, 0) << resumed.out;
+  EXPECT_TRUE(has(resumed.out, "resumed from runs/ft/ckpt/step-00000001 at step 1")) << resumed.out;
+  EXPECT_FALSE(has(resumed.out, "weights from")) << resumed.out;
+
+  // Another shape: every one listed, exit 2, nothing trained.
+  Outcome wider = run("wide", "runs/small/ckpt", {"--set", "model.hidden=[16]"});
+  EXPECT_EQ(wider.status, 2) << wider.out;
+  EXPECT_TRUE(has(wider.out, "train: error: checkpoint.init_from: runs/small/ckpt (job \"small\", step 6) does not fit "
+                             "this model; 3 of another shape: 1.bias [32] there, [16] here, 1.weight [32, 784] there, "
+                             "[16, 784] here, 3.weight [10, 32] there, [10, 16] here"))
+      << wider.out;
+  EXPECT_FALSE(fs::exists(d / "runs/wide/metrics.jsonl")) << wider.out;
+  // Other names (a checkpoint's every tensor, exported with --all): strict lists both
+  // sides; init_strict: false starts from what matches (nothing here) and says so.
+  ASSERT_EQ(run_in(d, kCkpt, {"export", "runs/small/ckpt", "-o", "all.safetensors", "--all"}).status, 0);
+  Outcome strict = run("all", "all.safetensors");
+  EXPECT_EQ(strict.status, 2) << strict.out;
+  EXPECT_TRUE(has(strict.out, "4 of this model not in it: 1.bias, 1.weight, 3.bias, 3.weight; ")) << strict.out;
+  EXPECT_TRUE(has(strict.out, "6 in it that this model does not have: model/1.bias, model/1.weight, model/3.bias, "
+                              "model/3.weight, optim/__step__, rng/cpu")) << strict.out;
+  EXPECT_TRUE(has(strict.out, "checkpoint.init_strict: false starts from the tensors that match")) << strict.out;
+  Outcome loose = run("all", "all.safetensors", {"--set", "checkpoint.init_strict=false"});
+  EXPECT_EQ(loose.status, 0) << loose.out;
+  EXPECT_TRUE(has(loose.out, "0 of the model's 4 parameters; not in it, initialised as usual: 1.bias, 1.weight, "
+                             "3.bias, 3.weight; in it, not in this model, left: model/1.bias"))
+      << loose.out;
+  Outcome missing = run("none", "no/such/ckpt");
+  EXPECT_EQ(missing.status, 2) << missing.out;
+  EXPECT_TRUE(has(missing.out, "train: error: checkpoint.init_from: no/such/ckpt does not exist")) << missing.out;
+}

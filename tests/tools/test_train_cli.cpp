@@ -65,10 +65,10 @@ fs::path write_job(const fs::path& dir, const std::string& name, const std::stri
   return p;
 }
 
-// `job` with its checkpoints and metrics under `dir` (dir/ckpt, dir/m.jsonl).
+// `job` with its run folder, checkpoints and metrics under `dir` (dir/ckpt, dir/m.jsonl).
 std::vector<std::string> run_args(const std::string& job, const fs::path& dir) {
   return {job, "--set", "checkpoint.dir=" + (dir / "ckpt").string(), "--set",
-          "log.metrics=" + (dir / "m.jsonl").string()};
+          "log.metrics=" + (dir / "m.jsonl").string(), "--set", "log.dir=" + dir.string()};
 }
 
 // Waits (up to three minutes) until `path` exists: a checkpoint a running job wrote.
@@ -403,7 +403,7 @@ checkpoint: {dir: ""}
 log: {every: 1, progress: plain}
 )").string();
   std::vector<std::string> one_args = {job, "--set", "data.batch_size=" + batch, "--set",
-                                       "log.metrics=" + (d / "one.jsonl").string()};
+                                       "log.metrics=" + (d / "one.jsonl").string(), "--set", "log.dir=" + (d / "one").string()};
   for (const auto& kv : both) {
     one_args.push_back("--set");
     one_args.push_back(kv);
@@ -413,7 +413,7 @@ log: {every: 1, progress: plain}
   ASSERT_EQ(one.status, 0) << one.out;
   if (many_sets.size() == both.size()) many_sets.push_back("mesh.data=" + std::to_string(np));
   std::vector<std::string> args = {job, "--set", "data.batch_size=" + batch, "--set",
-                                   "log.metrics=" + (d / "many.jsonl").string()};
+                                   "log.metrics=" + (d / "many.jsonl").string(), "--set", "log.dir=" + (d / "many").string()};
   for (const auto& kv : many_sets) {
     args.push_back("--set");
     args.push_back(kv);
@@ -451,7 +451,8 @@ log: {every: 1, progress: plain}
 )").string();
   auto metrics = [&](const std::string& tag) {
     return std::vector<std::string>{"--set", "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
-                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string()};
+                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string(), "--set",
+                                    "log.dir=" + (d / tag).string()};
   };
   std::vector<std::string> one_args = {job};
   for (const auto& a : metrics("one")) one_args.push_back(a);
@@ -582,7 +583,8 @@ log: {every: 1, progress: plain}
   auto args = [&](const std::string& tag) {
     return std::vector<std::string>{job, "--set", "data.path=" + (d / "text.txt").string(), "--set",
                                     "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
-                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string()};
+                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string(), "--set",
+                                    "log.dir=" + (d / tag).string()};
   };
   Outcome one = run(args("one"));
   ASSERT_EQ(one.status, 0) << one.out;
@@ -930,7 +932,7 @@ TEST(TrainCli, ZeroConfigsAreValidAndTheDryRunShowsTheShardedState) {
     Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/" + cfg, "--check"});
     EXPECT_EQ(r.status, 0) << cfg << "\n" << r.out;
   }
-  Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/zero.yaml", "--dry-run"});
+  Outcome r = run({std::string(TETRA_SOURCE_DIR) + "/configs/zero.yaml", "--dry-run", "--np", "2"});
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("zero: stage 2 over 2 data ranks"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("model state per rank"), std::string::npos) << r.out;
@@ -981,6 +983,35 @@ TEST(TrainMpi, FourProcessesTrainTheDataParallelConfigOnFourDataRanks) {
             std::string::npos)
       << r.out;
   EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;
+}
+
+// Issue 48, item 4: fine-tuning from a ZeRO-3 checkpoint of 2 ranks into a data-parallel
+// run on 3 starts from exactly those weights: its first loss is the source run's loss at
+// the step after that checkpoint, on the same batch (no shuffling, and an epoch of two
+// steps, so that the source's step 3 and the new run's step 1 read the same samples).
+TEST(TrainMpi, FineTuningFromZeroThreeOnTwoRanksIntoThreeDataRanksStartsFromThoseWeights) {
+  fs::path d = fresh_dir("initfrom");
+  const std::string job = write_job(d, "job.yaml", R"(
+model: {type: mlp, hidden: [64]}
+data: {type: synthetic, batch_size: 48, train_samples: 96, test_samples: 96, shuffle: false}
+optimizer: {type: sgd, lr: 0.1}
+train: {max_steps: 4, seed: 5, threads: 1}
+checkpoint: {every_steps: 2}
+log: {every: 1, progress: plain}
+)").string();
+  Outcome src = run_mpi(2, {job, "--set", "name=src", "--set", "log.dir=" + (d / "src").string(), "--set", "zero.stage=3"});
+  ASSERT_EQ(src.status, 0) << src.out;
+  Outcome ft = run_mpi(3, {job, "--set", "name=ft", "--set", "log.dir=" + (d / "ft").string(), "--set",
+                           "checkpoint.init_from=" + (d / "src/ckpt/step-00000002").string(), "--set", "train.max_steps=1"});
+  ASSERT_EQ(ft.status, 0) << ft.out;
+  EXPECT_NE(ft.out.find("weights from " + (d / "src/ckpt/step-00000002").string() + " (job \"src\", step 2)"),
+            std::string::npos)
+      << ft.out;
+  const auto source = losses(d / "src/metrics.jsonl");
+  const auto tuned = losses(d / "ft/metrics.jsonl");
+  ASSERT_TRUE(source.count(3) && tuned.count(1)) << ft.out;
+  EXPECT_NEAR(tuned.at(1), source.at(3), 1e-5 * std::fabs(source.at(3)));
+  EXPECT_GT(std::fabs(tuned.at(1) - source.at(1)), 1e-3);  // not the drawn weights'
 }
 
 TEST(TrainMpi, AMeshThatDoesNotFitTheWorldIsOneClearErrorAndExit2) {
