@@ -21,6 +21,7 @@
 #include "collectives/local.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
+#include "tests/common/job.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
@@ -40,14 +41,8 @@ inline core::SectionRegistry all_plugins() {
   return plugins;
 }
 
-// No run folder unless the sets name one (log.dir ""): the tests' runs share a name and
-// a working folder, and a finished run is never trained over (Note [A finished run
-// stays]), so each keeps its records where its sets say.
 inline core::JobSpec job(const std::string& yaml, std::vector<std::string> sets, const std::string& name = "job") {
-  core::ParsedJob parsed = core::parse_job_string(yaml, name, sets, all_plugins());
-  if (!parsed.resolved["log"]["dir"].IsNull()) return parsed.spec;
-  sets.insert(sets.begin(), "log.dir=");
-  return core::parse_job_string(yaml, name, sets, all_plugins()).spec;
+  return job_without_run_folder(yaml, name, std::move(sets), all_plugins());
 }
 
 struct Outcome {

@@ -28,6 +28,7 @@
 #include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/trainer.h"
+#include "tests/common/job.h"
 
 using namespace tetra::core;
 namespace fs = std::filesystem;
@@ -792,7 +793,7 @@ log: {metrics: "", progress: off}
 )";
 
 JobSpec job(std::vector<std::string> sets) {
-  return parse_job_string(kJob, "test", sets, SectionRegistry{}).spec;
+  return tetra::numerics::job_without_run_folder(kJob, "test", std::move(sets), SectionRegistry{});
 }
 
 struct Interrupt {};

@@ -22,6 +22,7 @@
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "tests/core/poisoned_data.h"
+#include "tests/common/job.h"
 
 using namespace tetra::core;
 namespace fs = std::filesystem;
@@ -44,7 +45,9 @@ checkpoint: {dir: ""}
 log: {metrics: "", progress: off}
 )";
 
-JobSpec job(std::vector<std::string> sets = {}) { return parse_job_string(kJob, "faults", sets, SectionRegistry{}).spec; }
+JobSpec job(std::vector<std::string> sets = {}) {
+  return tetra::numerics::job_without_run_folder(kJob, "faults", std::move(sets), SectionRegistry{});
+}
 
 using tetra::testing_faults::PoisonedData;
 

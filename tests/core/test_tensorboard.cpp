@@ -23,6 +23,7 @@
 #include "core/trainer.h"
 #include "core/job_spec.h"
 #include "core/runtime.h"
+#include "tests/common/job.h"
 
 namespace fs = std::filesystem;
 using namespace tetra;
@@ -153,7 +154,7 @@ log: {every: 3, progress: off}
 // The job on one process, one thread.
 void train(const std::vector<std::string>& sets) {
   core::set_threads(1);
-  core::Trainer t(core::parse_job_string(kJob, "tb", sets, core::SectionRegistry{}).spec);
+  core::Trainer t(tetra::numerics::job_without_run_folder(kJob, "tb", sets, core::SectionRegistry{}));
   t.run();
 }
 

@@ -12,6 +12,7 @@
 #include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/trainer.h"
+#include "tests/common/job.h"
 
 using namespace tetra::core;
 namespace fs = std::filesystem;
@@ -26,7 +27,7 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 JobSpec job(const std::string& yaml, std::vector<std::string> sets = {}) {
-  return parse_job_string(yaml, "test", sets, SectionRegistry{}).spec;
+  return tetra::numerics::job_without_run_folder(yaml, "test", std::move(sets), SectionRegistry{});
 }
 
 double mean(const std::vector<double>& v, size_t b, size_t e) {

@@ -136,7 +136,8 @@ std::string expect_follows_one_process(const std::string& name, const std::strin
   const std::string job = write_job(d, optimizer).string();
   auto args = [&](const std::string& tag) {
     return std::vector<std::string>{job, "--set", "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
-                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string()};
+                                    "checkpoint.safetensors=" + (d / (tag + ".safetensors")).string(), "--set",
+                                    "log.dir=" + (d / tag).string()};
   };
   const Result one = run(kTrain, args("one"), d / "one.log");
   EXPECT_EQ(one.status, 0) << one.out;
@@ -274,7 +275,8 @@ TEST_F(MultiHost, AHostilePeerNeitherEndsNorDisturbsTheJob) {
     std::vector<std::string> args = {"exec", "tetra-host1", TETRA_MPIEXEC, "--allow-run-as-root", "--oversubscribe",
                                      "--bind-to", "none", "-np", "2", "-x", "TETRA_MONITOR_PORT=" + std::to_string(port)};
     for (const std::string& e : env) args.insert(args.end(), {"-x", e});
-    args.insert(args.end(), {kTrain, job.string(), "--set", "log.metrics=" + (d / (tag + ".jsonl")).string()});
+    args.insert(args.end(), {kTrain, job.string(), "--set", "log.metrics=" + (d / (tag + ".jsonl")).string(), "--set",
+                             "log.dir=" + (d / ("run-" + tag)).string()});
     return spawn_tool(kHosts, args, d / (tag + ".log"));
   };
 

@@ -832,6 +832,34 @@ TEST(TrainCli, DryRunWithoutACalibrationDescribesThisMachine) {
   EXPECT_EQ(one.status, 0) << one.out;
   EXPECT_NE(one.out.find("samples/s on 1 rank\n"), std::string::npos) << one.out;
   EXPECT_EQ(one.out.find("1 ranks"), std::string::npos) << one.out;
+
+  // Issue 48, item 6 (Note [Figures with their spread]): the compute timed three times,
+  // the median round priced, the spread and the machine's load said (before: one timing,
+  // and a busy machine's figures given as a quiet one's).
+  EXPECT_EQ(here["rounds_samples_per_s"].size(), 3u) << here.dump();
+  std::vector<double> rounds = here["rounds_samples_per_s"].get<std::vector<double>>();
+  std::sort(rounds.begin(), rounds.end());
+  EXPECT_DOUBLE_EQ(here["samples_per_s"].get<double>(), rounds[1]);
+  EXPECT_NE(text.out.find("  spread       this machine's compute timed 3 times: "), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("  machine      "), std::string::npos) << text.out;
+  EXPECT_FALSE(cluster.contains("rounds_samples_per_s"));  // nothing timed here: no rounds
+  // A machine kept busy (two spinning processes per core) says so.
+  std::vector<pid_t> spinners;
+  for (int i = 0; i < 4; ++i)
+    if (const pid_t p = fork(); p == 0) {
+      for (volatile unsigned long x = 0;; x = x + 1) {
+      }
+    } else {
+      spinners.push_back(p);
+    }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  Outcome busy = run({job.string(), "--dry-run", "--np", "4"});
+  for (pid_t p : spinners) {
+    kill(p, SIGKILL);
+    waitpid(p, nullptr, 0);
+  }
+  EXPECT_NE(busy.out.find("  machine      busy: "), std::string::npos) << busy.out;
+  EXPECT_NE(busy.out.find("figures timed here are pessimistic for a quiet machine"), std::string::npos) << busy.out;
 }
 
 // --dry-run --np N lays out every rank without communicating, and checks the mesh fits

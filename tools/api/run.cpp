@@ -1,11 +1,15 @@
 #include "tetra/run.h"
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -93,6 +97,39 @@ struct LayerTimes {
   int threads = 1;
   double load_s = 0;  // those rows read from the training set (Dataset::get), the best of 5
 };
+
+// Note [Figures with their spread]
+// A figure timed once on a shared machine is one draw of its noise: the quickstart's three
+// dry runs predicted 5,767 to 8,962 samples/s, and under load the dry run predicted 2.5-4.5x
+// what ran without saying the machine was busy. So the dry run times this machine's compute
+// kTimingRounds times, prices each, answers with the median round and prints the spread;
+// and it looks at the machine before and after (the 1-minute load against the cores this
+// process may use, the other processes runnable at that moment): on a busy machine it says
+// its figures are pessimistic for a quiet one. (The tuner measures its trials in rounds of
+// its own: tools/api/tune.cpp.)
+constexpr int kTimingRounds = 3;
+
+PlanReport::Machine look_at_machine() {
+  PlanReport::Machine m;
+  m.cores = std::max(1, static_cast<int>(hardware::usable_cores()));
+  if (std::FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &m.load) != 1) m.load = 0;
+    std::fclose(f);
+  }
+  std::error_code ec;
+  const std::string self = std::to_string(::getpid());
+  for (const auto& e : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name == self || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(e.path() / "stat");
+    std::string stat;
+    std::getline(in, stat);
+    const size_t close = stat.rfind(')');
+    if (close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'R') ++m.others_running;
+  }
+  m.busy = m.load > 0.75 * m.cores || m.others_running >= std::max(1, m.cores / 2);
+  return m;
+}
 
 LayerTimes time_layers(Trainer& trainer, int64_t micro) {
   const Plan& plan = trainer.job_plan();
@@ -353,10 +390,28 @@ PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const Dry
   // which the layers are timed at.
   if (!r.ranks.empty()) r.threads = set_threads(r.ranks.front().threads, plan.replicas());
   std::optional<LayerTimes> layers;
+  r.machine = look_at_machine();
   r.calibration = calibration_of(how, trainer, plan.micro_batch_size(), r.hosts() > 1, layers);
   // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
   r.estimates = trainer.estimate();
   r.prediction = predict(plan, trainer, r.estimates, local, r.calibration, layers ? &*layers : nullptr, r.threads);
+  if (layers) {
+    // Note [Figures with their spread]: the compute timed twice more, a prediction each;
+    // the median round is the answer, the others its spread.
+    std::vector<StepPrediction> rounds = {r.prediction};
+    for (int i = 1; i < kTimingRounds; ++i) {
+      const LayerTimes again = time_layers(trainer, layers->micro);
+      rounds.push_back(predict(plan, trainer, r.estimates, local, r.calibration, &again, r.threads));
+    }
+    std::sort(rounds.begin(), rounds.end(),
+              [](const StepPrediction& a, const StepPrediction& b) { return a.samples_per_s < b.samples_per_s; });
+    r.prediction = rounds[rounds.size() / 2];
+    for (const StepPrediction& p : rounds) r.rounds_samples_per_s.push_back(p.samples_per_s);
+    const PlanReport::Machine after = look_at_machine();  // busy at either look
+    r.machine.busy = r.machine.busy || after.busy;
+    r.machine.load = std::max(r.machine.load, after.load);
+    r.machine.others_running = std::max(r.machine.others_running, after.others_running);
+  }
   r.data = trainer.dataset().info().description;
   r.model = options.model ? "the program's own" : spec.model.type;
   r.parameters = trainer.model_parameters();
@@ -456,6 +511,9 @@ nlohmann::json PlanReport::json() const {
   j["hosts"] = {{"count", hosts()}, {"processes_per_host", per_host},
                 {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
   j["cost"] = prediction_json(prediction, calibration);
+  if (!rounds_samples_per_s.empty()) j["cost"]["rounds_samples_per_s"] = rounds_samples_per_s;
+  j["machine"] = {{"load", machine.load}, {"cores", machine.cores}, {"others_running", machine.others_running},
+                  {"busy", machine.busy}};
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
   for (const RankPlace& r : ranks) {
@@ -516,7 +574,17 @@ std::string PlanReport::text() const {
     appendf(out, "  %-5d %-8d %-5d %-9d %-5d %s%-8d %-8d %s\n", r.rank, r.process, r.host, coord("pipeline"), coord("data"),
             t, r.replica, r.threads, r.cpus.empty() ? ("not pinned: " + r.why).c_str() : r.cpus.c_str());
   }
-  return out + prediction_text(prediction, calibration);
+  out += prediction_text(prediction, calibration);
+  if (!rounds_samples_per_s.empty()) {
+    const auto [lo, hi] = std::minmax_element(rounds_samples_per_s.begin(), rounds_samples_per_s.end());
+    appendf(out, "  spread       this machine's compute timed %zu times: %.0f to %.0f samples/s (%.0f%%); the median above\n",
+            rounds_samples_per_s.size(), *lo, *hi, *lo > 0 ? 100 * (*hi - *lo) / *lo : 0.0);
+  }
+  appendf(out, "  machine      %s: load %.2f on %d core%s, %d other process%s running%s\n", machine.busy ? "busy" : "quiet",
+          machine.load, machine.cores, machine.cores == 1 ? "" : "s", machine.others_running,
+          machine.others_running == 1 ? "" : "es",
+          machine.busy ? "; figures timed here are pessimistic for a quiet machine (run the dry run again when it is)" : "");
+  return out;
 }
 
 namespace {

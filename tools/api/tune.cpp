@@ -67,8 +67,10 @@
 //      each phase (compute, bubble, optimizer, loading) scaled by what the trials before
 //      it measured of that phase (corrected_step), so a term the model got wrong stops
 //      steering the search (a bubble measured at 7x its prediction on ranks that share
-//      cores sends the next trial to a layout without one). The fastest three run again
-//      in the opposite order and keep the mean of their rounds. The fastest
+//      cores sends the next trial to a layout without one). The fastest three, and the job
+//      as given, run again in the opposite order and keep the mean of their rounds; two
+//      rounds more than 10% apart (kRoundsAgree) get a third, and the table shows each
+//      trial's rounds and their spread. The fastest
 //      measured is written, with a header saying how it was chosen, what it measured and
 //      how far each phase's measurement was from its prediction (compute, each axis's
 //      communication, the bubble: the ratios a user reads to see which term the model got
@@ -174,6 +176,10 @@ void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, Model
   c.yaml = resolved_yaml(parsed.resolved);
   c.spec = std::move(parsed.spec);
 }
+
+// Two rounds of one trial agree when the slower is within this factor of the faster;
+// otherwise the trial gets a third round (Note [Tuner]).
+constexpr double kRoundsAgree = 1.10;
 
 // What a candidate's keys say, for the table.
 std::string label_of(const std::map<std::string, std::string>& k) {
@@ -753,7 +759,12 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
   h += "#   priced with: " + r.calibration + "\n";
   h += "#   this job: " + c.label + "\n";
   if (c.trial == Candidate::Trial::kOk) {
-    h += "#   measured " + ms(c.measured_s) + " ms a step (predicted " + ms(c.predicted_s) + "), peak RSS " +
+    std::string rounds = std::to_string(std::max<size_t>(1, c.rounds.size())) + " round" + (c.rounds.size() > 1 ? "s" : "");
+    if (c.rounds.size() > 1) {
+      const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
+      rounds += fmt(", %.0f%% apart", 100 * (*hi / *lo - 1));
+    }
+    h += "#   measured " + ms(c.measured_s) + " ms a step (the mean of " + rounds + "; predicted " + ms(c.predicted_s) + "), peak RSS " +
          human_bytes(c.measured_rss) + " on its largest rank (model state " + human_bytes(c.measured_state) +
          "; predicted state and activations " + human_bytes(c.predicted_bytes) + ")\n";
     for (const Candidate& x : r.candidates)
@@ -798,20 +809,29 @@ std::string TuneResult::table() const {
     if (candidates[i].trial == Candidate::Trial::kNotRun && shown < on_paper) rows.push_back(i), ++shown;
   int width = 9;
   for (int i : rows) width = std::max(width, static_cast<int>(candidates[static_cast<size_t>(i)].label.size()));
-  out += fmt("  %-4s %-*s %9s %9s %6s %9s %9s %9s  %s\n", "#", width, "candidate", "pred ms", "meas ms", "ratio",
-             "pred mem", "peak RSS", "state", "trial");
+  out += fmt("  %-4s %-*s %9s %9s %6s %-14s %9s %9s %9s  %s\n", "#", width, "candidate", "pred ms", "meas ms", "ratio",
+             "rounds", "pred mem", "peak RSS", "state", "trial");
   for (int i : rows) {
     const Candidate& c = candidates[static_cast<size_t>(i)];
     const bool ok = c.trial == Candidate::Trial::kOk;
-    out += fmt("  %-4d %-*s %9s %9s %6s %9s %9s %9s  %s%s\n", i, width, c.label.c_str(), ms(c.predicted_s).c_str(),
+    // Each trial's spread: its rounds, and how far apart the extremes are.
+    std::string spread = "-";
+    if (ok && !c.rounds.empty()) {
+      const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
+      spread = std::to_string(c.rounds.size()) + (c.rounds.size() == 1 ? " round" : fmt(" rounds, %.0f%%", 100 * (*hi / *lo - 1)));
+    }
+    out += fmt("  %-4d %-*s %9s %9s %6s %-14s %9s %9s %9s  %s%s\n", i, width, c.label.c_str(), ms(c.predicted_s).c_str(),
                ok ? ms(c.measured_s).c_str() : "-", ok ? fmt("%.2f", c.measured_s / c.predicted_s).c_str() : "-",
+               spread.c_str(),
                human_bytes(c.predicted_bytes).c_str(), c.measured_rss ? human_bytes(c.measured_rss).c_str() : "-",
                c.measured_state ? human_bytes(c.measured_state).c_str() : "-",
                c.trial == Candidate::Trial::kNotRun ? "on paper" : to_string(c.trial).c_str(),
                i == chosen ? "  <- chosen" : c.failure.empty() ? "" : ("  (" + c.failure + ")").c_str());
   }
-  out += "  (pred mem: the largest process's model state and activations, the dry run's estimate; peak RSS: what the "
-         "kernel counted on the largest rank; state: the model state the run counted there)\n";
+  out += "  (meas ms: the mean of its rounds; rounds: how many, and how far the slowest was from the fastest (a third "
+         "when two differ by more than 10%); pred mem: the largest process's model state and activations, the dry "
+         "run's estimate; peak RSS: what the kernel counted on the largest rank; state: the model state the run "
+         "counted there)\n";
   if (!phase_ratios.empty())
     out += "  (per phase, measured / predicted: compute, optimizer and loading on the rank with the most compute; comm "
            "AXIS the axis's ops' busy time, overlap with compute included, against their predicted time; bubble a "
@@ -1033,10 +1053,23 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
     return cs[static_cast<size_t>(a)].measured_s < cs[static_cast<size_t>(b)].measured_s;
   });
   if (static_cast<int>(measured.size()) > o.confirm) measured.resize(static_cast<size_t>(std::max(0, o.confirm)));
-  if (measured.size() > 1) {
+  // Every finalist twice at least (one round on a shared machine is one draw of its noise:
+  // ZeRO-1 was once chosen on 28.0 ms that measured 14.0 ms next), and the job as given too,
+  // so that "this one trains Nx as fast" compares two means; a finalist whose two rounds
+  // differ by more than kRoundsAgree gets a third.
+  if (o.confirm > 0 && as_given && cs.front().trial == Candidate::Trial::kOk &&
+      std::find(measured.begin(), measured.end(), 0) == measured.end())
+    measured.push_back(0);
+  if (!measured.empty()) {
     std::reverse(measured.begin(), measured.end());
     for (size_t k = 0; k < measured.size() && !r.out_of_budget; ++k) {
       Candidate& c = cs[static_cast<size_t>(measured[k])];
+      if (c.rounds.size() >= 2) {
+        const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
+        if (c.rounds.size() >= 3 || *hi <= kRoundsAgree * *lo) continue;  // two that agree, or three
+        say(o.progress, "[tune %s]   its rounds differ by %.0f%%: a third\n", clock_text(elapsed()).c_str(),
+            100 * (*hi / *lo - 1));
+      }
       if (left() < 5) {
         r.out_of_budget = true;
         break;
@@ -1059,6 +1092,9 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
       say(o.progress, "[tune %s]   measured %s ms a step; %s over %zu rounds\n", clock_text(elapsed()).c_str(),
           ms(again.rounds.back()).c_str(), ms(again.measured_s).c_str(), again.rounds.size());
       c = std::move(again);
+      // Two rounds that disagree: this finalist once more (the loop comes back to it).
+      const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
+      if (c.rounds.size() == 2 && *hi > kRoundsAgree * *lo) measured.insert(measured.begin() + static_cast<long>(k) + 1, measured[k]);
     }
   }
   r.order = order;

@@ -104,6 +104,16 @@ struct PlanReport {
   std::vector<core::RankEstimate> estimates;  // per process rank: memory, traffic
   core::Calibration calibration;
   core::StepPrediction prediction;            // the cost model's step (Note [Cost model])
+  // Note [Figures with their spread] (run.cpp): the predicted samples/s of each round of
+  // this machine's compute timed (prediction is the median round's; empty when compute
+  // was not timed here), and how busy the machine was while it timed them.
+  std::vector<double> rounds_samples_per_s;
+  struct Machine {
+    double load = 0;         // /proc/loadavg's 1-minute load
+    int cores = 1;           // usable by this process
+    int others_running = 0;  // other processes runnable at the moment it looked
+    bool busy = false;
+  } machine;
   int hosts() const;
   std::string text() const;
   nlohmann::json json() const;
