@@ -534,6 +534,27 @@ TEST(Report, RealPipelineRunUnderMpirun) {
       << "both ranks' estimates";
 }
 
+// Issue 48, item 7: the estimate is per process, the run's ranks are processes x replica
+// threads: each replica is set against its process's estimate (before: rank 1 of a
+// process of two replicas had none, and in a 4D run ranks 2-3 got stage 1's).
+TEST(Report, EachReplicaIsSetAgainstItsProcesssEstimate) {
+  const fs::path d = fresh_dir("replicas");
+  std::ofstream(d / "rep.yaml") << "name: rep\n"
+                                   "model: {type: mlp, hidden: [32]}\n"
+                                   "data: {type: synthetic, batch_size: 32, train_samples: 256, test_samples: 64}\n"
+                                   "train: {max_steps: 4, seed: 1, threads: 1}\n"
+                                   "replicate: {replicas: 2}\n"
+                                   "checkpoint: {dir: \"\"}\n"
+                                   "log: {every: 2, progress: off, dir: "
+                                << d.string() << "}\n";
+  const Outcome t = tetra::testing_tools::run_tool(kTrain, d, {(d / "rep.yaml").string()});
+  ASSERT_EQ(t.status, 0) << t.out << t.err;
+  const Outcome o = report(d, {d.string()});
+  ASSERT_EQ(o.status, 0) << o.out << o.err;
+  const std::string memory = section(slurp(d / "report.html"), "memory");
+  EXPECT_EQ(count(memory, "class=\"bar\" fill-opacity=\"0.35\""), 2u * 5) << "both replicas' estimates";
+}
+
 // Headless Chromium through chromedriver (tests/tools/report_browser_check.py): no
 // console errors, every chart shown and not blank, no text cut off, nothing from
 // elsewhere; the screenshots stay in the build folder to be looked at.
