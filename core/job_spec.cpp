@@ -371,11 +371,9 @@ MeshSpec parse_mesh(Section& m, const JobWorld& world) {
   const int others = spec.world_size();
   int size = 1;
   if (world.size > 0) {
-    if (world.size % others != 0) {
-      std::string eq;
-      for (const MeshAxis& a : spec.axes) eq += (eq.empty() ? "" : " x ") + a.name + "=" + std::to_string(a.size);
+    if (world.size % others != 0) {  // others > 1 here: spec has an axis, and str() its equation
       const std::string origin = world.origin.empty() ? "" : " (" + world.origin + ")";
-      m.error(axis, "auto: " + axis + " = world / (" + eq + ") = " + std::to_string(world.size) + " / " +
+      m.error(axis, "auto: " + axis + " = world / (" + spec.str() + ") = " + std::to_string(world.size) + " / " +
                         std::to_string(others) + ", which is not a whole number of ranks: the world has " +
                         std::to_string(world.size) + origin + ". Launch a multiple of " + std::to_string(others) +
                         " processes, or make the other axes' product divide " + std::to_string(world.size));
@@ -383,13 +381,10 @@ MeshSpec parse_mesh(Section& m, const JobWorld& world) {
     }
     size = world.size / others;
   }
-  spec.auto_axis = axis;
-  if (size > 1 || !autos.empty()) {
-    axes.push_back({axis, size});
-    spec = make_mesh_spec(axes);
-    spec.auto_axis = axis;
-  }
-  return spec;
+  if (size > 1 || !autos.empty()) axes.push_back({axis, size});  // a data axis of 1 left out stays out
+  MeshSpec sized = make_mesh_spec(axes);
+  sized.auto_axis = axis;
+  return sized;
 }
 
 CollectivesSpec parse_collectives(Section& c) { return read_section(c, CollectivesSpec{}, kCollectives); }

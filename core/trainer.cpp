@@ -62,12 +62,6 @@ CheckpointReader weights_from(const std::string& path) {
   }
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 std::string listed(const std::vector<std::string>& names) {
   const size_t shown = 8;
   std::string s;
@@ -89,13 +83,13 @@ std::string check_weights(const CheckpointReader& source, const std::map<std::st
     if (!source.contains(key))
       missing.push_back(name);
     else if (source.shape(key) != shape)
-      wrong.push_back(name + " " + shape_text(source.shape(key)) + " there, " + shape_text(shape) + " here");
+      wrong.push_back(name + " " + shape_str(source.shape(key)) + " there, " + shape_str(shape) + " here");
   }
   for (const auto& b : buffers) {
     known.insert(b.key());
     const std::string key = "model/" + b.key();
     if (source.contains(key) && source.shape(key) != b.value().sizes().vec())
-      wrong.push_back(b.key() + " " + shape_text(source.shape(key)) + " there, " + shape_text(b.value().sizes().vec()) +
+      wrong.push_back(b.key() + " " + shape_str(source.shape(key)) + " there, " + shape_str(b.value().sizes().vec()) +
                       " here");
   }
   for (const std::string& key : source.names())

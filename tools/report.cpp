@@ -661,6 +661,7 @@ Estimate estimate(const Run& run, bool wanted) {
       return e;
     }
     tetra::DryRunOptions how;
+    how.timing_rounds = 1;  // the estimate's bytes are what the page uses, not the step's spread
     how.np = std::isfinite(world) ? static_cast<int>(world) : 0;
     e.ranks = tetra::core::estimate_json(tetra::plan_report(parsed.spec, {}, how).estimates);
   } catch (const std::exception& ex) {

@@ -30,7 +30,7 @@
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "collectives/mpi.h"
-#include "core/checkpoint.h"
+#include "core/resume.h"
 #include "core/job_spec.h"
 #include "core/preflight.h"
 #include "core/report.h"
@@ -320,17 +320,10 @@ int train_main(int argc, char** argv) {
       // What would fail later fails here (Note [Preflight]): the paths, the data read and
       // the model built (as shapes: nothing is allocated), room for a checkpoint.
       check_paths(spec);
-      // A checkpoint the job names is read whole (each file's size and CRC-32C), as the
-      // run's resume would, so that a damaged one is found here (exit 2).
-      if (spec.checkpoint.resume != "auto" && spec.checkpoint.resume != "never") {
-        try {
-          CheckpointReader(spec.checkpoint.resume).verify();
-        } catch (const ConfigError&) {
-          throw;
-        } catch (const Error& e) {
-          throw ConfigError("checkpoint.resume: " + std::string(e.what()));
-        }
-      }
+      // A checkpoint the job names is read whole (each file's size and CRC-32C) by the
+      // run's own resume decision, so that a damaged one is found here (exit 2).
+      if (spec.checkpoint.resume != "auto" && spec.checkpoint.resume != "never")
+        choose_checkpoint(spec.checkpoint, nullptr);
       TrainerOptions dry;
       dry.dry_run = true;
       const Trainer trainer(spec, dry);

@@ -102,13 +102,11 @@ struct LayerTimes {
 // A figure timed once on a shared machine is one draw of its noise: the quickstart's three
 // dry runs predicted 5,767 to 8,962 samples/s, and under load the dry run predicted 2.5-4.5x
 // what ran without saying the machine was busy. So the dry run times this machine's compute
-// kTimingRounds times, prices each, answers with the median round and prints the spread;
+// DryRunOptions::timing_rounds times (3), prices each, answers with the median round and prints the spread;
 // and it looks at the machine before and after (the 1-minute load against the cores this
 // process may use, the other processes runnable at that moment): on a busy machine it says
 // its figures are pessimistic for a quiet one. (The tuner measures its trials in rounds of
 // its own: tools/api/tune.cpp.)
-constexpr int kTimingRounds = 3;
-
 PlanReport::Machine look_at_machine() {
   PlanReport::Machine m;
   m.cores = std::max(1, static_cast<int>(hardware::usable_cores()));
@@ -399,7 +397,7 @@ PlanReport plan_report(const JobSpec& spec, const RunOptions& options, const Dry
     // Note [Figures with their spread]: the compute timed twice more, a prediction each;
     // the median round is the answer, the others its spread.
     std::vector<StepPrediction> rounds = {r.prediction};
-    for (int i = 1; i < kTimingRounds; ++i) {
+    for (int i = 1; i < how.timing_rounds; ++i) {
       const LayerTimes again = time_layers(trainer, layers->micro);
       rounds.push_back(predict(plan, trainer, r.estimates, local, r.calibration, &again, r.threads));
     }

@@ -181,6 +181,18 @@ void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, Model
 // otherwise the trial gets a third round (Note [Tuner]).
 constexpr double kRoundsAgree = 1.10;
 
+// How far a trial's slowest round was from its fastest (0.3: 30% slower); 0 for one round.
+double spread_of(const std::vector<double>& rounds) {
+  if (rounds.size() < 2) return 0;
+  const auto [lo, hi] = std::minmax_element(rounds.begin(), rounds.end());
+  return *hi / *lo - 1;
+}
+bool rounds_agree(const std::vector<double>& rounds) {
+  if (rounds.size() < 2) return true;
+  const auto [lo, hi] = std::minmax_element(rounds.begin(), rounds.end());
+  return *hi <= kRoundsAgree * *lo;
+}
+
 // What a candidate's keys say, for the table.
 std::string label_of(const std::map<std::string, std::string>& k) {
   auto get = [&](const std::string& key) {
@@ -760,10 +772,7 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
   h += "#   this job: " + c.label + "\n";
   if (c.trial == Candidate::Trial::kOk) {
     std::string rounds = std::to_string(std::max<size_t>(1, c.rounds.size())) + " round" + (c.rounds.size() > 1 ? "s" : "");
-    if (c.rounds.size() > 1) {
-      const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
-      rounds += fmt(", %.0f%% apart", 100 * (*hi / *lo - 1));
-    }
+    if (c.rounds.size() > 1) rounds += fmt(", %.0f%% apart", 100 * spread_of(c.rounds));
     h += "#   measured " + ms(c.measured_s) + " ms a step (the mean of " + rounds + "; predicted " + ms(c.predicted_s) + "), peak RSS " +
          human_bytes(c.measured_rss) + " on its largest rank (model state " + human_bytes(c.measured_state) +
          "; predicted state and activations " + human_bytes(c.predicted_bytes) + ")\n";
@@ -816,10 +825,9 @@ std::string TuneResult::table() const {
     const bool ok = c.trial == Candidate::Trial::kOk;
     // Each trial's spread: its rounds, and how far apart the extremes are.
     std::string spread = "-";
-    if (ok && !c.rounds.empty()) {
-      const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
-      spread = std::to_string(c.rounds.size()) + (c.rounds.size() == 1 ? " round" : fmt(" rounds, %.0f%%", 100 * (*hi / *lo - 1)));
-    }
+    if (ok && !c.rounds.empty())
+      spread = std::to_string(c.rounds.size()) +
+               (c.rounds.size() == 1 ? " round" : fmt(" rounds, %.0f%%", 100 * spread_of(c.rounds)));
     out += fmt("  %-4d %-*s %9s %9s %6s %-14s %9s %9s %9s  %s%s\n", i, width, c.label.c_str(), ms(c.predicted_s).c_str(),
                ok ? ms(c.measured_s).c_str() : "-", ok ? fmt("%.2f", c.measured_s / c.predicted_s).c_str() : "-",
                spread.c_str(),
@@ -1065,10 +1073,9 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
     for (size_t k = 0; k < measured.size() && !r.out_of_budget; ++k) {
       Candidate& c = cs[static_cast<size_t>(measured[k])];
       if (c.rounds.size() >= 2) {
-        const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
-        if (c.rounds.size() >= 3 || *hi <= kRoundsAgree * *lo) continue;  // two that agree, or three
+        if (c.rounds.size() >= 3 || rounds_agree(c.rounds)) continue;  // two that agree, or three
         say(o.progress, "[tune %s]   its rounds differ by %.0f%%: a third\n", clock_text(elapsed()).c_str(),
-            100 * (*hi / *lo - 1));
+            100 * spread_of(c.rounds));
       }
       if (left() < 5) {
         r.out_of_budget = true;
@@ -1093,8 +1100,7 @@ TuneResult tune(const TuneOptions& o_in, const TuneHooks& hooks) {
           ms(again.rounds.back()).c_str(), ms(again.measured_s).c_str(), again.rounds.size());
       c = std::move(again);
       // Two rounds that disagree: this finalist once more (the loop comes back to it).
-      const auto [lo, hi] = std::minmax_element(c.rounds.begin(), c.rounds.end());
-      if (c.rounds.size() == 2 && *hi > kRoundsAgree * *lo) measured.insert(measured.begin() + static_cast<long>(k) + 1, measured[k]);
+      if (c.rounds.size() == 2 && !rounds_agree(c.rounds)) measured.insert(measured.begin() + static_cast<long>(k) + 1, measured[k]);
     }
   }
   r.order = order;

@@ -72,6 +72,10 @@ struct DryRunOptions {
   // (as without a file) instead of the file's FLOP rate; for a file measured on machines
   // like this one (Note [This machine's figures]).
   bool time_layers = false;
+  // How many times this machine's compute is timed when it is (Note [Figures with their
+  // spread]): the median round is the prediction, the others its spread. A caller that
+  // wants only the estimate's bytes (report) asks for 1.
+  int timing_rounds = 3;
 };
 std::string dry_run(const core::JobSpec& spec, const RunOptions& options, const DryRunOptions& how);
 
