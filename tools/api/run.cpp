@@ -510,8 +510,9 @@ nlohmann::json PlanReport::json() const {
                 {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
   j["cost"] = prediction_json(prediction, calibration);
   if (!rounds_samples_per_s.empty()) j["cost"]["rounds_samples_per_s"] = rounds_samples_per_s;
-  j["machine"] = {{"load", machine.load}, {"cores", machine.cores}, {"others_running", machine.others_running},
-                  {"busy", machine.busy}};
+  if (!rounds_samples_per_s.empty())
+    j["machine"] = {{"load", machine.load}, {"cores", machine.cores}, {"others_running", machine.others_running},
+                    {"busy", machine.busy}};
   j["ranks"] = nlohmann::json::array();
   const auto& axes = plan.processes().axes;
   for (const RankPlace& r : ranks) {
@@ -578,10 +579,13 @@ std::string PlanReport::text() const {
     appendf(out, "  spread       this machine's compute timed %zu times: %.0f to %.0f samples/s (%.0f%%); the median above\n",
             rounds_samples_per_s.size(), *lo, *hi, *lo > 0 ? 100 * (*hi - *lo) / *lo : 0.0);
   }
-  appendf(out, "  machine      %s: load %.2f on %d core%s, %d other process%s running%s\n", machine.busy ? "busy" : "quiet",
-          machine.load, machine.cores, machine.cores == 1 ? "" : "s", machine.others_running,
-          machine.others_running == 1 ? "" : "es",
-          machine.busy ? "; figures timed here are pessimistic for a quiet machine (run the dry run again when it is)" : "");
+  // The machine's load says what the timings here are worth: said where compute was timed
+  // here (a priced calibration times nothing, and its text stays the same run to run).
+  if (!rounds_samples_per_s.empty())
+    appendf(out, "  machine      %s: load %.2f on %d core%s, %d other process%s running%s\n", machine.busy ? "busy" : "quiet",
+            machine.load, machine.cores, machine.cores == 1 ? "" : "s", machine.others_running,
+            machine.others_running == 1 ? "" : "es",
+            machine.busy ? "; figures timed here are pessimistic for a quiet machine (run the dry run again when it is)" : "");
   return out;
 }
 
