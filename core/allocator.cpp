@@ -1,5 +1,8 @@
 #include "core/allocator.h"
 
+#include <thread>
+#include <unordered_map>
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
@@ -153,6 +156,112 @@ BigBlockStats big_block_stats() {
   std::lock_guard<std::mutex> lock(c.mu);
   BigBlockStats s = c.stats;
   return s;
+}
+
+// ---- counting (Note [Kept bytes]) -----------------------------------------------------
+
+namespace {
+
+struct Counter {
+  std::mutex scope;  // one CountedBytes at a time
+  std::mutex mu;
+  c10::Allocator* base = nullptr;
+  std::thread::id counting;          // the thread whose allocations count
+  std::unordered_map<void*, std::pair<c10::DataPtr, size_t>> counted;  // by data pointer
+  int64_t live = 0, peak = 0;
+  uint8_t priority = 0;  // the CPU allocator's, found when the scope began
+};
+Counter& counter() {
+  static Counter* c = new Counter;  // never destroyed: tensors counted may be freed at exit
+  return *c;
+}
+
+void free_counted(void* p) {
+  Counter& c = counter();
+  c10::DataPtr inner;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.counted.find(p);
+    if (it == c.counted.end()) return;
+    c.live -= static_cast<int64_t>(it->second.second);
+    inner = std::move(it->second.first);
+    c.counted.erase(it);
+  }
+  // `inner` frees the bytes through the allocator that made them, here.
+}
+
+class CountingAllocator final : public compat::CpuAllocator {
+ public:
+  c10::DataPtr make(size_t n) const override {
+    Counter& c = counter();
+    c10::DataPtr d = c.base->allocate(n);
+    if (std::this_thread::get_id() != c.counting || d.get() == nullptr) return d;
+    void* p = d.get();
+    std::lock_guard<std::mutex> lock(c.mu);
+    c.live += static_cast<int64_t>(n);
+    c.peak = std::max(c.peak, c.live);
+    c.counted.emplace(p, std::make_pair(std::move(d), n));
+    return {p, p, &free_counted, c10::Device(c10::DeviceType::CPU)};
+  }
+  // A raw block (ideep's) of this thread's is counted too; another's is the base's.
+  c10::DeleterFnPtr raw_deleter() const override { return &raw_free_counted; }
+  static void raw_free_counted(void* p) {
+    Counter& c = counter();
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.counted.count(p) == 0) {
+        c10::DeleterFnPtr base = c.base ? c.base->raw_deleter() : nullptr;
+        if (base) base(p);
+        return;
+      }
+    }
+    free_counted(p);
+  }
+};
+
+}  // namespace
+
+CountedBytes::CountedBytes() {
+  Counter& c = counter();
+  c.scope.lock();
+  static CountingAllocator* allocator = new CountingAllocator;
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.base = c10::GetCPUAllocator();
+  c.counting = std::this_thread::get_id();
+  c.live = c.peak = 0;
+  // At the priority of what is installed (LibTorch's 0, the big-block cache's 1, a
+  // program's own): c10 keeps the allocator of the highest priority set and does not say
+  // which that is, so the lowest that takes is it; putting the allocator back at the same
+  // priority leaves both as they were.
+  for (int p = 0; p <= 255; ++p) {
+    c10::SetCPUAllocator(allocator, static_cast<uint8_t>(p));
+    if (c10::GetCPUAllocator() == allocator) {
+      c.priority = static_cast<uint8_t>(p);
+      break;
+    }
+  }
+}
+
+CountedBytes::~CountedBytes() {
+  Counter& c = counter();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    c10::SetCPUAllocator(c.base, c.priority);
+    c.counting = std::thread::id();
+  }
+  c.scope.unlock();
+}
+
+int64_t CountedBytes::live() const {
+  Counter& c = counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.live;
+}
+
+int64_t CountedBytes::peak() const {
+  Counter& c = counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.peak;
 }
 
 }  // namespace tetra::core

@@ -51,4 +51,18 @@ struct BigBlockStats {
 };
 BigBlockStats big_block_stats();
 
+// Note [Kept bytes]: counts the bytes of the CPU tensors this thread allocates while the
+// scope lives (their requested sizes, whatever block serves them), for measuring what a
+// layer's forward keeps for its backward. Tensors allocated meanwhile by other threads are
+// not counted. One scope at a time in the process (a second waits for the first).
+class CountedBytes {
+ public:
+  CountedBytes();   // wraps the CPU allocator (at its priority: what it is stays installed)
+  ~CountedBytes();  // puts the allocator back; what it counted still frees correctly
+  CountedBytes(const CountedBytes&) = delete;
+  CountedBytes& operator=(const CountedBytes&) = delete;
+  int64_t live() const;  // bytes allocated in the scope and not yet freed
+  int64_t peak() const;  // the most live() has been
+};
+
 }  // namespace tetra::core

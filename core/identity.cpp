@@ -82,6 +82,8 @@ nlohmann::json RunIdentity::model(bool with_dropout) const {
   if (m.type == "gpt") {
     model.update({{"layers", m.layers}, {"heads", m.heads}, {"d_model", m.d_model},
                   {"d_ff", m.d_ff > 0 ? m.d_ff : 4 * m.d_model}, {"seq_len", info.seq_len}, {"vocab", info.num_classes}});
+    // Only when off: a checkpoint written before the option has the same identity.
+    if (!m.head_bias) model["head_bias"] = false;
   } else {
     model.update({{"hidden", m.hidden}, {"activation", m.activation}});
     if (m.type == "cnn") model["channels"] = m.channels;
@@ -142,7 +144,8 @@ nlohmann::json RunIdentity::settings() const {
                       {"schedule.decay_steps", s.decay_steps},
                       {"model.dropout", spec.model.dropout},
                       {"train.precision", to_string(spec.train.precision)},
-                      {"train.accumulation_steps", spec.train.accumulation_steps}};
+                      {"train.accumulation_steps", spec.train.accumulation_steps},
+                      {"train.recompute", to_string(spec.train.recompute)}};
   if (o.type == "sgd") {
     j["optimizer.momentum"] = o.momentum;
     j["optimizer.nesterov"] = o.nesterov;

@@ -111,6 +111,7 @@ void model_fields(V& v, ModelSpec& m) {
     v.integer("heads", m.heads, 1);
     v.integer("d_model", m.d_model, 1);
     v.integer("d_ff", m.d_ff, 0);
+    v.boolean("head_bias", m.head_bias);
     fraction_field(v, "dropout", m.dropout, false);
     if constexpr (V::kReads) {
       if (m.d_ff == 0) m.d_ff = 4 * m.d_model;
@@ -230,6 +231,7 @@ void train_fields(V& v, TrainSpec& t) {
   // unbounded value overflowed that product (a division by zero in `train --check`).
   v.integer("accumulation_steps", t.accumulation_steps, 1, 1 << 20);
   v.word("on_nonfinite", t.on_nonfinite, on_nonfinite_names());
+  v.word("recompute", t.recompute, recompute_names());
 }
 
 // The paths are written even when empty: "" turns checkpoints off, while an absent key
@@ -392,9 +394,12 @@ CollectivesSpec parse_collectives(Section& c) { return read_section(c, Collectiv
 // The rules that tie sections together. Each error points at the key to change.
 // The rules within core's sections; the rules across the composition (how the batch
 // splits over ranks and micro-batches, ...) are the plan's (core/plan.h).
-void check_cross_fields(const JobSpec& spec, Section& model, Section& data) {
+void check_cross_fields(const JobSpec& spec, Section& model, Section& data, Section& train) {
   const ModelSpec& m = spec.model;
   const DataSpec& d = spec.data;
+  if (spec.train.recompute != Recompute::kNone && m.type != "gpt")
+    train.error("recompute", to_string(spec.train.recompute) + " recomputes a gpt's transformer blocks, and model type " +
+                                 m.type + " has none (its layers keep little more than their outputs): use none");
   if (m.type == "gpt" && d.type != "text") {
     model.error("type", "model type gpt needs data.type text, got data.type " + d.type);
   } else if (m.type != "gpt" && d.type == "text") {
@@ -465,7 +470,7 @@ ParsedJob parse_document(ConfigDocument& doc, Diagnostics& diag, const std::stri
   spec.mesh = parse_mesh(mesh, world);
   Section collectives = root.section("collectives");
   spec.collectives = parse_collectives(collectives);
-  check_cross_fields(spec, model, data);
+  check_cross_fields(spec, model, data, train);
   // Note [One run folder]: the written paths, resolved once, here.
   for (std::string* path : {&spec.checkpoint.dir, &spec.checkpoint.safetensors, &spec.log.metrics, &spec.log.trace,
                             &spec.log.tensorboard})
@@ -563,6 +568,11 @@ const std::vector<std::string>& on_nonfinite_names() {
   return names;
 }
 const std::string& to_string(OnNonfinite action) { return on_nonfinite_names().at(static_cast<size_t>(action)); }
+const std::vector<std::string>& recompute_names() {
+  static const std::vector<std::string> names = {"none", "blocks", "selective"};
+  return names;
+}
+const std::string& to_string(Recompute recompute) { return recompute_names().at(static_cast<size_t>(recompute)); }
 const std::vector<std::string>& on_checkpoint_error_names() {
   static const std::vector<std::string> names = {"stop", "warn"};
   return names;

@@ -32,6 +32,9 @@ struct ModelSpec {
   int64_t heads = 4;
   int64_t d_model = 128;
   int64_t d_ff = 0;  // 0 = 4 * d_model
+  // gpt: a bias on the output layer. GPT-2 has none (its lm_head is the token table,
+  // tied): false builds what `ckpt export --format hf` writes as GPT-2 (Note [GPT-2 export]).
+  bool head_bias = true;
 };
 
 struct DataSpec {
@@ -86,6 +89,14 @@ const std::string& to_string(DeviceKind device);
 // train.on_nonfinite: what a step whose loss or gradients hold a NaN or an infinity does.
 // stop: the run fails naming the step, the micro-batch and the first such parameter;
 // skip: that step updates nothing (counted as skipped_steps). All ranks decide alike.
+// train.recompute (Note [Recompute], core/models.cpp): what a gpt's blocks keep for
+// backward. none keeps everything; blocks keeps each transformer block's input and runs the
+// block again in backward (Megatron's full recompute); selective keeps all but attention's
+// seq x seq tensors and recomputes those (Megatron's selective recompute).
+enum class Recompute { kNone, kBlocks, kSelective };
+const std::vector<std::string>& recompute_names();  // none blocks selective
+const std::string& to_string(Recompute recompute);
+
 enum class OnNonfinite { kStop, kSkip };
 const std::vector<std::string>& on_nonfinite_names();  // stop skip
 const std::string& to_string(OnNonfinite action);
@@ -100,6 +111,7 @@ struct TrainSpec {
   DeviceKind device = DeviceKind::kCpu;
   int64_t accumulation_steps = 1;    // micro-batches per optimizer step; divides batch_size
   OnNonfinite on_nonfinite = OnNonfinite::kStop;
+  Recompute recompute = Recompute::kNone;  // gpt only
 };
 
 // What a failed checkpoint save (full disk, read-only folder) does to the run.

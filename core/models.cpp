@@ -9,8 +9,10 @@
 #include <sstream>
 
 #include "collectives/error.h"
+#include "core/allocator.h"
 #include "core/init.h"
 #include "core/layers.h"
+#include "core/torch_compat.h"
 #include "core/random.h"
 #include "core/text.h"
 
@@ -78,6 +80,47 @@ class GptEmbeddingImpl : public torch::nn::Cloneable<GptEmbeddingImpl>, public I
 };
 TORCH_MODULE(GptEmbedding);
 
+// Note [Recompute]
+// train.recompute trades compute for activation memory, as Megatron's full and selective
+// recomputation do, inside the layers, so that it holds under every layout: a data rank, a
+// ZeRO-3 layer (whose parameters its BeforeLayerBackward gathers before this backward
+// runs), a tensor-parallel block (its recomputed forward repeats the tensor group's sums,
+// in the same order on every rank of it), a pipeline stage, a replica. Recomputed is an
+// autograd Function over a body of the block's: its forward runs the body without a graph
+// and keeps the body's inputs only; its backward runs the body again under the forward's
+// dropout key (Note [Layout-invariant dropout]) and autocast, and takes the gradients of
+// the inputs and of the parameters the body uses, which it returns along its edges, so the
+// parameters' gradient hooks (the data-parallel and ZeRO buckets) fire as in any backward.
+// It computes only the gradients asked for (needs_input_grad): a zero-bubble schedule's B
+// asks for the input's and its W for the weights' (Note [B and W on the autograd graph]),
+// each recomputing once. blocks: the body is the whole block, whose input (the previous
+// block's output) is all a block keeps; selective: the body is attention's core, softmax
+// (QK^T / sqrt(d)) V with its mask and dropout, whose seq x seq tensors are what it keeps.
+enum class Body : int64_t { kBlock, kAttention };
+
+class GptBlockImpl;
+at::Tensor run_body(GptBlockImpl& block, Body body, const std::vector<at::Tensor>& inputs);
+
+struct Recomputed : torch::autograd::Function<Recomputed> {
+  // all: the body's `inputs` tensors, then the parameters its gradient reaches.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, int64_t block, int64_t body, int64_t inputs,
+                            at::TensorList all) {
+    std::vector<at::Tensor> in(all.begin(), all.begin() + inputs);
+    ctx->save_for_backward(in);
+    const RandomContext& random = RandomContext::current();
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["body"] = body;
+    ctx->saved_data["params"] = static_cast<int64_t>(all.size()) - inputs;
+    ctx->saved_data["random"] = std::vector<int64_t>{static_cast<int64_t>(random.seed), random.step,
+                                                     random.first_sample, random.active ? 1 : 0};
+    const c10::DeviceType device = in.front().device().type();
+    ctx->saved_data["autocast"] = compat::autocast_enabled(device);
+    return run_body(*reinterpret_cast<GptBlockImpl*>(block), static_cast<Body>(body), in);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads);
+};
+
 // Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). Under tensor
 // parallelism (Megatron's ParallelTransformerLayer) qkv is column-parallel by heads (each
 // rank its heads' rows of the query, key and value blocks), proj row-parallel, fc1
@@ -123,20 +166,26 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
   torch::Tensor forward(torch::Tensor x) {
     TETRA_CHECK(x.dim() == 3 && x.size(2) == d_model_, "GptBlock expects [n, T, ", d_model_,
                 "], got ", x.sizes());
+    if (recompute == Recompute::kBlocks && at::GradMode::is_enabled()) {
+      std::vector<at::Tensor> all = {x};
+      for (const auto& p : parameters())
+        if (p.requires_grad()) all.push_back(p);
+      return Recomputed::apply(reinterpret_cast<int64_t>(this), static_cast<int64_t>(Body::kBlock), int64_t{1},
+                               at::TensorList(all));
+    }
+    return block(x);
+  }
+  // The whole block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+  torch::Tensor block(torch::Tensor x) {
     const int64_t n = x.size(0), T = x.size(1) * (slot_.sequence ? slot_.parts : 1), hd = d_model_ / heads_;
     const int64_t heads = heads_ / slot_.parts;  // this rank's
-    // Causal self-attention, by hand (scaled_dot_product_attention differs across versions).
     torch::Tensor h = ln1(x);
     torch::Tensor qkv_out = (qkv ? qkv(h) : qkv_part(h)).view({n, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
     torch::Tensor q = qkv_out[0], k = qkv_out[1], v = qkv_out[2];  // [n, H, T, hd]
-    torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-    // Built on the fly (not a buffer: buffers would be saved in checkpoints).
-    torch::Tensor future =
-        torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
-    att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-    att = slot_.parts > 1 ? attn_drop->forward_part(att, Placement::split({heads_, T, T}, 0, slot_.parts, slot_.index))
-                          : attn_drop(att);
-    torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({n, T, heads * hd});
+    torch::Tensor y = recompute == Recompute::kSelective && at::GradMode::is_enabled()
+                          ? Recomputed::apply(reinterpret_cast<int64_t>(this), static_cast<int64_t>(Body::kAttention),
+                                              int64_t{3}, at::TensorList({q, k, v}))
+                          : attention(q, k, v);
     if (!slot_.sequence) {
       x = x + proj_drop(proj ? proj(y) : proj_part(y));
       h = ln2(x);
@@ -147,6 +196,36 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     h = ln2(x);
     return x + mlp_drop->forward_part(fc2_part(torch::gelu(fc1_part(h))), block);
   }
+  // Causal self-attention's core, by hand (scaled_dot_product_attention differs across
+  // versions): q, k, v [n, H, T, hd] -> [n, T, H * hd].
+  torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    const int64_t n = q.size(0), heads = q.size(1), T = q.size(2), hd = q.size(3);
+    torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+    // Built on the fly (not a buffer: buffers would be saved in checkpoints).
+    torch::Tensor future =
+        torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+    att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+    att = slot_.parts > 1 ? attn_drop->forward_part(att, Placement::split({heads_, T, T}, 0, slot_.parts, slot_.index))
+                          : attn_drop(att);
+    return torch::matmul(att, v).transpose(1, 2).reshape({n, T, heads * hd});
+  }
+  // One step of a decoder (GptDecoder): x [1, t, d] are the next t positions, after the
+  // `cache` keys and values of those before them (eval mode, whole layers).
+  torch::Tensor decode(const torch::Tensor& x, torch::Tensor& keys, torch::Tensor& values) {
+    const int64_t n = x.size(0), t = x.size(1), hd = d_model_ / heads_;
+    torch::Tensor qkv_out = qkv(ln1(x)).view({n, t, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
+    torch::Tensor q = qkv_out[0];
+    keys = keys.defined() ? torch::cat({keys, qkv_out[1]}, 2) : qkv_out[1].contiguous();
+    values = values.defined() ? torch::cat({values, qkv_out[2]}, 2) : qkv_out[2].contiguous();
+    const int64_t L = keys.size(2), past = L - t;
+    torch::Tensor att = torch::matmul(q, keys.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+    // Query i (position past + i) sees keys 0 .. past + i.
+    torch::Tensor future = torch::ones({t, L}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(past + 1);
+    att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+    torch::Tensor y = torch::matmul(att, values).transpose(1, 2).reshape({n, t, d_model_});
+    torch::Tensor h = x + proj(y);
+    return h + fc2(torch::gelu(fc1(ln2(h))));
+  }
   void pretty_print(std::ostream& os) const override {
     os << "GptBlock(d_model=" << d_model_ << ", heads=" << heads_ << ", d_ff=" << d_ff_
        << ", dropout=" << dropout_ << ")";
@@ -156,6 +235,7 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
   Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   ParallelLinear qkv_part{nullptr}, proj_part{nullptr}, fc1_part{nullptr}, fc2_part{nullptr};  // tensor-parallel
   Dropout attn_drop{nullptr}, proj_drop{nullptr}, mlp_drop{nullptr};
+  Recompute recompute = Recompute::kNone;  // Note [Recompute]: set_recompute
 
  private:
   int64_t d_model_, heads_, d_ff_;
@@ -164,6 +244,61 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
 };
 TORCH_MODULE(GptBlock);
 
+at::Tensor run_body(GptBlockImpl& block, Body body, const std::vector<at::Tensor>& inputs) {
+  return body == Body::kBlock ? block.block(inputs.at(0)) : block.attention(inputs.at(0), inputs.at(1), inputs.at(2));
+}
+
+torch::autograd::variable_list Recomputed::backward(torch::autograd::AutogradContext* ctx,
+                                                    torch::autograd::variable_list grads) {
+  const std::vector<at::Tensor> saved = ctx->get_saved_variables();
+  auto& block = *reinterpret_cast<GptBlockImpl*>(ctx->saved_data["block"].toInt());
+  const auto body = static_cast<Body>(ctx->saved_data["body"].toInt());
+  const auto key = ctx->saved_data["random"].toIntVector();
+  const size_t inputs = saved.size();
+  // The parameters the body uses, in the order forward listed them.
+  std::vector<at::Tensor> params;
+  if (body == Body::kBlock)
+    for (const auto& p : block.parameters())
+      if (p.requires_grad()) params.push_back(p);
+  TETRA_CHECK(static_cast<int64_t>(params.size()) == ctx->saved_data["params"].toInt(),
+              "recompute: the block's parameters changed between its forward and its backward");
+  // What to differentiate: the inputs and parameters whose gradients are asked for.
+  std::vector<at::Tensor> in, wrt;
+  std::vector<size_t> where;  // wrt[j] is edge where[j]
+  for (size_t i = 0; i < inputs; ++i) {
+    at::Tensor x = saved[i].detach();
+    if (ctx->needs_input_grad(i) && x.is_floating_point()) {
+      x.requires_grad_(true);
+      wrt.push_back(x);
+      where.push_back(i);
+    }
+    in.push_back(x);
+  }
+  for (size_t i = 0; i < params.size(); ++i)
+    if (ctx->needs_input_grad(inputs + i)) {
+      wrt.push_back(params[i]);
+      where.push_back(inputs + i);
+    }
+  torch::autograd::variable_list out(3 + inputs + params.size());  // block, body, inputs: not tensors
+  if (wrt.empty()) return out;
+  at::Tensor y;
+  {
+    RandomContext context;
+    context.seed = static_cast<uint64_t>(key.at(0));
+    context.step = key.at(1);
+    context.first_sample = key.at(2);
+    context.active = key.at(3) != 0;
+    RandomContext::Scope random(context);
+    compat::Autocast autocast(ctx->saved_data["autocast"].toBool(), in.front().device().type());
+    at::AutoGradMode grad(true);
+    y = run_body(block, body, in);
+  }
+  const auto g = torch::autograd::grad({y}, wrt, {grads.at(0)}, /*retain_graph=*/false, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+  for (size_t j = 0; j < wrt.size(); ++j) out[3 + where[j]] = g[j];
+  return out;
+}
+
 // Final LayerNorm + Linear to the vocabulary: [n, T, d] -> [n, T, vocab]. Under tensor
 // parallelism the Linear is column-parallel by vocabulary and the output is this rank's
 // block of the logits [n, T, vocab / parts], which the vocabulary-parallel loss takes as
@@ -171,20 +306,21 @@ TORCH_MODULE(GptBlock);
 // this rank's block of the sequence and the Linear gathers it.
 class GptHeadImpl : public torch::nn::Cloneable<GptHeadImpl> {
  public:
-  GptHeadImpl(int64_t d_model, int64_t vocab, TensorSlot slot) : d_model_(d_model), vocab_(vocab), slot_(slot) {
+  GptHeadImpl(int64_t d_model, int64_t vocab, bool bias, TensorSlot slot)
+      : d_model_(d_model), vocab_(vocab), bias_(bias), slot_(slot) {
     reset();
   }
   void reset() override {
     ln = register_module("ln", LayerNorm(std::vector<int64_t>{d_model_}));
     if (slot_.parts > 1)
       out_part = register_module("out", ParallelLinear(d_model_, vocab_, ParallelLinearImpl::Split::kColumn, slot_,
-                                                       true, kGptWeight, kGptBias));
+                                                       bias_, kGptWeight, kGptBias));
     else
-      out = register_module("out", gpt_linear(d_model_, vocab_));
+      out = register_module("out", Linear(d_model_, vocab_, bias_, kGptWeight, kGptBias));
   }
   torch::Tensor forward(torch::Tensor x) { return out ? out(ln(x)) : out_part(ln(x)); }
   void pretty_print(std::ostream& os) const override {
-    os << "GptHead(d_model=" << d_model_ << ", vocab=" << vocab_ << ")";
+    os << "GptHead(d_model=" << d_model_ << ", vocab=" << vocab_ << (bias_ ? "" : ", bias=false") << ")";
   }
 
   LayerNorm ln{nullptr};
@@ -193,6 +329,7 @@ class GptHeadImpl : public torch::nn::Cloneable<GptHeadImpl> {
 
  private:
   int64_t d_model_, vocab_;
+  bool bias_;
   TensorSlot slot_;
 };
 TORCH_MODULE(GptHead);
@@ -304,7 +441,7 @@ torch::nn::Sequential build_gpt(const ModelSpec& spec, const DataInfo& data, Ten
   seq->push_back(GptEmbedding(data.num_classes, data.seq_len, spec.d_model, spec.dropout, slot));
   for (int64_t i = 0; i < spec.layers; ++i)
     seq->push_back(GptBlock(spec.d_model, spec.heads, d_ff, spec.dropout, slot));
-  seq->push_back(GptHead(spec.d_model, data.num_classes, slot));
+  seq->push_back(GptHead(spec.d_model, data.num_classes, spec.head_bias, slot));
   return seq;
 }
 
@@ -352,6 +489,52 @@ torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data, u
   torch::nn::Sequential model = model_shapes(spec, data);
   Materializer(*model, seed).create_all(*model);
   return model;
+}
+
+void set_recompute(torch::nn::Sequential& model, Recompute recompute) {
+  int blocks = 0;
+  for (auto& layer : *model)
+    if (auto* block = layer.ptr()->as<GptBlockImpl>()) {
+      block->recompute = recompute;
+      ++blocks;
+    }
+  if (recompute != Recompute::kNone && blocks == 0)
+    throw ConfigError(concat("train.recompute: ", to_string(recompute),
+                             " recomputes a gpt's transformer blocks, and this model has none: use none"));
+}
+
+GptDecoder::GptDecoder(torch::nn::Sequential model) : model_(std::move(model)) {
+  TETRA_CHECK(model_->size() >= 2 && model_->ptr(0)->as<GptEmbeddingImpl>() &&
+                  model_->ptr(model_->size() - 1)->as<GptHeadImpl>(),
+              "a decoder needs a gpt (an embedding, blocks, a head), got ", describe(model_));
+  auto* embedding = model_->ptr(0)->as<GptEmbeddingImpl>();
+  TETRA_CHECK(embedding->tok, "a decoder needs the whole model, not a tensor-parallel part of it");
+  context_ = embedding->pos.size(0);
+  vocab_ = embedding->tok->weight.size(0);
+  model_->eval();
+  reset();
+}
+
+void GptDecoder::reset() {
+  const size_t blocks = model_->size() - 2;
+  keys_.assign(blocks, at::Tensor());
+  values_.assign(blocks, at::Tensor());
+  length_ = 0;
+}
+
+torch::Tensor GptDecoder::next(const torch::Tensor& tokens) {
+  const int64_t t = tokens.numel();
+  TETRA_CHECK(t >= 1 && length_ + t <= context_, "the decoder holds ", length_, " positions of a context of ", context_,
+              ": ", t, " more do not fit");
+  torch::NoGradGuard no_grad;
+  auto* embedding = model_->ptr(0)->as<GptEmbeddingImpl>();
+  const torch::Tensor ids = tokens.reshape({1, t}).to(embedding->pos.device(), torch::kLong);
+  torch::Tensor x = embedding->tok(ids) + embedding->pos.slice(0, length_, length_ + t).unsqueeze(0);
+  for (size_t b = 0; b + 2 < model_->size(); ++b)
+    x = model_->ptr(b + 1)->as<GptBlockImpl>()->decode(x, keys_[b], values_[b]);
+  length_ += t;
+  auto* head = model_->ptr(model_->size() - 1)->as<GptHeadImpl>();
+  return head->out(head->ln(x.select(1, t - 1)))[0];
 }
 
 torch::Tensor model_loss(const torch::Tensor& output, const torch::Tensor& targets) {
@@ -433,6 +616,96 @@ LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sampl
   if (was_training) model->train();
   return probe;
 }
+
+// Note [Kept bytes]
+// What a step keeps between a layer's forward and its backward is what autograd saved for
+// it: inputs of its products, softmax outputs, dropout masks, attention's seq x seq tensors,
+// which for a transformer block are many times its output (Korthikanti et al. count
+// 34 s b h + 5 a s^2 b bytes at 16 bits). Rather than a formula per layer kind, the probe
+// measures it: each kind of layer runs forward once in training mode with its graph, and
+// the bytes allocated and still held when it returns (CountedBytes: the graph's saved
+// tensors and the output) are what it keeps; the first run warms the kernels' own caches
+// and is not counted. Under train.recompute the same measure sees what the recompute keeps
+// (a block's output, or all but attention's core), and the block is measured again without
+// it: the difference is what its recomputation holds in backward, one block at a time.
+// The estimate (Note [Per-rank estimate]) takes the sum of the layers' kept bytes, and
+// the largest recomputation, per sample of the micro-batch.
+namespace {
+void measure_kept_in_training(torch::nn::Sequential& model, LayerProbe& probe);
+}  // namespace
+
+void measure_kept(torch::nn::Sequential& model, LayerProbe& probe) {
+  probe.kept.clear();
+  probe.recompute.clear();
+  // Counting sees host memory: a program's own model already on a GPU is left to the
+  // outputs' count.
+  for (const auto& p : model->parameters())
+    if (!p.is_meta() && !p.device().is_cpu()) return;
+  const bool was_training = model->is_training();
+  try {
+    measure_kept_in_training(model, probe);
+  } catch (const std::exception&) {
+    // A program's own layer that cannot run forward with its graph here: its outputs.
+    probe.kept.clear();
+    probe.recompute.clear();
+  }
+  if (!was_training) model->eval();
+}
+
+namespace {
+void measure_kept_in_training(torch::nn::Sequential& model, LayerProbe& probe) {
+  const size_t L = probe.layers.size();
+  probe.kept.assign(L, 0);
+  probe.recompute.assign(L, 0);
+  model->train();
+  RandomContext::Scope random(0, 0, 0);
+  at::AutoGradMode grad(true);
+  auto kept_at = [](torch::nn::AnyModule& layer, const torch::Tensor& x, int64_t T) {
+    torch::Tensor in = (T > 0 ? x.narrow(1, 0, T) : x).detach().clone();
+    if (in.is_floating_point()) in.requires_grad_(true);
+    layer.forward(in);  // warm-up: kernels' first-call allocations
+    CountedBytes count;
+    torch::Tensor y = layer.forward(in);
+    return count.live();
+  };
+  std::map<std::string, std::pair<int64_t, int64_t>> seen;
+  size_t i = 0;
+  for (auto& layer : *model) {
+    if (i >= L) break;
+    const torch::Tensor& x = probe.layers[i].input;
+    const std::string key = layer_signature(*layer.ptr(), x);
+    auto it = seen.find(key);
+    if (it == seen.end()) {
+      MaterializedScope created(*layer.ptr());
+      auto measure = [&] {
+        if (probe.scale <= 1 || x.dim() < 2) return kept_at(layer, x, 0);
+        // The quadratic through T = 16, 32, 64 (the probe's length), at the whole length.
+        const int64_t T3 = x.size(1), T2 = T3 / 2, T1 = T3 / 4;
+        const double f1 = double(kept_at(layer, x, T1)), f2 = double(kept_at(layer, x, T2)),
+                     f3 = double(kept_at(layer, x, T3));
+        // f(T) = a + b T + c T^2 with T2 = 2 T1, T3 = 4 T1.
+        const double t = double(T1);
+        const double c = ((f3 - f2) / (2 * t) - (f2 - f1) / t) / (3 * t);
+        const double b = (f2 - f1) / t - 3 * c * t;
+        const double a = f1 - b * t - c * t * t;
+        const double S = double(T3) * probe.scale;
+        return static_cast<int64_t>(std::llround(a + b * S + c * S * S));
+      };
+      int64_t kept = measure(), extra = 0;
+      if (auto* block = layer.ptr()->as<GptBlockImpl>(); block && block->recompute != Recompute::kNone) {
+        const Recompute mode = block->recompute;
+        block->recompute = Recompute::kNone;
+        extra = std::max<int64_t>(0, measure() - kept);
+        block->recompute = mode;
+      }
+      it = seen.emplace(key, std::make_pair(kept, extra)).first;
+    }
+    probe.kept[i] = it->second.first;
+    probe.recompute[i] = it->second.second;
+    ++i;
+  }
+}
+}  // namespace
 
 std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Tensor& sample) {
   return forward_flops(model, probe_layers(model, sample));

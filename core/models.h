@@ -27,6 +27,34 @@ torch::nn::Sequential model_shapes(const ModelSpec& spec, const DataInfo& data, 
 // The same model created whole, with the initial weights every layout draws at `seed`.
 torch::nn::Sequential build_model(const ModelSpec& spec, const DataInfo& data, uint64_t seed);
 
+// Note [Recompute] (models.cpp): what the gpt's blocks of `model` (built by model_shapes
+// or build_model) keep for backward. A ConfigError when it asks to recompute and the
+// model has no transformer block.
+void set_recompute(torch::nn::Sequential& model, Recompute recompute);
+
+// Text from a whole gpt (build_model's, or any model of the zoo's gpt layers with every
+// parameter created), one position at a time: each block keeps the keys and values of the
+// positions it has seen (a key-value cache), so a new token costs one position's forward.
+// Eval mode (no dropout); the logits are the full forward's at the same positions (to
+// float rounding: the products run on fewer rows).
+class GptDecoder {
+ public:
+  explicit GptDecoder(torch::nn::Sequential model);
+  int64_t context() const { return context_; }  // the longest sequence: the positional table's
+  int64_t vocab() const { return vocab_; }
+  int64_t length() const { return length_; }    // positions held
+  // Forgets every position.
+  void reset();
+  // Runs `tokens` (int64, t of them) after the positions held; returns the logits [vocab]
+  // of the last of them. The positions held plus t must fit the context.
+  torch::Tensor next(const torch::Tensor& tokens);
+
+ private:
+  torch::nn::Sequential model_;
+  std::vector<torch::Tensor> keys_, values_;  // per block: [1, heads, length, head dim]
+  int64_t context_ = 0, vocab_ = 0, length_ = 0;
+};
+
 // The training loss of a model's output against targets: cross-entropy over classes,
 // or over next tokens (output [n, seq, vocab] against targets [n, seq]), averaged over
 // the examples (and tokens) of the batch.
@@ -56,9 +84,20 @@ struct LayerShapes {
 struct LayerProbe {
   std::vector<LayerShapes> layers;
   double scale = 1;
+  // measure_kept's, per layer, for one whole sample (empty until it runs).
+  std::vector<int64_t> kept;       // what the layer's forward keeps for backward, its output included
+  std::vector<int64_t> recompute;  // what its recomputation holds at once in backward, beyond that
 };
 // max_tokens 0 runs the whole sample, whatever its length (the pipeline's boundaries).
 LayerProbe probe_layers(torch::nn::Sequential& model, const torch::Tensor& sample, int64_t max_tokens = 64);
+
+// Note [Kept bytes] (models.cpp): fills probe.kept and probe.recompute by running each
+// kind of layer forward with its graph, in training mode, under the layers' recompute
+// setting and the caller's autocast, and counting the bytes the graph keeps (CountedBytes).
+// A sample the probe cut to its first 64 tokens is measured at 16, 32 and 64 and the
+// whole length taken from the quadratic through them (a transformer keeps a x T + b x T^2
+// bytes, and a constant: exact, not a guess).
+void measure_kept(torch::nn::Sequential& model, LayerProbe& probe);
 
 // What makes two layers cost the same and give outputs of the same shape: the layer's
 // printed type and options, its parameters' and buffers' names, shapes and dtypes, and the

@@ -60,16 +60,22 @@ void broadcast_from_first(collectives::Communicator& group, TrainState& state) {
 
 namespace {
 
-// The outputs of every layer for one micro-batch, from one sample's (the plan's probe: a
-// long sequence probed by its first 64 tokens and scaled, so a billion-parameter model's
-// plan is quick), run as training runs it (bf16 autocast included): what autograd keeps
-// of one micro-batch, roughly, when nothing recomputes.
-std::vector<int64_t> layer_outputs(const PlanInput& in) {
+// What autograd keeps of one micro-batch at the peak of its backward: every layer's kept
+// bytes, and the largest recomputation under train.recompute (Note [Kept bytes]), per
+// sample of the micro-batch, as training runs it (bf16 autocast included). A probe without
+// them (a program's own) counts the layers' outputs.
+int64_t kept_activations(const PlanInput& in) {
   const int64_t micro = std::max<int64_t>(1, in.plan.micro_batch_size());
-  std::vector<int64_t> out;
-  for (const LayerShapes& s : in.probe.layers)
-    out.push_back(static_cast<int64_t>(double(s.output.nbytes()) * in.probe.scale) * micro);
-  return out;
+  int64_t kept = 0, recompute = 0;
+  if (in.probe.kept.size() == in.probe.layers.size()) {
+    for (size_t i = 0; i < in.probe.kept.size(); ++i) {
+      kept += in.probe.kept[i];
+      recompute = std::max(recompute, in.probe.recompute[i]);
+    }
+  } else {
+    for (const LayerShapes& s : in.probe.layers) kept += static_cast<int64_t>(double(s.output.nbytes()) * in.probe.scale);
+  }
+  return (kept + recompute) * micro;
 }
 
 }  // namespace
@@ -109,9 +115,7 @@ std::string model_problems(const PlanInput& in) {
 std::vector<RankEstimate> estimate_ranks(const PlanInput& in) {
   const Plan& plan = in.plan;
   const MeshLayout layout(plan.processes());
-  const std::vector<int64_t> outputs = layer_outputs(in);
-  int64_t activations = 0;
-  for (int64_t b : outputs) activations += b;
+  const int64_t activations = kept_activations(in);
   std::vector<RankEstimate> ranks;
   for (int p = 0; p < plan.process_count(); ++p) {
     RankEstimate r;

@@ -30,6 +30,15 @@ inline void set_autocast(c10::DeviceType type, bool enabled, at::ScalarType dtyp
 }
 #endif
 
+// Whether autocast is on for `type` on this thread now.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+#else
+inline bool autocast_enabled(c10::DeviceType type) {
+  return type == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+}
+#endif
+
 // bf16 autocast on the job's device (Note [One device]) for the lifetime of the guard; a
 // no-op when off.
 class Autocast {

@@ -174,6 +174,7 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     TensorSlot slot{spec_.mesh.size("tensor"), mesh_ ? mesh_->coord("tensor") : 0};
     for (const auto& cfg : plan_.strategies()) cfg->shape_model(slot);
     model_ = model_shapes(spec_.model, data_->info(), slot);
+    set_recompute(model_, spec_.train.recompute);  // Note [Recompute]
   }
   if (!model_ || model_->size() == 0)
     throw ConfigError("the model the program gave the trainer (TrainerOptions::model) is empty: it needs at least one layer");
@@ -285,7 +286,9 @@ TensorMap Trainer::weights() {
 const LayerProbe& Trainer::probe() const {
   if (!probe_) {
     compat::Autocast autocast(spec_.train.precision == Precision::kBf16);
-    probe_ = probe_layers(const_cast<torch::nn::Sequential&>(model_), data_->range(Split::kTrain, 0, 1).inputs);
+    auto& model = const_cast<torch::nn::Sequential&>(model_);
+    probe_ = probe_layers(model, data_->range(Split::kTrain, 0, 1).inputs);
+    measure_kept(model, *probe_);  // Note [Kept bytes]
   }
   return *probe_;
 }

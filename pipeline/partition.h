@@ -25,6 +25,11 @@ struct LayerCost {
   double forward_s = 0;     // measured on one micro-batch (by_time, or --dry-run)
   double backward_s = 0;
   int64_t activation_bytes = 0;  // the layer's output for one micro-batch
+  // What its forward keeps for backward for one micro-batch, output included (-1: not
+  // measured, kept() is the output), and what its recomputation under train.recompute holds
+  // beyond that (Note [Kept bytes]).
+  int64_t kept_bytes = -1, recompute_bytes = 0;
+  int64_t kept() const { return kept_bytes >= 0 ? kept_bytes : activation_bytes; }
   // The times were taken on one short sample and scaled by FLOPs (Note [Layer costs]).
   bool scaled = false;
 };

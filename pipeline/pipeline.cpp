@@ -164,7 +164,7 @@ class StageMemoryModel {
     weight_inputs_.assign(L + 1, 0);
     for (size_t i = 0; i < L; ++i) {
       params_[i + 1] = params_[i] + costs[i].params;
-      acts_[i + 1] = acts_[i] + costs[i].activation_bytes;
+      acts_[i + 1] = acts_[i] + costs[i].kept();
       const int64_t in = i == 0 ? 0 : costs[i - 1].activation_bytes;
       weight_inputs_[i + 1] = weight_inputs_[i] + (costs[i].params > 0 ? in : 0);
     }
@@ -183,6 +183,9 @@ class StageMemoryModel {
     const int64_t act = acts_[end] - acts_[first];
     const int64_t in = first == 0 ? 0 : costs_[first - 1].activation_bytes;
     b.activations = opt_.checkpoint == Recompute::kNever ? act * b.in_flight : in * b.in_flight + act;
+    int64_t recompute = 0;  // train.recompute: one block's recomputation at a time (Note [Kept bytes])
+    for (int i = first; i < end; ++i) recompute = std::max(recompute, costs_[static_cast<size_t>(i)].recompute_bytes);
+    b.activations += recompute;
     b.activations += (weight_inputs_[end] - weight_inputs_[first]) * b.weight_pending;
     return b;
   }
@@ -443,6 +446,7 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
   } else {
     core::compat::Autocast autocast(bf16);
     probe = core::probe_layers(model, sample);
+    core::measure_kept(model, probe);
   }
   const double per_micro = static_cast<double>(micro_batch) * probe.scale;  // probe outputs per micro-batch
   for (int i = 0; i < L; ++i) {
@@ -452,6 +456,10 @@ std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::
     c.params = param_count(*m.ptr());
     const torch::Tensor& y = probe.layers[static_cast<size_t>(i)].output;
     c.activation_bytes = static_cast<int64_t>(static_cast<double>(y.numel() * static_cast<int64_t>(y.element_size())) * per_micro);
+    if (probe.kept.size() == probe.layers.size()) {
+      c.kept_bytes = probe.kept[static_cast<size_t>(i)] * micro_batch;
+      c.recompute_bytes = probe.recompute[static_cast<size_t>(i)] * micro_batch;
+    }
     out.push_back(c);
   }
   if (!time) return out;

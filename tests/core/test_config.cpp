@@ -150,7 +150,7 @@ TEST(ConfigKeys, MisspeltKeySuggestsTheKey) {
 TEST(ConfigKeys, UnknownKeyWithNothingNearListsTheKnownKeys) {
   EXPECT_EQ(errors_of("train:\n  colour: blue\n"),
             "job.yaml:2:3: error: train.colour: unknown key (known keys: epochs, max_steps, "
-            "eval_every, seed, threads, precision, device, accumulation_steps, on_nonfinite)");
+            "eval_every, seed, threads, precision, device, accumulation_steps, on_nonfinite, recompute)");
 }
 
 TEST(ConfigKeys, UnknownSectionListsCoreAndPluginSections) {
