@@ -30,6 +30,17 @@ const Init kGptBias = Init::constant(0.0);
 
 Linear gpt_linear(int64_t in, int64_t out) { return Linear(in, out, true, kGptWeight, kGptBias); }
 
+// A Linear for a decoder's step: one row is a matrix-vector product (BLAS's gemv reads the
+// weight once, where a one-row gemm packs it first: half the speed measured here, on a
+// step bound by reading the weights); more rows are the Linear's own.
+torch::Tensor decode_linear(Linear& l, const torch::Tensor& x) {
+  if (x.numel() != x.size(-1)) return l(x);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = l->out_features();
+  const torch::Tensor v = x.reshape({-1});
+  return (l->bias.defined() ? at::addmv(l->bias, l->weight, v) : at::mv(l->weight, v)).view(shape);
+}
+
 // Token embedding + learned positional embedding (+ dropout): int64 [n, T] -> [n, T, d].
 // Under tensor parallelism (slot.parts > 1, Note [Tensor-parallel maps]) the token table is
 // split by vocabulary (VocabParallelEmbedding); its output, summed over the tensor group,
@@ -210,22 +221,25 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     return torch::matmul(att, v).transpose(1, 2).reshape({n, T, heads * hd});
   }
   // One step of a decoder (GptDecoder): x [1, t, d] are the next t positions, after the
-  // `cache` keys and values of those before them (eval mode, whole layers).
-  torch::Tensor decode(const torch::Tensor& x, torch::Tensor& keys, torch::Tensor& values) {
+  // `past` positions whose keys and values the cache's buffers [1, heads, context, hd] hold
+  // (eval mode, whole layers); this step's are written after them, in place.
+  torch::Tensor decode(const torch::Tensor& x, torch::Tensor& key_cache, torch::Tensor& value_cache, int64_t past) {
     const int64_t n = x.size(0), t = x.size(1), hd = d_model_ / heads_;
-    torch::Tensor qkv_out = qkv(ln1(x)).view({n, t, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
+    torch::Tensor qkv_out = decode_linear(qkv, ln1(x)).view({n, t, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
     torch::Tensor q = qkv_out[0];
-    keys = keys.defined() ? torch::cat({keys, qkv_out[1]}, 2) : qkv_out[1].contiguous();
-    values = values.defined() ? torch::cat({values, qkv_out[2]}, 2) : qkv_out[2].contiguous();
-    const int64_t L = keys.size(2), past = L - t;
+    key_cache.narrow(2, past, t).copy_(qkv_out[1]);
+    value_cache.narrow(2, past, t).copy_(qkv_out[2]);
+    const torch::Tensor keys = key_cache.narrow(2, 0, past + t), values = value_cache.narrow(2, 0, past + t);
+    const int64_t L = past + t;
     torch::Tensor att = torch::matmul(q, keys.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
     // Query i (position past + i) sees keys 0 .. past + i.
     torch::Tensor future = torch::ones({t, L}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(past + 1);
     att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
     torch::Tensor y = torch::matmul(att, values).transpose(1, 2).reshape({n, t, d_model_});
-    torch::Tensor h = x + proj(y);
-    return h + fc2(torch::gelu(fc1(ln2(h))));
+    torch::Tensor h = x + decode_linear(proj, y);
+    return h + decode_linear(fc2, torch::gelu(decode_linear(fc1, ln2(h))));
   }
+  int64_t heads() const { return heads_; }
   void pretty_print(std::ostream& os) const override {
     os << "GptBlock(d_model=" << d_model_ << ", heads=" << heads_ << ", d_ff=" << d_ff_
        << ", dropout=" << dropout_ << ")";
@@ -516,9 +530,10 @@ GptDecoder::GptDecoder(torch::nn::Sequential model) : model_(std::move(model)) {
 }
 
 void GptDecoder::reset() {
+  // The buffers stay (made at the first next()); only the positions are forgotten.
   const size_t blocks = model_->size() - 2;
-  keys_.assign(blocks, at::Tensor());
-  values_.assign(blocks, at::Tensor());
+  keys_.resize(blocks);
+  values_.resize(blocks);
   length_ = 0;
 }
 
@@ -530,11 +545,17 @@ torch::Tensor GptDecoder::next(const torch::Tensor& tokens) {
   auto* embedding = model_->ptr(0)->as<GptEmbeddingImpl>();
   const torch::Tensor ids = tokens.reshape({1, t}).to(embedding->pos.device(), torch::kLong);
   torch::Tensor x = embedding->tok(ids) + embedding->pos.slice(0, length_, length_ + t).unsqueeze(0);
-  for (size_t b = 0; b + 2 < model_->size(); ++b)
-    x = model_->ptr(b + 1)->as<GptBlockImpl>()->decode(x, keys_[b], values_[b]);
+  for (size_t b = 0; b + 2 < model_->size(); ++b) {
+    auto* block = model_->ptr(b + 1)->as<GptBlockImpl>();
+    if (!keys_[b].defined()) {  // the whole context's room, once
+      keys_[b] = torch::empty({1, block->heads(), context_, x.size(2) / block->heads()}, x.options());
+      values_[b] = torch::empty_like(keys_[b]);
+    }
+    x = block->decode(x, keys_[b], values_[b], length_);
+  }
   length_ += t;
   auto* head = model_->ptr(model_->size() - 1)->as<GptHeadImpl>();
-  return head->out(head->ln(x.select(1, t - 1)))[0];
+  return decode_linear(head->out, head->ln(x.select(1, t - 1)))[0];
 }
 
 torch::Tensor model_loss(const torch::Tensor& output, const torch::Tensor& targets) {

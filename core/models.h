@@ -51,7 +51,7 @@ class GptDecoder {
 
  private:
   torch::nn::Sequential model_;
-  std::vector<torch::Tensor> keys_, values_;  // per block: [1, heads, length, head dim]
+  std::vector<torch::Tensor> keys_, values_;  // per block: [1, heads, context, head dim], length() filled
   int64_t context_ = 0, vocab_ = 0, length_ = 0;
 };
 

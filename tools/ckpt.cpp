@@ -3,6 +3,7 @@
 //
 //   ckpt show PATH [--parts]                      step, ranks, files, every tensor
 //   ckpt export PATH -o OUT.safetensors [--all]   consolidated whole tensors
+//   ckpt export PATH --format hf -o FOLDER        a gpt as Hugging Face's GPT-2
 //   ckpt verify PATH                              every file's size and CRC-32C
 //
 // PATH is a step folder (runs/job/ckpt/step-00000500) or a folder of them (its newest;
@@ -11,7 +12,10 @@
 // that prefix (the names the trainer's checkpoint.safetensors export uses, which any
 // safetensors reader loads into the same model); `--all` writes every tensor (optimizer
 // state, RNG) under its checkpoint name. Tensors are read one at a time, from the byte
-// ranges of the rank files that hold them.
+// ranges of the rank files that hold them. `--format hf` writes a gpt as a Hugging Face
+// GPT-2 folder (config.json, model.safetensors under GPT-2's names, the byte vocabulary
+// as GPT-2's tokenizer files: Note [GPT-2 export] in core/model_io.cpp); PATH may also be
+// a run folder or a tetra export there.
 //
 // Exit status: 0 done; 1 `verify` found a damaged checkpoint (each named, with the file
 // and what differs); 2 the command line, the checkpoint or the output is wrong (the
@@ -27,6 +31,7 @@
 
 #include "collectives/error.h"
 #include "core/checkpoint.h"
+#include "core/model_io.h"
 #include "core/report.h"
 #include "core/safetensors.h"
 #include "core/text.h"
@@ -147,6 +152,17 @@ int export_weights(const std::string& path, const std::string& output, bool all)
   return 0;
 }
 
+int export_hf(const std::string& path, const std::string& output) {
+  const tetra::core::LoadedModel loaded = tetra::core::load_model(path);
+  const std::vector<std::string> files = tetra::core::write_gpt2(loaded, output);
+  std::printf("ckpt: wrote step %lld of %s as GPT-2 (Hugging Face) to %s:\n", static_cast<long long>(loaded.step),
+              loaded.source.c_str(), output.c_str());
+  for (const auto& f : files) std::printf("  %s\n", f.c_str());
+  std::printf("ckpt: transformers.GPT2LMHeadModel.from_pretrained(\"%s\") loads it; config.json names what differs "
+              "from GPT-2\n", output.c_str());
+  return 0;
+}
+
 // Checks meta.json and every file of the checkpoint at `path`, or of every checkpoint in
 // the folder `path`: 0 when all are intact, 1 when any is damaged.
 int verify(const std::string& path) {
@@ -179,7 +195,7 @@ int main(int argc, char** argv) {
   CLI::App app{"ckpt: looks into a tetra checkpoint and exports it as one safetensors file",
                "ckpt"};
   app.require_subcommand(1);
-  std::string path, output;
+  std::string path, output, format = "tetra";
   bool parts = false, all = false;
 
   CLI::App* show_cmd =
@@ -191,7 +207,10 @@ int main(int argc, char** argv) {
   CLI::App* export_cmd = app.add_subcommand("export", "whole tensors into one safetensors file");
   export_cmd->add_option("path", path, "a step-* folder, or a folder of them (its newest)")
       ->required();
-  export_cmd->add_option("-o,--output", output, "the safetensors file to write")->required();
+  export_cmd->add_option("-o,--output", output, "the safetensors file to write (--format hf: the folder)")->required();
+  export_cmd->add_option("--format", format, "tetra (default: one safetensors file and its config) or hf (a gpt as "
+                                             "Hugging Face's GPT-2 folder)")
+      ->check(CLI::IsMember({"tetra", "hf"}));
   export_cmd->add_flag(
       "--all", all,
       "every tensor under its checkpoint name (default: the model/ tensors, without the prefix)");
@@ -210,6 +229,10 @@ int main(int argc, char** argv) {
   try {
     if (show_cmd->parsed()) return show(path, parts);
     if (verify_cmd->parsed()) return verify(path);
+    if (format == "hf") {
+      if (all) throw tetra::Error("--all exports a checkpoint's every tensor, --format hf a model's weights: one or the other");
+      return export_hf(path, output);
+    }
     return export_weights(path, output, all);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ckpt: error: %s\n", e.what());

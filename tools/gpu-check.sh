@@ -43,6 +43,10 @@
 #                    samples/s and MFU against the datasheet (989 TFLOP/s dense bf16, H100
 #                    SXM and H200) and against the matmul measured above (tools/gpu/mfu.py);
 #                    fails on a loss that is not finite or a skipped step
+#   hf-gpt2          a small GPT exported by `ckpt export --format hf` and loaded by
+#                    transformers (tools/gpu/hf_check.py): logits within 1e-3 of tetra's,
+#                    the same greedy text as `generate`, the tokenizer giving the bytes;
+#                    skipped where transformers is missing
 #   zero3-*          configs/zero3-gpt.yaml: ZeRO-3 over 2 ranks sharing the GPU (gloo;
 #                    launched by the carried mpirun, else by the environment rendezvous)
 #                    against one process: final loss within 1e-3
@@ -186,6 +190,7 @@ run_step binaries 30 unpack train
 run_step ctest-cuda 90 binaries
 run_step quickstart 90 binaries
 run_step gpt-bf16 120 binaries
+run_step hf-gpt2 60 binaries
 run_step zero3-one-rank 60 binaries
 run_step zero3-two-ranks 90 binaries
 run_step zero3-compare 20 zero3-one-rank zero3-two-ranks

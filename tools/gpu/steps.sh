@@ -296,7 +296,7 @@ step_configure() {
 # ---- build: train and the cuda-labelled tests' binaries ---------------------------------
 step_build() {
   prefix_env
-  local -a targets=(train)
+  local -a targets=(train ckpt generate)
   read -r -a extra <<<"$TEST_TARGETS"
   targets+=("${extra[@]}")
   figure_str targets "${targets[*]}"
@@ -581,6 +581,36 @@ step_zero3_compare() {
   ((rc == 0)) || fail "$("${get[@]}" problems)"
 }
 
+# ---- the GPT as Hugging Face's GPT-2 (issue 48) ---------------------------------------
+# A small GPT without a head bias trained on DEVICE, exported with `ckpt export --format hf`,
+# loaded by transformers (tools/gpu/hf_check.py): its logits against tetra's (`generate
+# --logits`) within 1e-3, and the greedy text equal; generate's tokens/s with the cache.
+step_hf_gpt2() {
+  prefix_env
+  [[ -x $BUILD/bin/ckpt && -x $BUILD/bin/generate ]] || fail "ckpt and generate were not built"
+  local dir corpus
+  dir=$(run_dir hf-gpt2)
+  corpus=$(make_corpus)
+  timeout "$(left)" "$BUILD/bin/train" "$REPO/configs/zero3-gpt.yaml" --set name=gpu-check-hf --set "log.dir=$dir" \
+    --set mesh.data=1 --set zero.stage=0 --set model.layers=2 --set model.d_model=128 --set model.heads=4 \
+    --set model.head_bias=false --set "data.path=$corpus" --set data.seq_len=128 --set data.batch_size=16 \
+    --set train.max_steps=100 --set train.eval_every=100 --set data.eval_samples=64 --set "train.device=$DEVICE" \
+    --set log.progress=plain || fail "train (the small GPT for the export): exit $?"
+  "$BUILD/bin/ckpt" export "$dir" --format hf -o "$dir/hf" || fail "ckpt export --format hf: exit $?"
+  local prompt="int main(int argc, char** argv) {" gen_err
+  "$BUILD/bin/generate" "$dir" --prompt "$prompt" --tokens 64 --temperature 0 --device "$DEVICE" \
+    --logits "$dir/logits.json" >"$dir/greedy.txt" 2>"$dir/generate.err" || fail "generate: exit $?: $(cat "$dir/generate.err")"
+  gen_err=$(cat "$dir/generate.err")
+  figure_str generate "$gen_err"
+  local figs rc=0
+  figs=$(tpy "$GPU_DIR/hf_check.py" "$dir/hf" "$prompt" "$dir/logits.json" "$dir/greedy.txt" 64 "$DEVICE") || rc=$?
+  figure run "$figs"
+  ((rc == 3)) && skip "$(hpy "$GPU_DIR/jget.py" --json "$figs" problems)"
+  local get=(hpy "$GPU_DIR/jget.py" --json "$figs")
+  headline "transformers $("${get[@]}" transformers): logits within $("${get[@]}" logit_max_abs_diff) of tetra's, greedy text equal: $("${get[@]}" greedy_equal), tokenizer gives the bytes: $("${get[@]}" tokenizer_ids_equal); $(grep -o '[0-9.]* tokens/s' <<<"$gen_err" | head -1) (tetra's generate, greedy)"
+  ((rc == 0)) || fail "$("${get[@]}" problems)"
+}
+
 # ---- two ranks over NCCL: on one GPU only if NCCL allows it ----------------------------
 step_nccl_two() {
   [[ $DEVICE == cuda ]] || skip "needs cuda (--device cpu)"
@@ -624,6 +654,7 @@ case $1 in
   environment | matmul | unpack | mpirun | configure | build | binaries | quickstart) "step_$1" ;;
   ctest-cuda) step_ctest_cuda ;;
   gpt-bf16) step_gpt_bf16 ;;
+  hf-gpt2) step_hf_gpt2 ;;
   zero3-one-rank) step_zero3_one ;;
   zero3-two-ranks) step_zero3_two ;;
   zero3-compare) step_zero3_compare ;;
