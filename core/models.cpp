@@ -99,33 +99,33 @@ TORCH_MODULE(GptEmbedding);
 // in the same order on every rank of it), a pipeline stage, a replica. Recomputed is an
 // autograd Function over a body of the block's: its forward runs the body without a graph
 // and keeps the body's inputs only; its backward runs the body again under the forward's
-// dropout key (Note [Layout-invariant dropout]) and autocast, and takes the gradients of
-// the inputs and of the parameters the body uses, which it returns along its edges, so the
-// parameters' gradient hooks (the data-parallel and ZeRO buckets) fire as in any backward.
-// It computes only the gradients asked for (needs_input_grad): a zero-bubble schedule's B
-// asks for the input's and its W for the weights' (Note [B and W on the autograd graph]),
-// each recomputing once. blocks: the body is the whole block, whose input (the previous
-// block's output) is all a block keeps; selective: the body is attention's core, softmax
-// (QK^T / sqrt(d)) V with its mask and dropout, whose seq x seq tensors are what it keeps.
+// dropout key (Note [Layout-invariant dropout]) and autocast, and runs a backward through
+// it (reentrant, as PyTorch's checkpoint does): the parameters' gradients accumulate where
+// any backward puts them, firing their hooks once (the data-parallel and ZeRO buckets, the
+// sequence-parallel sums), and the inputs' gradients are returned. Taking the parameters'
+// gradients with autograd::grad and returning them along edges of this node instead fires
+// a parameter's tensor hook twice on LibTorch 2.x (hooks run for captured gradients there):
+// tensor 2 with sequence parallelism then summed its norms' gradients twice. A zero-bubble
+// schedule's B runs this node whole, weights included, so its W has nothing left of it
+// (Note [B and W on the autograd graph]).
+// blocks: the body is the whole block, whose input (the previous block's output) is all a
+// block keeps; selective: the body is attention's core, softmax(QK^T / sqrt(d)) V with its
+// mask and dropout, whose seq x seq tensors are what it keeps.
 enum class Body : int64_t { kBlock, kAttention };
 
 class GptBlockImpl;
 at::Tensor run_body(GptBlockImpl& block, Body body, const std::vector<at::Tensor>& inputs);
 
 struct Recomputed : torch::autograd::Function<Recomputed> {
-  // all: the body's `inputs` tensors, then the parameters its gradient reaches.
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, int64_t block, int64_t body, int64_t inputs,
-                            at::TensorList all) {
-    std::vector<at::Tensor> in(all.begin(), all.begin() + inputs);
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, int64_t block, int64_t body, at::TensorList inputs) {
+    std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     ctx->save_for_backward(in);
     const RandomContext& random = RandomContext::current();
     ctx->saved_data["block"] = block;
     ctx->saved_data["body"] = body;
-    ctx->saved_data["params"] = static_cast<int64_t>(all.size()) - inputs;
     ctx->saved_data["random"] = std::vector<int64_t>{static_cast<int64_t>(random.seed), random.step,
                                                      random.first_sample, random.active ? 1 : 0};
-    const c10::DeviceType device = in.front().device().type();
-    ctx->saved_data["autocast"] = compat::autocast_enabled(device);
+    ctx->saved_data["autocast"] = compat::autocast_enabled(in.front().device().type());
     return run_body(*reinterpret_cast<GptBlockImpl*>(block), static_cast<Body>(body), in);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -177,13 +177,8 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
   torch::Tensor forward(torch::Tensor x) {
     TETRA_CHECK(x.dim() == 3 && x.size(2) == d_model_, "GptBlock expects [n, T, ", d_model_,
                 "], got ", x.sizes());
-    if (recompute == Recompute::kBlocks && at::GradMode::is_enabled()) {
-      std::vector<at::Tensor> all = {x};
-      for (const auto& p : parameters())
-        if (p.requires_grad()) all.push_back(p);
-      return Recomputed::apply(reinterpret_cast<int64_t>(this), static_cast<int64_t>(Body::kBlock), int64_t{1},
-                               at::TensorList(all));
-    }
+    if (recompute == Recompute::kBlocks && at::GradMode::is_enabled())
+      return Recomputed::apply(reinterpret_cast<int64_t>(this), static_cast<int64_t>(Body::kBlock), at::TensorList(x));
     return block(x);
   }
   // The whole block: x + attn(ln1(x)), then x + mlp(ln2(x)).
@@ -195,7 +190,7 @@ class GptBlockImpl : public torch::nn::Cloneable<GptBlockImpl> {
     torch::Tensor q = qkv_out[0], k = qkv_out[1], v = qkv_out[2];  // [n, H, T, hd]
     torch::Tensor y = recompute == Recompute::kSelective && at::GradMode::is_enabled()
                           ? Recomputed::apply(reinterpret_cast<int64_t>(this), static_cast<int64_t>(Body::kAttention),
-                                              int64_t{3}, at::TensorList({q, k, v}))
+                                              at::TensorList({q, k, v}))
                           : attention(q, k, v);
     if (!slot_.sequence) {
       x = x + proj_drop(proj ? proj(y) : proj_part(y));
@@ -268,33 +263,12 @@ torch::autograd::variable_list Recomputed::backward(torch::autograd::AutogradCon
   auto& block = *reinterpret_cast<GptBlockImpl*>(ctx->saved_data["block"].toInt());
   const auto body = static_cast<Body>(ctx->saved_data["body"].toInt());
   const auto key = ctx->saved_data["random"].toIntVector();
-  const size_t inputs = saved.size();
-  // The parameters the body uses, in the order forward listed them.
-  std::vector<at::Tensor> params;
-  if (body == Body::kBlock)
-    for (const auto& p : block.parameters())
-      if (p.requires_grad()) params.push_back(p);
-  TETRA_CHECK(static_cast<int64_t>(params.size()) == ctx->saved_data["params"].toInt(),
-              "recompute: the block's parameters changed between its forward and its backward");
-  // What to differentiate: the inputs and parameters whose gradients are asked for.
-  std::vector<at::Tensor> in, wrt;
-  std::vector<size_t> where;  // wrt[j] is edge where[j]
-  for (size_t i = 0; i < inputs; ++i) {
+  std::vector<at::Tensor> in;
+  for (size_t i = 0; i < saved.size(); ++i) {
     at::Tensor x = saved[i].detach();
-    if (ctx->needs_input_grad(i) && x.is_floating_point()) {
-      x.requires_grad_(true);
-      wrt.push_back(x);
-      where.push_back(i);
-    }
+    if (ctx->needs_input_grad(i) && x.is_floating_point()) x.requires_grad_(true);
     in.push_back(x);
   }
-  for (size_t i = 0; i < params.size(); ++i)
-    if (ctx->needs_input_grad(inputs + i)) {
-      wrt.push_back(params[i]);
-      where.push_back(inputs + i);
-    }
-  torch::autograd::variable_list out(3 + inputs + params.size());  // block, body, inputs: not tensors
-  if (wrt.empty()) return out;
   at::Tensor y;
   {
     RandomContext context;
@@ -307,9 +281,9 @@ torch::autograd::variable_list Recomputed::backward(torch::autograd::AutogradCon
     at::AutoGradMode grad(true);
     y = run_body(block, body, in);
   }
-  const auto g = torch::autograd::grad({y}, wrt, {grads.at(0)}, /*retain_graph=*/false, /*create_graph=*/false,
-                                       /*allow_unused=*/true);
-  for (size_t j = 0; j < wrt.size(); ++j) out[3 + where[j]] = g[j];
+  torch::autograd::variable_list out(2);  // block, body: not tensors
+  if (y.requires_grad()) torch::autograd::backward({y}, {grads.at(0)});
+  for (const at::Tensor& x : in) out.push_back(x.requires_grad() ? x.grad() : at::Tensor());
   return out;
 }
 
