@@ -108,13 +108,13 @@ LoadedModel load_model(const std::string& path) {
   CheckpointReader r = CheckpointReader::weights_of(out.source);
   out.step = r.step();
   if (fs::is_directory(out.source)) {
-    // A checkpoint carries its description (Note [Export config]).
-    CheckpointReader whole(out.source);
-    out.source = whole.folder();
-    if (!whole.meta().contains("export"))
-      throw Error(concat("checkpoint ", whole.folder(), " predates model descriptions in checkpoints: ",
+    // A checkpoint carries its description (Note [Export config]); weights_of's reader
+    // keeps the checkpoint's meta and its step folder.
+    out.source = r.folder();
+    if (!r.meta().contains("export"))
+      throw Error(concat("checkpoint ", r.folder(), " predates model descriptions in checkpoints: ",
                          "tetra cannot tell which model its tensors belong to"));
-    out.description = whole.meta()["export"];
+    out.description = r.meta()["export"];
   } else {
     const std::string config = export_config_path(out.source);
     if (!fs::exists(config))
