@@ -28,7 +28,7 @@ const std::vector<std::string> kCoreSections = {
     "collectives"};
 
 
-std::string fmt(double x) {
+std::string shortest(double x) {
   char buf[40];
   for (int prec = 1; prec <= 17; ++prec) {
     std::snprintf(buf, sizeof buf, "%.*g", prec, x);
@@ -69,7 +69,7 @@ void finish_typed(Section& s, const std::string& kind, const std::string& type, 
 double fraction(Section& s, const std::string& key, double def, bool open_low) {
   double v = s.number(key, def, 0.0, 1.0);
   if ((open_low && v <= 0.0) || v >= 1.0) {
-    s.error(key, std::string("must be in ") + (open_low ? "(" : "[") + "0, 1), got " + fmt(v));
+    s.error(key, std::string("must be in ") + (open_low ? "(" : "[") + "0, 1), got " + shortest(v));
     return def;
   }
   return v;
@@ -177,7 +177,7 @@ void optimizer_fields(V& v, OptimizerSpec& o) {
     v.boolean("nesterov", o.nesterov);
     if constexpr (V::kReads)
       if (o.nesterov && o.momentum <= 0.0)
-        v.section().error("nesterov", "requires optimizer.momentum > 0, got momentum " + fmt(o.momentum));
+        v.section().error("nesterov", "requires optimizer.momentum > 0, got momentum " + shortest(o.momentum));
   } else {
     std::vector<double> betas = {o.beta1, o.beta2};
     v.numbers("betas", betas);
@@ -189,7 +189,7 @@ void optimizer_fields(V& v, OptimizerSpec& o) {
         bool ok = true;
         for (size_t i = 0; i < 2; ++i) {
           if (betas[i] < 0.0 || betas[i] >= 1.0) {
-            v.section().error("betas", "beta" + std::to_string(i + 1) + " must be in [0, 1), got " + fmt(betas[i]));
+            v.section().error("betas", "beta" + std::to_string(i + 1) + " must be in [0, 1), got " + shortest(betas[i]));
             ok = false;
           }
         }
@@ -212,7 +212,7 @@ void schedule_fields(V& v, ScheduleSpec& s, double lr) {
     v.number("min_lr", s.min_lr, 0.0);
     if constexpr (V::kReads)
       if (s.min_lr > lr)
-        v.section().error("min_lr", fmt(s.min_lr) + " is above optimizer.lr " + fmt(lr) +
+        v.section().error("min_lr", shortest(s.min_lr) + " is above optimizer.lr " + shortest(lr) +
                                         " (the decay ends at min_lr, so it must be <= lr)");
     v.integer("decay_steps", s.decay_steps, 0);
   }

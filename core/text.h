@@ -1,6 +1,7 @@
 // Small text helpers shared by the job spec, data and model code.
 #pragma once
 
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -18,11 +19,20 @@ inline std::string join(const std::vector<std::string>& items, const std::string
   return out;
 }
 
-// One number through a printf format: fmt("%.4f", loss).
-inline std::string fmt(const char* format, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
+// printf into a string: fmt("%.4f", loss), fmt("%d of %d", done, total).
+__attribute__((format(printf, 1, 2))) inline std::string fmt(const char* format, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, format);
+  const int n = std::vsnprintf(buf, sizeof buf, format, args);
+  va_end(args);
+  if (n < static_cast<int>(sizeof buf)) return n < 0 ? std::string() : std::string(buf, static_cast<size_t>(n));
+  std::string out(static_cast<size_t>(n) + 1, '\0');
+  va_start(args, format);
+  std::vsnprintf(out.data(), out.size(), format, args);
+  va_end(args);
+  out.resize(static_cast<size_t>(n));
+  return out;
 }
 
 // "[1, 28, 28]"

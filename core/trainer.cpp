@@ -12,6 +12,7 @@
 #include "collectives/hierarchical.h"
 #include "collectives/launch.h"
 #include "core/device.h"
+#include "core/model_plan.h"
 #include "core/preflight.h"
 #include "core/random.h"
 #include "core/resume.h"
@@ -25,106 +26,12 @@ namespace tetra::core {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-// Note [Weights from elsewhere]
-// checkpoint.init_from starts a run from another run's weights, and from nothing else of
-// it: no optimizer state, no step, no data position (fine-tuning; DeepSpeed's
-// load_module_only, torchtitan's initial_load_path). The source is a checkpoint folder of
-// any job and any layout, or a safetensors export (CheckpointReader::weights_of: its
-// tensors as model/<name>). Its names and shapes are checked against the whole model
-// before any tensor is created, every mismatch listed at once; then the Materializer takes
-// each tensor's values from it instead of the seeded draw (Materializer::take_values_from),
-// so the weights land resharded on whatever this rank creates: a ZeRO-3 shard, a tensor
-// rank's columns, a pipeline stage's layers. The run is its own: its checkpoints carry its
-// own name, and once it has one, resuming takes that (init_from is then not read).
-
-// Whether the run will resume a checkpoint of its own (then init_from is not read): an
-// explicit checkpoint.resume, or auto with a checkpoint in checkpoint.dir.
-bool resumes_its_own(const CheckpointSpec& ck) {
-  if (ck.resume == "never") return false;
-  if (ck.resume != "auto") return true;
-  if (ck.dir.empty()) return false;
-  try {
-    return CheckpointStore(ck.dir, ck.keep).latest().has_value();
-  } catch (const std::exception&) {
-    return true;  // a damaged folder: the resume decision says so
-  }
-}
-
-CheckpointReader weights_from(const std::string& path) {
-  try {
-    return CheckpointReader::weights_of(path);
-  } catch (const ConfigError&) {
-    throw;
-  } catch (const Error& e) {
-    throw ConfigError("checkpoint.init_from: " + std::string(e.what()));
-  }
-}
-
-std::string listed(const std::vector<std::string>& names) {
-  const size_t shown = 8;
-  std::string s;
-  for (size_t i = 0; i < names.size() && i < shown; ++i) s += (i ? ", " : "") + names[i];
-  if (names.size() > shown) s += " and " + std::to_string(names.size() - shown) + " more";
-  return s;
-}
-
-// The source's tensors against the whole model's (`whole`: parameter -> whole shape; the
-// buffers, which a source may leave out): a ConfigError listing every mismatch, or what the
-// run starts from, in one line.
-std::string check_weights(const CheckpointReader& source, const std::map<std::string, std::vector<int64_t>>& whole,
-                          const torch::OrderedDict<std::string, at::Tensor>& buffers, const CheckpointSpec& ck) {
-  std::vector<std::string> wrong, missing, extra;
-  std::set<std::string> known;
-  for (const auto& [name, shape] : whole) {
-    known.insert(name);
-    const std::string key = "model/" + name;
-    if (!source.contains(key))
-      missing.push_back(name);
-    else if (source.shape(key) != shape)
-      wrong.push_back(name + " " + shape_str(source.shape(key)) + " there, " + shape_str(shape) + " here");
-  }
-  for (const auto& b : buffers) {
-    known.insert(b.key());
-    const std::string key = "model/" + b.key();
-    if (source.contains(key) && source.shape(key) != b.value().sizes().vec())
-      wrong.push_back(b.key() + " " + shape_str(source.shape(key)) + " there, " + shape_str(b.value().sizes().vec()) +
-                      " here");
-  }
-  for (const std::string& key : source.names())
-    if (!known.count(key.substr(6))) extra.push_back(key.substr(6));
-  const std::string from = ck.init_from + (source.meta().contains("job") && source.meta()["job"].is_string()
-                                               ? " (job \"" + source.meta()["job"].get<std::string>() + "\", step " +
-                                                     std::to_string(source.step()) + ")"
-                                               : " (step " + std::to_string(source.step()) + ")");
-  std::string problems;
-  auto add = [&](const std::string& what, const std::vector<std::string>& names) {
-    if (!names.empty()) problems += "; " + std::to_string(names.size()) + " " + what + ": " + listed(names);
-  };
-  add("of another shape", wrong);
-  if (ck.init_strict) {
-    add("of this model not in it", missing);
-    add("in it that this model does not have", extra);
-  }
-  if (!problems.empty())
-    throw ConfigError("checkpoint.init_from: " + from + " does not fit this model" + problems +
-                      (wrong.empty() ? ". checkpoint.init_strict: false starts from the tensors that match" : ""));
-  std::string note = "weights from " + from + ": " + std::to_string(whole.size() - missing.size()) + " of the model's " +
-                     std::to_string(whole.size()) + " parameters";
-  if (!missing.empty()) note += "; not in it, initialised as usual: " + listed(missing);
-  if (!extra.empty()) note += "; in it, not in this model, left: " + listed(extra);
-  return note + " (no optimizer state, no step: a run of its own)";
-}
-
-}  // namespace
-
 Trainer::Trainer(JobSpec spec, TrainerOptions options)
     : plan_(std::move(spec)), spec_(plan_.spec()), options_(std::move(options)) {
   // A Trainer is one rank: the replica threads of `replicate` are made by whoever starts
   // the job (tetra::run, replicate::train), never silently dropped.
   const int group = options_.replica ? options_.replica->size() : 1;
-  if (!options_.dry_run && group != plan_.replicas())
+  if (group != plan_.replicas())
     throw ConfigError("the job runs " + std::to_string(plan_.replicas()) + " replica thread" +
                       (plan_.replicas() == 1 ? "" : "s") + " per process (replicate.replicas) but this trainer got a replica group of " +
                       std::to_string(group) + "; start the job with tetra::run or replicate::train, which make the replicas");
@@ -146,51 +53,23 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
                       " but no world; replicas need the process world (a communicator of 1 for one process)");
   }
   // Note [One device]: a device this machine cannot give is exit 2 before anything is
-  // built (a dry run plans for another machine, and builds nothing on a device).
-  if (!options_.dry_run) {
-    if (const std::string problem = device_problem(spec_); !problem.empty()) throw ConfigError(problem);
-    device_ = options_.device ? *options_.device
-                              : rank_device(spec_, collectives::detect_launch().local_rank,
-                                            options_.replica ? options_.replica->rank() : 0, plan_.replicas());
-  }
-  if (options_.data) {
-    data_ = options_.data;
-  } else {
-    try {
-      data_ = make_dataset(spec_.data, spec_.train.seed);
-    } catch (const DataError& e) {
-      throw DataError(std::string("data.path: ") + e.what());  // the key to change
-    }
-  }
-  if (options_.model) {
-    // A program's own builder may draw from torch's generator, which thread-ranks share.
-    std::lock_guard<std::mutex> lock(global_rng_mutex());
-    torch::manual_seed(static_cast<uint64_t>(spec_.train.seed));
-    model_ = options_.model(data_->info());
-    if (!in_host_memory(device_)) model_->to(device_);  // a program's own model, built with its values
-  } else {
-    // No storage: strategies decide what is created. Under tensor parallelism, this rank's
-    // parts of the split layers (a dry run plans the first rank's).
-    TensorSlot slot{spec_.mesh.size("tensor"), mesh_ ? mesh_->coord("tensor") : 0};
-    for (const auto& cfg : plan_.strategies()) cfg->shape_model(slot);
-    model_ = model_shapes(spec_.model, data_->info(), slot);
-    set_recompute(model_, spec_.train.recompute);  // Note [Recompute]
-  }
-  if (!model_ || model_->size() == 0)
-    throw ConfigError("the model the program gave the trainer (TrainerOptions::model) is empty: it needs at least one layer");
+  // built (a plan on paper, core::ModelPlan, plans for another machine and builds nothing
+  // on a device).
+  if (const std::string problem = device_problem(spec_); !problem.empty()) throw ConfigError(problem);
+  device_ = options_.device ? *options_.device
+                            : rank_device(spec_, collectives::detect_launch().local_rank,
+                                          options_.replica ? options_.replica->rank() : 0, plan_.replicas());
+  data_ = load_data(spec_, options_.data);
+  model_ = build_job_model(plan_, data_->info(), options_.model, mesh_ ? mesh_->coord("tensor") : 0);
+  if (options_.model && !in_host_memory(device_)) model_->to(device_);  // a program's own model, built with its values
   for (const auto& p : model_->named_parameters()) {
     param_index_[p.key()] = static_cast<int64_t>(param_names_.size());
     param_names_.push_back(p.key());
     params_.push_back({p.key(), p.value()});
   }
   weights_ = std::make_unique<Materializer>(*model_, static_cast<uint64_t>(spec_.train.seed), device_);
-  // The whole model's (a part counts as the whole tensor it is part of): a checkpoint's
-  // identity does not depend on the layout.
-  model_parameters_ = 0;
-  for (const auto& p : params_) {
-    const Placement* part = weights_->placement(p.name);
-    model_parameters_ += part ? part->whole_numel() : p.tensor.numel();
-  }
+  // The whole model's: a checkpoint's identity does not depend on the layout.
+  model_parameters_ = whole_parameters(model_, *weights_);
   // The whole model's layers, before a pipeline keeps only its stage's (Note [Export config]).
   nlohmann::json layers = nlohmann::json::array();
   for (size_t i = 0; i < model_->size(); ++i) {
@@ -202,24 +81,15 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   identity_ = std::make_unique<RunIdentity>(
       RunIdentity{spec_, data_->info(), static_cast<bool>(options_.model), std::move(layers), model_parameters_});
   // Note [Weights from elsewhere]: checked against the whole model, before any tensor exists.
-  if (!spec_.checkpoint.init_from.empty() && !resumes_its_own(spec_.checkpoint)) {
-    if (weights_->given())
-      throw ConfigError("checkpoint.init_from: the program's own model came with its values (TrainerOptions::model "
-                        "built real tensors); init_from gives values to a model tetra builds as shapes");
-    auto source = std::make_shared<CheckpointReader>(weights_from(spec_.checkpoint.init_from));
-    std::map<std::string, std::vector<int64_t>> whole;  // the whole model's tensors, whatever this rank keeps
-    for (const auto& p : params_) {
-      const Placement* part = weights_->placement(p.name);
-      whole[p.name] = part ? part->whole_shape() : p.tensor.sizes().vec();
-    }
-    init_note_ = check_weights(*source, whole, model_->named_buffers(), spec_.checkpoint);
-    if (!options_.dry_run)
-      weights_->take_values_from([source](const std::string& name, int64_t begin, const at::Tensor& out) {
-        const std::string key = "model/" + name;
-        if (!source->contains(key)) return false;
-        out.copy_(source->read_flat(key, begin, out.numel()));
-        return true;
-      });
+  if (std::optional<WeightsFrom> from = weights_from_elsewhere(spec_.checkpoint, model_, *weights_)) {
+    init_note_ = from->note;
+    std::shared_ptr<CheckpointReader> source = from->source;
+    weights_->take_values_from([source](const std::string& name, int64_t begin, const at::Tensor& out) {
+      const std::string key = "model/" + name;
+      if (!source->contains(key)) return false;
+      out.copy_(source->read_flat(key, begin, out.numel()));
+      return true;
+    });
   }
   batches_ = std::make_unique<BatchPlan>(data_->size(Split::kTrain), spec_.data.batch_size,
                                       spec_.train.seed, spec_.data.shuffle);
@@ -229,9 +99,8 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
   // The plan's active strategies, in its composition order (outermost first): the
   // pipeline keeps its stage's layers before the data-parallel strategy buckets their
   // gradients; the plan already left out a synchroniser whose axis another owns.
-  if (!options_.dry_run)
-    for (const auto& cfg : plan_.strategies())
-      if (auto s = cfg->build()) strategies_.push_back(std::move(s));
+  for (const auto& cfg : plan_.strategies())
+    if (auto s = cfg->build()) strategies_.push_back(std::move(s));
   state_ = std::make_unique<TrainState>(
       TrainState{spec_, model_, params_, mesh_.get(), trace_, data_.get(), weights_.get(), device_});
   for (auto& s : strategies_) s->attach(*state_);
@@ -251,9 +120,8 @@ Trainer::Trainer(JobSpec spec, TrainerOptions options)
     if (auto* o = dynamic_cast<ModelStateOwner*>(s.get())) owner = o;
     if (auto* g = dynamic_cast<StateGatherer*>(s.get())) gatherers_.push_back(g);
   }
-  // What no strategy created is this rank's whole (one process, a pipeline's stage); a
-  // dry run creates nothing.
-  if (!options_.dry_run) weights_->create_all(*model_);
+  // What no strategy created is this rank's whole (one process, a pipeline's stage).
+  weights_->create_all(*model_);
   if (!runner) local_runner_ = std::make_unique<LocalRunner>(model_, trace_, spec_.train.accumulation_steps, state_->loss);
   runner_ = runner ? runner : local_runner_.get();
   weights_->take_values_from({});  // every tensor is created: the source's files close
@@ -281,33 +149,6 @@ TensorMap Trainer::weights() {
   for (StateGatherer* g : gatherers_) g->gather_state(weights);
   if (!writer()) weights.clear();
   return weights;
-}
-
-const LayerProbe& Trainer::probe() const {
-  if (!probe_) {
-    compat::Autocast autocast(spec_.train.precision == Precision::kBf16);
-    auto& model = const_cast<torch::nn::Sequential&>(model_);
-    probe_ = probe_layers(model, data_->range(Split::kTrain, 0, 1).inputs);
-    measure_kept(model, *probe_);  // Note [Kept bytes]
-  }
-  return *probe_;
-}
-
-std::string Trainer::plan() const {
-  std::string out;
-  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
-  for (const auto& cfg : plan_.strategies()) out += cfg->plan(in);
-  return out;
-}
-
-void Trainer::check_model() const {
-  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
-  if (const std::string msg = model_problems(in); !msg.empty()) throw ConfigError(msg);
-}
-
-std::vector<RankEstimate> Trainer::estimate() const {
-  PlanInput in{plan_, spec_, const_cast<torch::nn::Sequential&>(model_), *data_, probe()};
-  return estimate_ranks(in);
 }
 
 double Trainer::data_average(double v) {

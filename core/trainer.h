@@ -70,9 +70,6 @@ struct TrainerOptions {
   // Called after each step with (step, loss) — a skipped one too, with its non-finite
   // loss; tests use it to stop a run.
   std::function<void(int64_t, double)> on_step;
-  // train --dry-run: build the data, the model and the plan, attach no strategy, never
-  // communicate (plan() prints what the strategies would do).
-  bool dry_run = false;
 };
 
 class Trainer {
@@ -103,17 +100,6 @@ class Trainer {
   // Rank 0 of the world (its replica 0) prints, logs and writes checkpoints.
   bool writer() const { return !ranks_ || ranks_->rank() == 0; }
   const std::vector<std::unique_ptr<Strategy>>& strategies() const { return strategies_; }
-  // One training sample through the model at the job's precision (probe_layers), taken on
-  // first use and kept: what the plan, the estimate and the cost model work from.
-  const LayerProbe& probe() const;
-  // The strategies' --dry-run lines (their StrategyConfig::plan), on the whole model.
-  std::string plan() const;
-  // Throws tetra::ConfigError carrying every strategy's model_issues (`train --check`).
-  void check_model() const;
-  // Every process rank's model state, activations and bytes per axis per step, worked
-  // out without communicating (Note [Per-rank estimate]). On a dry-run trainer, which
-  // still holds the whole model.
-  std::vector<RankEstimate> estimate() const;
   // The job's mesh of groups (nullptr for one process): tests read its axes' traffic.
   const Mesh* mesh() const { return mesh_.get(); }
   // The model state this rank holds now (parameters, gradients, optimizer state and the
@@ -179,7 +165,6 @@ class Trainer {
   int data_rank_ = 0, data_size_ = 1;
   std::vector<std::unique_ptr<Strategy>> strategies_;
   std::unique_ptr<Materializer> weights_;  // creates the tensors of the model built as shapes
-  mutable std::optional<LayerProbe> probe_;  // probe(): taken once
   std::unique_ptr<TrainState> state_;
   // Note [Capabilities]: exactly one runner and one owner, a strategy's or core's.
   StepRunner* runner_ = nullptr;

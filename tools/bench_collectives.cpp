@@ -45,7 +45,7 @@
 #include "collectives/local.h"
 #include "collectives/mpi.h"
 #include "collectives/topology_gather.h"
-#include "core/cost_model.h"
+#include "tools/planner/cost_model.h"
 #include "core/runtime.h"
 #include "hardware/host.h"
 
@@ -319,7 +319,7 @@ double matmul_flops_per_s(Communicator& world) {
   return rate.item<double>() / world.size();
 }
 
-// Note [Fitted collectives] (core/cost_model.h): each collective kind timed on the whole
+// Note [Fitted collectives] (tools/planner/cost_model.h): each collective kind timed on the whole
 // world at sizes from 8 bytes to 16 MiB, every rank taking part (so ranks that share
 // cores share them here as in training), and fitted to the ring step's alpha and beta,
 // twice. As in a step, an op follows a burst of compute (the same on every rank, started
@@ -330,7 +330,7 @@ double matmul_flops_per_s(Communicator& world) {
 // travels. Each size's time is the mean over the ranks of each one's median over the
 // repetitions (what a step meets on a shared machine, not its luckiest run).
 struct KindFits {
-  std::map<std::string, tetra::core::LinkCost> after_compute, chained;
+  std::map<std::string, tetra::planner::LinkCost> after_compute, chained;
 };
 
 KindFits fit_kinds(Communicator& world) {
@@ -415,8 +415,8 @@ KindFits fit_kinds(Communicator& world) {
       after.push_back(t[0].item<double>() / timed);
       chained.push_back(t[1].item<double>() / timed);
     }
-    out.after_compute[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, after);
-    out.chained[K::name(kind)] = tetra::core::fit_collective(K::name(kind), n, bytes, chained);
+    out.after_compute[K::name(kind)] = tetra::planner::fit_collective(K::name(kind), n, bytes, after);
+    out.chained[K::name(kind)] = tetra::planner::fit_collective(K::name(kind), n, bytes, chained);
   }
   return out;
 }
@@ -430,11 +430,11 @@ int calibrate(Communicator& world, Communicator& host_plane, const std::string& 
     if (intra_b < 0 && hosts.host_of[static_cast<size_t>(r)] == hosts.host_of[0]) intra_b = r;
     if (inter_b < 0 && hosts.host_of[static_cast<size_t>(r)] != hosts.host_of[0]) inter_b = r;
   }
-  tetra::core::Calibration c;
+  tetra::planner::Calibration c;
   std::string notes;
-  if (intra_b > 0) c.intra_host = tetra::core::measure_link(world, 0, intra_b);
+  if (intra_b > 0) c.intra_host = tetra::planner::measure_link(world, 0, intra_b);
   else notes += "; no two ranks share a host: inside a host keeps the default";
-  if (inter_b > 0) c.inter_host = tetra::core::measure_link(world, 0, inter_b);
+  if (inter_b > 0) c.inter_host = tetra::planner::measure_link(world, 0, inter_b);
   else notes += "; every rank is on one host: across hosts keeps the default";
   // The collectives by kind on every rank: a group inside one host, or one that crosses.
   int intra_group = n;  // the group the intra-host kinds were fitted on
@@ -475,7 +475,7 @@ int calibrate(Communicator& world, Communicator& host_plane, const std::string& 
                                std::to_string(hosts.hosts.size()) + " host" + (hosts.hosts.size() == 1 ? "" : "s") +
                                " (" + hosts.describe() + "), backend " + world.backend() + notes;
   std::ofstream out(path);
-  out << tetra::core::calibration_json(c, measured).dump(2) << "\n";
+  out << tetra::planner::calibration_json(c, measured).dump(2) << "\n";
   if (!out) throw std::runtime_error("cannot write " + path);
   std::printf("inside a host  alpha %8.1f us  beta %8.3f GB/s%s\n", c.intra_host.alpha_s * 1e6, c.intra_host.bytes_per_s / 1e9,
               intra_b > 0 ? ("  (ranks 0 and " + std::to_string(intra_b) + ")").c_str() : "  (default: no pair)");

@@ -32,6 +32,7 @@
 #include "collectives/mpi.h"
 #include "core/resume.h"
 #include "core/job_spec.h"
+#include "core/model_plan.h"
 #include "core/preflight.h"
 #include "core/report.h"
 #include "core/runtime.h"
@@ -41,6 +42,7 @@
 #include "tetra/run.h"
 #include "tetra/tetra.h"
 #include "tetra/tune.h"
+#include "tools/trials/launcher.h"
 
 namespace {
 
@@ -122,6 +124,7 @@ int train_main(int argc, char** argv) {
   bool time_layers = false;
   bool tune = false;
   tetra::TuneOptions tuning;
+  std::string trial_launcher;  // --launcher: the trials' launch (tools/trials)
   app.add_option("job", job, "the job file (YAML)")->group("Run");
   app.add_option("--set", sets, "override a key, e.g. --set optimizer.lr=3e-4 (repeatable)")
       ->group("Run")
@@ -174,7 +177,7 @@ int train_main(int argc, char** argv) {
       ->group("Tune")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--launcher", tuning.launcher,
+  app.add_option("--launcher", trial_launcher,
                  "with --tune: what starts a trial's processes, before `train JOB` ({np} is replaced by --np); default "
                  "mpirun -np N --oversubscribe --bind-to none (srun --mpi=pmix -n N inside a Slurm allocation)")
       ->group("Tune");
@@ -224,7 +227,7 @@ int train_main(int argc, char** argv) {
   }
   // The plan's options without --dry-run: a user who typed --np wanted that many
   // processes, which only a launcher starts.
-  const bool tune_only = tuning.memory_gb > 0 || !tuning.output.empty() || !tuning.launcher.empty();
+  const bool tune_only = tuning.memory_gb > 0 || !tuning.output.empty() || !trial_launcher.empty();
   if (tune_only && !tune) {
     std::fprintf(stderr, "train: error: --memory-gb, -o and --launcher are options of --tune\n");
     return 2;
@@ -306,7 +309,10 @@ int train_main(int argc, char** argv) {
       tuning.dry_run = dry_run;
       if (np == 0)
         std::fprintf(stderr, "train: --tune without --np: tuning for 1 process (--np N for the processes the job will run on)\n");
-      const tetra::TuneResult r = tetra::tune(tuning);
+      tetra::trials::ProcessLauncher launcher(tuning.np, trial_launcher);
+      tetra::TuneHooks hooks;
+      hooks.launcher = &launcher;
+      const tetra::TuneResult r = tetra::tune(tuning, hooks);
       std::printf("\n== %s: tuned for %d process%s in %s ==\n", spec.name.c_str(), tuning.np, tuning.np == 1 ? "" : "es",
                   human_duration(r.seconds).c_str());
       std::printf("%s", r.table().c_str());
@@ -324,17 +330,15 @@ int train_main(int argc, char** argv) {
       // run's own resume decision, so that a damaged one is found here (exit 2).
       if (spec.checkpoint.resume != "auto" && spec.checkpoint.resume != "never")
         choose_checkpoint(spec.checkpoint, nullptr);
-      TrainerOptions dry;
-      dry.dry_run = true;
-      const Trainer trainer(spec, dry);
-      trainer.check_model();
-      if (const std::string problem = space_problem(spec, trainer.model_parameters()); !problem.empty())
+      ModelPlan model(spec);
+      model.check();
+      if (const std::string problem = space_problem(spec, model.parameters()); !problem.empty())
         throw ConfigError(problem);
-      std::printf("%s: ok (%s; model %lld parameters%s)\n", job.c_str(), trainer.dataset().info().description.c_str(),
-                  static_cast<long long>(trainer.model_parameters()),
+      std::printf("%s: ok (%s; model %lld parameters%s)\n", job.c_str(), model.dataset().info().description.c_str(),
+                  static_cast<long long>(model.parameters()),
                   spec.checkpoint.dir.empty()
                       ? ""
-                      : ("; a checkpoint about " + human_bytes(checkpoint_bytes(spec, trainer.model_parameters())) +
+                      : ("; a checkpoint about " + human_bytes(checkpoint_bytes(spec, model.parameters())) +
                          " in " + spec.checkpoint.dir)
                             .c_str());
       return 0;

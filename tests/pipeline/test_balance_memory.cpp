@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "collectives/error.h"
+#include "core/model_plan.h"
 #include "core/trainer.h"
 #include "pipeline/pipeline.h"
 #include "tests/common/numerics.h"
@@ -79,11 +80,9 @@ TEST(BalanceMemory, TheTimeCutOverflowsAndTheBalancedCutFits) {
 TEST(BalanceMemory, TrainCheckNamesTheStageThatDoesNotFit) {
   core::set_threads(1);
   const core::JobSpec spec = numerics::job(kMlp, {"pipeline.memory_gb=0.000001"});
-  core::TrainerOptions dry;
-  dry.dry_run = true;
-  const core::Trainer trainer(spec, dry);
+  core::ModelPlan model(spec);
   try {
-    trainer.check_model();
+    model.check();
     FAIL() << "a stage over pipeline.memory_gb passed the check";
   } catch (const ConfigError& e) {
     const std::string msg = e.what();
@@ -91,21 +90,18 @@ TEST(BalanceMemory, TrainCheckNamesTheStageThatDoesNotFit) {
     EXPECT_NE(msg.find("bytes"), std::string::npos) << msg;
   }
   // Room enough: nothing to say.
-  const core::Trainer roomy(numerics::job(kMlp, {"pipeline.memory_gb=1"}), dry);
-  EXPECT_NO_THROW(roomy.check_model());
+  core::ModelPlan roomy(numerics::job(kMlp, {"pipeline.memory_gb=1"}));
+  EXPECT_NO_THROW(roomy.check());
 }
 
 // More stages than layers fails the dry run and the run; `train --check` says so too (the
 // tuner found it passing: 4 stages x 2 chunks of a 6-layer model).
 TEST(BalanceMemory, TrainCheckNamesMoreStagesThanLayers) {
   core::set_threads(1);
-  core::TrainerOptions dry;
-  dry.dry_run = true;
-  const core::Trainer eight(numerics::job(kMlp, {"mesh.pipeline=4", "pipeline.schedule=interleaved_1f1b",
-                                                 "pipeline.virtual_stages=2", "pipeline.micro_batches=4"}),
-                            dry);
+  core::ModelPlan eight(numerics::job(kMlp, {"mesh.pipeline=4", "pipeline.schedule=interleaved_1f1b",
+                                             "pipeline.virtual_stages=2", "pipeline.micro_batches=4"}));
   try {
-    eight.check_model();
+    eight.check();
     FAIL() << "8 stages of a 6-layer model passed the check";
   } catch (const ConfigError& e) {
     const std::string msg = e.what();
@@ -113,6 +109,6 @@ TEST(BalanceMemory, TrainCheckNamesMoreStagesThanLayers) {
               std::string::npos)
         << msg;
   }
-  const core::Trainer four(numerics::job(kMlp, {"mesh.pipeline=4"}), dry);
-  EXPECT_NO_THROW(four.check_model());
+  core::ModelPlan four(numerics::job(kMlp, {"mesh.pipeline=4"}));
+  EXPECT_NO_THROW(four.check());
 }

@@ -19,6 +19,7 @@
 #include "collectives/local.h"
 #include "core/models.h"
 #include "core/runtime.h"
+#include "core/model_plan.h"
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
 #include "pipeline/pipeline.h"
@@ -268,18 +269,16 @@ TEST(Pipeline, ImpossibleNumbersAreClearErrorsBeforeAnyRankTalks) {
 
 TEST(Pipeline, DryRunPlanShowsStagesCostsAndTheSchedule) {
   set_threads(1);
-  TrainerOptions o;
-  o.dry_run = true;
-  Trainer t(job({"mesh.pipeline=2", "pipeline.micro_batches=4", "pipeline.balance=by_params"}), o);
-  const std::string plan = t.plan();
+  ModelPlan t(job({"mesh.pipeline=2", "pipeline.micro_batches=4", "pipeline.balance=by_params"}));
+  const std::string plan = t.strategies_text();
   EXPECT_NE(plan.find("pipeline: 2 ranks, schedule 1f1b, 4 micro-batches of 24"), std::string::npos) << plan;
   EXPECT_NE(plan.find("balance by_params [2, 6]"), std::string::npos) << plan;  // 784x64 outweighs the rest
   EXPECT_NE(plan.find("bubble 20.0% (ideal (P-1)/(m+P-1) = 20.0%)"), std::string::npos) << plan;
   EXPECT_NE(plan.find("rank 0 | F0 F1 .. .. B0 B0"), std::string::npos) << plan;
   EXPECT_NE(plan.find("rank 1 | .. F0 B0 B0 F1"), std::string::npos) << plan;
   // The zero-bubble schedules are drawn and priced as the others: B and W a slot each.
-  Trainer zb(job({"mesh.pipeline=2", "pipeline.micro_batches=4", "pipeline.schedule=zbh1", "pipeline.memory_gb=1"}), o);
-  const std::string zplan = zb.plan();
+  ModelPlan zb(job({"mesh.pipeline=2", "pipeline.micro_batches=4", "pipeline.schedule=zbh1", "pipeline.memory_gb=1"}));
+  const std::string zplan = zb.strategies_text();
   EXPECT_NE(zplan.find("ideal (P-1)/(3m+P-1) = 7.7%"), std::string::npos) << zplan;
   EXPECT_NE(zplan.find("B (input gradient) = 1, W (weight gradient) = 1"), std::string::npos) << zplan;
   EXPECT_NE(zplan.find("rank 1 | .. F0 B0 F1 B1 W0 F2 B2 W1"), std::string::npos) << zplan;
@@ -311,10 +310,8 @@ train: {max_steps: 1, seed: 5, threads: 1}
   }
   // a GptBlock's output for 8 sequences of 256 positions of 32 floats
   EXPECT_EQ(whole[1].activation_bytes, 8 * 256 * 32 * 4);
-  TrainerOptions o;
-  o.dry_run = true;
-  Trainer small(job({"mesh.pipeline=2"}), o);
-  EXPECT_EQ(small.plan().find("scaled by its FLOPs"), std::string::npos) << small.plan();
+  ModelPlan small(job({"mesh.pipeline=2"}));
+  EXPECT_EQ(small.strategies_text().find("scaled by its FLOPs"), std::string::npos) << small.strategies_text();
 }
 
 // Note [Run folder] and Note [Per-rank records], on two stages over thread-ranks: the

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "collectives/build_config.h"
+#include "core/model_plan.h"
 #include "spawn.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
@@ -83,10 +84,7 @@ std::string check_problem(const std::string& yaml, int np) {
         core::parse_job_string(yaml, "candidate", {}, registry(), {}, core::JobWorld{np, "--np " + std::to_string(np)});
     const core::Plan plan(parsed.spec);
     plan.check_world(np, "--np " + std::to_string(np));
-    core::TrainerOptions dry;
-    dry.dry_run = true;
-    const core::Trainer trainer(parsed.spec, dry);
-    trainer.check_model();
+    core::ModelPlan(parsed.spec).check();
     return "";
   } catch (const std::exception& e) {
     return e.what();
@@ -390,7 +388,7 @@ TEST(Tune, TrialsAfterTheFirstFollowThePredictionsTheTrialsCorrected) {
     // On paper every pipeline beats every other layout: 10 ms of which 4 are bubble,
     // against 10.5 ms of compute; ties broken by the label's hash.
     const double jitter = double(std::hash<std::string>{}(c.label) % 1000) * 1e-8;
-    core::StepPrediction& p = c.prediction;
+    tetra::planner::StepPrediction& p = c.prediction;
     p.compute_s = pipelined(c) ? 0.006 : 0.0105;
     p.bubble_s = pipelined(c) ? 0.004 : 0;
     p.compute_s += jitter;

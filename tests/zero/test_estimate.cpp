@@ -19,6 +19,7 @@
 #include "collectives/local.h"
 #include "core/mesh.h"
 #include "core/runtime.h"
+#include "core/model_plan.h"
 #include "core/trainer.h"
 #include "tests/common/numerics.h"
 
@@ -72,13 +73,7 @@ std::vector<Measured> run(const JobSpec& spec) {
   return out;
 }
 
-std::vector<RankEstimate> estimate(const JobSpec& spec) {
-  TrainerOptions o;
-  o.dry_run = true;
-  o.out = nullptr;
-  Trainer t(spec, o);
-  return t.estimate();
-}
+std::vector<RankEstimate> estimate(const JobSpec& spec) { return ModelPlan(spec).estimate(); }
 
 void expect_matches(const std::vector<std::string>& sets, const char* yaml = kJob) {
   std::string what;

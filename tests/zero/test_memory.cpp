@@ -24,6 +24,7 @@
 #include "core/layers.h"
 #include "core/runtime.h"
 #include "core/torch_compat.h"
+#include "core/model_plan.h"
 #include "core/trainer.h"
 #include "tests/common/numerics.h"
 
@@ -214,11 +215,8 @@ TEST(ZeroMemory, NoRankAllocatesMoreThanItsShareAndOneUnit) {
     auto sets = base;
     sets.push_back("mesh.data=" + std::to_string(n));
     const JobSpec spec = numerics::job(kMlp, sets, "memory");
-    TrainerOptions dry;
-    dry.dry_run = true;
-    dry.data = data;
-    const std::vector<RankEstimate> plan = Trainer(spec, dry).estimate();
-    const int64_t whole = Trainer(spec, dry).model_parameters() * 4;
+    const std::vector<RankEstimate> plan = ModelPlan(spec, {}, data).estimate();
+    const int64_t whole = ModelPlan(spec, {}, data).parameters() * 4;
     // The largest unit: a 128 x 128 layer with its bias, padded to n x 16 elements.
     const int64_t unit = (128 * 128 + 128 + 16 * n) * 4;
     std::vector<Account> made(static_cast<size_t>(n)), trained(static_cast<size_t>(n));

@@ -22,20 +22,14 @@
 #include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
 #include "tensor_parallel/tensor_parallel.h"
+#include "tools/planner/plugins.h"
 #include "zero/zero.h"
 
 namespace tetra {
 
 // Registers the sections of the built-in strategy plugins (data_parallel, pipeline, zero,
-// replicate, tensor) in `registry`, as the train binary does. Registration is explicit: core names
-// no plugin, and static registrar objects would be dropped from the static libraries.
-inline void register_builtin_plugins(core::SectionRegistry& registry) {
-  data_parallel::register_data_parallel(registry);
-  pipeline::register_pipeline(registry);
-  zero::register_zero(registry);
-  replicate::register_replicate(registry);
-  tensor_parallel::register_tensor_parallel(registry);
-}
+// replicate, tensor) in a registry, as the train binary does (tools/planner/plugins.h).
+using planner::register_builtin_plugins;
 
 }  // namespace tetra
 

@@ -1,4 +1,4 @@
-#include "core/cost_model.h"
+#include "tools/planner/cost_model.h"
 
 #include <ATen/ATen.h>
 
@@ -11,7 +11,7 @@
 
 #include "collectives/error.h"
 
-namespace tetra::core {
+namespace tetra::planner {
 
 double ring_allreduce_s(int n, double bytes, const LinkCost& link) {
   if (n <= 1) return 0;
@@ -408,4 +408,4 @@ Calibration load_calibration(const std::string& path) {
   return c;
 }
 
-}  // namespace tetra::core
+}  // namespace tetra::planner

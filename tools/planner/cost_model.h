@@ -54,7 +54,7 @@
 
 #include "collectives/communicator.h"
 
-namespace tetra::core {
+namespace tetra::planner {
 
 struct LinkCost {
   double alpha_s = 0;      // per message
@@ -211,4 +211,4 @@ LinkCost fit_collective(const std::string& kind, int n, const std::vector<double
 std::string prediction_text(const StepPrediction& p, const Calibration& c);
 nlohmann::json prediction_json(const StepPrediction& p, const Calibration& c);
 
-}  // namespace tetra::core
+}  // namespace tetra::planner

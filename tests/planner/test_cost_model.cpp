@@ -6,11 +6,12 @@
 #include <fstream>
 
 #include "collectives/error.h"
-#include "core/cost_model.h"
+#include "tools/planner/cost_model.h"
 #include "core/models.h"
 
 namespace fs = std::filesystem;
 using namespace tetra::core;
+using namespace tetra::planner;
 using tetra::collectives::Traffic;
 
 namespace {
