@@ -8,7 +8,7 @@
 // set up (Open MPI's, or gloo's), before the monitor listens; or every process takes it
 // from TETRA_JOB_SECRET (any text; torchrun's and Slurm's users can pass one), and then
 // it never travels. A monitor connection proves that both ends hold the key by a challenge
-// and response (Note [Monitor handshake], collectives/monitor.cpp); nothing else in
+// and response (Note [Monitor handshake], collectives/monitor_handshake.h); nothing else in
 // tetra's own channels is believed before that. The construction is the standard one:
 // no home-made cryptography beyond HMAC-SHA256, whose test vectors are FIPS's and
 // RFC 4231's (tests/collectives/test_auth.cpp).

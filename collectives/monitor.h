@@ -7,9 +7,9 @@
 // others its addresses through the world's first broadcast: its hostname and the IPv4
 // address of each of its interfaces, tried in that order, so that a host where the name
 // does not resolve still connects (TETRA_MONITOR_ADDR replaces the list). It listens only
-// where it is reached (Note [Monitor listens], monitor.cpp: loopback for a job on one
-// host) and believes a connection only once it proved the job's secret (Note [Job
-// secret], collectives/auth.h; Note [Monitor handshake]).
+// where it is reached (Note [Monitor listens], monitor_transport.cpp: loopback for a job
+// on one host) and believes a connection only once it proved the job's secret (Note [Job
+// secret], collectives/auth.h; Note [Monitor handshake], monitor_handshake.h).
 // Over the connection each process sends, about once a second when something changed,
 // the progress of its communicators (Note [Stall warnings]); rank 0 keeps the latest of
 // every rank and answers queries for a group.
@@ -37,6 +37,7 @@
 // alone is still lost after `silence`: the others ran and did not hear from it.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,25 +54,48 @@ struct MonitorOptions {
   Duration silence = std::chrono::seconds(20);
 };
 
+namespace monitor {
+class Session;
+}
+
+// The monitor of this process, owned by whoever starts it (tetra::run): its thread, its
+// connections and what it learned live in this object, and end with it. While it runs
+// it is the watchdog's source of the other processes' progress (Note [Remote progress],
+// watchdog.h), which also keeps a process to one running monitor.
+//
+// Files: monitor_transport (lines over TCP), monitor_handshake (the setup over the world
+// and Note [Monitor handshake]), monitor_session (what both roles share), monitor_server
+// (rank 0), monitor_client (the other ranks).
 class Monitor {
  public:
   // Collective over `world` (a process world: one rank per process): rank 0 listens and
-  // broadcasts its address, the others connect. Idempotent per process; a world of one
-  // starts nothing.
-  static void start(Communicator& world, const MonitorOptions& options = {});
+  // broadcasts its address, the others connect. A world of one starts nothing, and so
+  // does a process where a monitor runs already (running() is false for this one).
+  explicit Monitor(Communicator& world, const MonitorOptions& options = {});
+  // Without stop() or report_failure() first: ends the thread and closes the connections
+  // without a goodbye, so the others see this process lost, as when it exits.
+  ~Monitor();
+  Monitor(const Monitor&) = delete;
+  Monitor& operator=(const Monitor&) = delete;
+
   // Says goodbye and stops (a clean end). Safe to call when not started.
-  static void stop();
+  void stop();
   // This rank failed (its message): tells the others before it exits.
-  static void report_failure(const std::string& message);
-  static bool running();
+  void report_failure(const std::string& message);
+  bool running() const;
   // The other processes' latest reports of the members of `identity` (not this one's).
-  static std::vector<MemberProgress> remote_members(const std::string& identity);
+  std::vector<MemberProgress> remote_members(const std::string& identity) const;
   // This process is ending on its own: a lost peer no longer makes it exit (it is
   // already on its way with its own message and status).
-  static void ending();
+  void ending();
   // Gives the monitor up to `wait` to learn that a peer was lost (then it ends the process,
   // exit status 3). For a rank whose op just failed: the failure may be that death's echo.
-  static void settle(Duration wait);
+  void settle(Duration wait) const;
+
+ private:
+  void detach();  // from the watchdog (Note [Remote progress])
+
+  std::shared_ptr<monitor::Session> session_;  // null: it started nothing
 };
 
 }  // namespace tetra::collectives

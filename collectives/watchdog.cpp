@@ -11,7 +11,6 @@
 #include <sstream>
 #include <thread>
 
-#include "collectives/monitor.h"
 #include "hardware/host.h"
 
 namespace tetra::collectives {
@@ -22,6 +21,8 @@ struct Watchdog {
   std::mutex mu;  // comms
   std::set<Communicator*> comms;
   std::once_flag started;
+  std::mutex remote_mu;  // remote (never held while a source answers: it may wait for rank 0)
+  std::weak_ptr<RemoteProgress> remote;  // Note [Remote progress]
 };
 
 Watchdog& dog() {
@@ -70,12 +71,43 @@ std::vector<MemberProgress> local_progress() {
   return out;
 }
 
+bool set_remote_progress(std::weak_ptr<RemoteProgress> source) {
+  Watchdog& w = dog();
+  std::lock_guard<std::mutex> lock(w.remote_mu);
+  if (!w.remote.expired()) return false;
+  w.remote = std::move(source);
+  return true;
+}
+
+void clear_remote_progress(const RemoteProgress* source) {
+  Watchdog& w = dog();
+  std::lock_guard<std::mutex> lock(w.remote_mu);
+  if (w.remote.lock().get() == source) w.remote.reset();
+}
+
+bool has_remote_progress() {
+  Watchdog& w = dog();
+  std::lock_guard<std::mutex> lock(w.remote_mu);
+  return !w.remote.expired();
+}
+
+namespace {
+
+std::shared_ptr<RemoteProgress> remote_progress() {
+  Watchdog& w = dog();
+  std::lock_guard<std::mutex> lock(w.remote_mu);
+  return w.remote.lock();
+}
+
+}  // namespace
+
 std::vector<MemberProgress> group_members(const GroupInfo& group) {
   std::vector<MemberProgress> out;
   for (MemberProgress& m : local_progress())
     if (m.group && m.group->identity == group.identity) out.push_back(std::move(m));
-  if (group.agreed && static_cast<int>(out.size()) < group.size && Monitor::running())
-    for (MemberProgress& m : Monitor::remote_members(group.identity)) out.push_back(std::move(m));
+  if (group.agreed && static_cast<int>(out.size()) < group.size)
+    if (const std::shared_ptr<RemoteProgress> remote = remote_progress())
+      for (MemberProgress& m : remote->remote_members(group.identity)) out.push_back(std::move(m));
   return out;
 }
 

@@ -15,6 +15,7 @@
 // the signal as it would have.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,28 @@ namespace tetra::collectives {
 // monitor can read their progress.
 void watch(Communicator* comm);
 void unwatch(Communicator* comm);
+
+// Note [Remote progress]
+// The members in other processes come from the monitor (Note [Monitor], monitor.h),
+// which whoever starts it owns (tetra::run). The watchdog is one per process and
+// diagnoses any communicator's stall from its own thread, with no handle to that owner,
+// so a running monitor registers here as the source of the other processes' progress.
+// This registry is the one process-wide handle to the monitor, and only an observer (a
+// weak reference: the owner's stop or destruction ends the monitor, registered or not).
+// A process runs one monitor at a time: a second one, while one is registered, starts
+// nothing.
+class RemoteProgress {
+ public:
+  virtual ~RemoteProgress() = default;
+  // The other processes' latest reports of the members of `identity` (not this one's).
+  virtual std::vector<MemberProgress> remote_members(const std::string& identity) = 0;
+};
+// Registers `source`; false (and nothing changes) while another is registered.
+bool set_remote_progress(std::weak_ptr<RemoteProgress> source);
+// Unregisters `source`; nothing when another one is registered.
+void clear_remote_progress(const RemoteProgress* source);
+// Whether a source is registered (a monitor runs in this process).
+bool has_remote_progress();
 
 // Every member of `group` this process can see: its own communicators of that identity
 // and, when the monitor runs, the latest reports of the other processes.

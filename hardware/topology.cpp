@@ -1,3 +1,6 @@
+// hardware::Topology's discovery (Note [Topology sources]) and value semantics. Its JSON
+// is topology_json.cpp's, its readable report topology_report.cpp's; the members of each
+// struct are listed once, in topology_fields.h (Note [Topology fields]).
 #include "hardware/topology.h"
 
 #include <dlfcn.h>
@@ -10,67 +13,62 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <stdexcept>
-#include <tuple>
 #include <type_traits>
 
 #include "hardware/host.h"
+#include "hardware/topology_fields.h"
 
 namespace tetra::hardware {
 
 // ---- value semantics ------------------------------------------------------------------
 
-bool Package::operator==(const Package& o) const {
-  return std::tie(index, model, cpus, cores, pus) == std::tie(o.index, o.model, o.cpus, o.cores, o.pus);
+namespace {
+
+// operator==: every member its struct lists (Note [Topology fields]).
+template <typename S>
+struct Equal {
+  static constexpr bool kReads = false;
+  const S& a;
+  const S& b;
+  bool same = true;
+  template <typename T>
+  void field(const char*, T S::*member) {
+    same = same && a.*member == b.*member;
+  }
+};
+
+template <typename S>
+bool equal(const S& a, const S& b) {
+  Equal<S> e{a, b};
+  Fields<S>::declare(e);
+  return e.same;
 }
-bool NumaNode::operator==(const NumaNode& o) const {
-  return std::tie(index, os_index, package, memory_bytes, cpus) ==
-         std::tie(o.index, o.os_index, o.package, o.memory_bytes, o.cpus);
-}
-bool Core::operator==(const Core& o) const {
-  return std::tie(index, package, numa, pus) == std::tie(o.index, o.package, o.numa, o.pus);
-}
-bool Cache::operator==(const Cache& o) const {
-  return std::tie(name, level, size_bytes, line_bytes, instances, pus_per_instance) ==
-         std::tie(o.name, o.level, o.size_bytes, o.line_bytes, o.instances, o.pus_per_instance);
-}
-bool Gpu::operator==(const Gpu& o) const {
-  return std::tie(index, name, uuid, pci_bus_id, memory_bytes, compute_major, compute_minor, numa_node,
-                  cpu_affinity) == std::tie(o.index, o.name, o.uuid, o.pci_bus_id, o.memory_bytes,
-                                            o.compute_major, o.compute_minor, o.numa_node, o.cpu_affinity);
-}
-bool GpuLink::operator==(const GpuLink& o) const {
-  return std::tie(pcie, nvlinks, p2p) == std::tie(o.pcie, o.nvlinks, o.p2p);
-}
+
+}  // namespace
+
+bool Package::operator==(const Package& o) const { return equal(*this, o); }
+bool NumaNode::operator==(const NumaNode& o) const { return equal(*this, o); }
+bool Core::operator==(const Core& o) const { return equal(*this, o); }
+bool Cache::operator==(const Cache& o) const { return equal(*this, o); }
+bool Gpu::operator==(const Gpu& o) const { return equal(*this, o); }
+bool GpuLink::operator==(const GpuLink& o) const { return equal(*this, o); }
 std::string GpuLink::label() const {
   if (pcie == "X") return "X";
   if (nvlinks > 0) return "NV" + std::to_string(nvlinks);
   return pcie.empty() ? "?" : pcie;
 }
-bool HostTopology::operator==(const HostTopology& o) const {
-  return std::tie(hostname, packages, numa_nodes, cores, pus, allowed_cpus, caches, memory_bytes, gpus,
-                  gpu_links, gpu_status, driver_version, cuda_driver, cuda_runtime, hwloc_version,
-                  warnings) ==
-         std::tie(o.hostname, o.packages, o.numa_nodes, o.cores, o.pus, o.allowed_cpus, o.caches,
-                  o.memory_bytes, o.gpus, o.gpu_links, o.gpu_status, o.driver_version, o.cuda_driver,
-                  o.cuda_runtime, o.hwloc_version, o.warnings);
-}
+bool HostTopology::operator==(const HostTopology& o) const { return equal(*this, o); }
 int HostTopology::core_count() const {
   if (!cores.empty()) return static_cast<int>(cores.size());
   int n = 0;
   for (const auto& p : packages) n += p.cores;
   return n;
 }
-bool RankPlacement::operator==(const RankPlacement& o) const {
-  return std::tie(rank, host, local_rank, cpus, device) ==
-         std::tie(o.rank, o.host, o.local_rank, o.cpus, o.device);
-}
-bool Topology::operator==(const Topology& o) const {
-  return hosts == o.hosts && ranks == o.ranks;
-}
+bool RankPlacement::operator==(const RankPlacement& o) const { return equal(*this, o); }
+bool Topology::operator==(const Topology& o) const { return equal(*this, o); }
 
 const HostTopology* Topology::host(const std::string& hostname) const {
   for (const auto& h : hosts)
@@ -637,223 +635,6 @@ void discover_cuda_versions(HostTopology& host) {
   }
 }
 
-// ---- JSON -----------------------------------------------------------------------------
-
-using nlohmann::json;
-
-json j_host(const HostTopology& h) {
-  json j;
-  j["hostname"] = h.hostname;
-  j["packages"] = json::array();
-  for (const auto& p : h.packages)
-    j["packages"].push_back({{"index", p.index}, {"model", p.model}, {"cpus", p.cpus}, {"cores", p.cores}, {"pus", p.pus}});
-  j["numa_nodes"] = json::array();
-  for (const auto& n : h.numa_nodes)
-    j["numa_nodes"].push_back({{"index", n.index}, {"os_index", n.os_index}, {"package", n.package},
-                               {"memory_bytes", n.memory_bytes}, {"cpus", n.cpus}});
-  j["cores"] = json::array();
-  for (const auto& c : h.cores)
-    j["cores"].push_back({{"index", c.index}, {"package", c.package}, {"numa", c.numa}, {"pus", c.pus}});
-  j["pus"] = h.pus;
-  j["allowed_cpus"] = h.allowed_cpus;
-  j["caches"] = json::array();
-  for (const auto& c : h.caches)
-    j["caches"].push_back({{"name", c.name}, {"level", c.level}, {"size_bytes", c.size_bytes},
-                           {"line_bytes", c.line_bytes}, {"instances", c.instances},
-                           {"pus_per_instance", c.pus_per_instance}});
-  j["memory_bytes"] = h.memory_bytes;
-  j["gpus"] = json::array();
-  for (const auto& g : h.gpus)
-    j["gpus"].push_back({{"index", g.index}, {"name", g.name}, {"uuid", g.uuid}, {"pci_bus_id", g.pci_bus_id},
-                         {"memory_bytes", g.memory_bytes}, {"compute_major", g.compute_major},
-                         {"compute_minor", g.compute_minor}, {"numa_node", g.numa_node},
-                         {"cpu_affinity", g.cpu_affinity}});
-  j["gpu_links"] = json::array();
-  for (const auto& row : h.gpu_links) {
-    json r = json::array();
-    for (const auto& l : row) r.push_back({{"pcie", l.pcie}, {"nvlinks", l.nvlinks}, {"p2p", l.p2p}});
-    j["gpu_links"].push_back(std::move(r));
-  }
-  j["gpu_status"] = h.gpu_status;
-  j["driver_version"] = h.driver_version;
-  j["cuda_driver"] = h.cuda_driver;
-  j["cuda_runtime"] = h.cuda_runtime;
-  j["hwloc_version"] = h.hwloc_version;
-  j["warnings"] = h.warnings;
-  return j;
-}
-
-json j_topology(const Topology& t) {
-  json j;
-  j["format"] = "tetra.topology/1";
-  j["hosts"] = json::array();
-  for (const auto& h : t.hosts) j["hosts"].push_back(j_host(h));
-  j["ranks"] = json::array();
-  for (const auto& r : t.ranks)
-    j["ranks"].push_back({{"rank", r.rank}, {"host", r.host}, {"local_rank", r.local_rank}, {"cpus", r.cpus},
-                          {"device", r.device}});
-  return j;
-}
-
-// Reading: a missing key keeps the default (hand-written documents may leave fields
-// out); a present key of the wrong type is an error naming its path.
-struct Reader {
-  const json& j;
-  std::string path;
-
-  bool has(const char* key) const { return j.is_object() && j.contains(key); }
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::invalid_argument("topology JSON: " + path + ": " + what);
-  }
-  template <typename T>
-  void get(const char* key, T& out) const {
-    if (!has(key)) return;
-    const json& v = j.at(key);
-    if constexpr (std::is_same_v<T, bool>) {
-      if (!v.is_boolean()) Reader{v, path + "." + key}.fail("expected true or false");
-    } else if constexpr (std::is_integral_v<T>) {
-      if (!v.is_number_integer()) Reader{v, path + "." + key}.fail("expected an integer");
-    } else if constexpr (std::is_same_v<T, std::string>) {
-      if (!v.is_string()) Reader{v, path + "." + key}.fail("expected a string");
-    }
-    out = v.get<T>();
-  }
-  template <typename F>
-  void each(const char* key, F fn) const {
-    if (!has(key)) return;
-    const json& v = j.at(key);
-    std::string p = path + "." + key;
-    if (!v.is_array()) Reader{v, p}.fail("expected an array");
-    for (size_t i = 0; i < v.size(); ++i) {
-      Reader item{v[i], p + "[" + std::to_string(i) + "]"};
-      fn(item);
-    }
-  }
-  void object() const {
-    if (!j.is_object()) fail("expected an object");
-  }
-};
-
-HostTopology read_host(const Reader& r) {
-  r.object();
-  HostTopology h;
-  r.get("hostname", h.hostname);
-  if (h.hostname.empty()) r.fail("\"hostname\" is missing or empty");
-  r.each("packages", [&](const Reader& x) {
-    x.object();
-    Package p;
-    x.get("index", p.index);
-    x.get("model", p.model);
-    x.get("cpus", p.cpus);
-    x.get("cores", p.cores);
-    x.get("pus", p.pus);
-    h.packages.push_back(std::move(p));
-  });
-  r.each("numa_nodes", [&](const Reader& x) {
-    x.object();
-    NumaNode n;
-    x.get("index", n.index);
-    x.get("os_index", n.os_index);
-    x.get("package", n.package);
-    x.get("memory_bytes", n.memory_bytes);
-    x.get("cpus", n.cpus);
-    h.numa_nodes.push_back(std::move(n));
-  });
-  r.each("cores", [&](const Reader& x) {
-    x.object();
-    Core c;
-    x.get("index", c.index);
-    x.get("package", c.package);
-    x.get("numa", c.numa);
-    x.get("pus", c.pus);
-    h.cores.push_back(std::move(c));
-  });
-  r.get("pus", h.pus);
-  r.get("allowed_cpus", h.allowed_cpus);
-  r.each("caches", [&](const Reader& x) {
-    x.object();
-    Cache c;
-    x.get("name", c.name);
-    x.get("level", c.level);
-    x.get("size_bytes", c.size_bytes);
-    x.get("line_bytes", c.line_bytes);
-    x.get("instances", c.instances);
-    x.get("pus_per_instance", c.pus_per_instance);
-    h.caches.push_back(std::move(c));
-  });
-  r.get("memory_bytes", h.memory_bytes);
-  r.each("gpus", [&](const Reader& x) {
-    x.object();
-    Gpu g;
-    x.get("index", g.index);
-    x.get("name", g.name);
-    x.get("uuid", g.uuid);
-    x.get("pci_bus_id", g.pci_bus_id);
-    x.get("memory_bytes", g.memory_bytes);
-    x.get("compute_major", g.compute_major);
-    x.get("compute_minor", g.compute_minor);
-    x.get("numa_node", g.numa_node);
-    x.get("cpu_affinity", g.cpu_affinity);
-    h.gpus.push_back(std::move(g));
-  });
-  r.each("gpu_links", [&](const Reader& row) {
-    std::vector<GpuLink> links;
-    if (!row.j.is_array()) row.fail("expected an array (a row of the link matrix)");
-    for (size_t i = 0; i < row.j.size(); ++i) {
-      Reader x{row.j[i], row.path + "[" + std::to_string(i) + "]"};
-      x.object();
-      GpuLink l;
-      x.get("pcie", l.pcie);
-      x.get("nvlinks", l.nvlinks);
-      x.get("p2p", l.p2p);
-      links.push_back(std::move(l));
-    }
-    h.gpu_links.push_back(std::move(links));
-  });
-  if (!h.gpu_links.empty() || !h.gpus.empty()) {
-    bool square = h.gpu_links.size() == h.gpus.size();
-    for (const auto& row : h.gpu_links) square = square && row.size() == h.gpus.size();
-    if (!square)
-      r.fail("gpu_links must be " + std::to_string(h.gpus.size()) + " x " + std::to_string(h.gpus.size()) +
-             " (one row and column per GPU)");
-  }
-  r.get("gpu_status", h.gpu_status);
-  r.get("driver_version", h.driver_version);
-  r.get("cuda_driver", h.cuda_driver);
-  r.get("cuda_runtime", h.cuda_runtime);
-  r.get("hwloc_version", h.hwloc_version);
-  r.each("warnings", [&](const Reader& x) {
-    if (!x.j.is_string()) x.fail("expected a string");
-    h.warnings.push_back(x.j.get<std::string>());
-  });
-  return h;
-}
-
-Topology read_topology(const json& j) {
-  Reader r{j, "$"};
-  r.object();
-  if (r.has("format")) {
-    std::string format;
-    r.get("format", format);
-    if (format != "tetra.topology/1") r.fail("format \"" + format + "\" is not tetra.topology/1");
-  }
-  if (!r.has("hosts")) r.fail("\"hosts\" is missing");
-  Topology t;
-  r.each("hosts", [&](const Reader& x) { t.hosts.push_back(read_host(x)); });
-  r.each("ranks", [&](const Reader& x) {
-    x.object();
-    RankPlacement p;
-    if (!x.has("rank")) x.fail("\"rank\" is missing");
-    x.get("rank", p.rank);
-    x.get("host", p.host);
-    x.get("local_rank", p.local_rank);
-    x.get("cpus", p.cpus);
-    x.get("device", p.device);
-    t.ranks.push_back(std::move(p));
-  });
-  return t;
-}
-
 }  // namespace
 
 // ---- discovery ------------------------------------------------------------------------
@@ -889,25 +670,6 @@ Topology local_topology(const HostTopology& host, int rank, int local_rank, cons
 
 Topology local_topology(int rank, int local_rank, const std::string& device) {
   return local_topology(discover_host(), rank, local_rank, device);
-}
-
-// ---- JSON entry points ----------------------------------------------------------------
-
-std::string to_json(const Topology& topology, int indent) { return j_topology(topology).dump(indent); }
-std::string to_json(const HostTopology& host, int indent) { return j_host(host).dump(indent); }
-
-Topology topology_from_json(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw std::invalid_argument(std::string("topology JSON does not parse: ") + e.what());
-  }
-  try {
-    return read_topology(j);
-  } catch (const json::exception& e) {  // a type nlohmann rejects below our checks
-    throw std::invalid_argument(std::string("topology JSON: ") + e.what());
-  }
 }
 
 void assign_local_ranks(Topology& t) {
@@ -950,223 +712,6 @@ Topology merge(const std::vector<Topology>& parts) {
       if (placed.insert(h.hostname).second) out.hosts.push_back(h);
   assign_local_ranks(out);
   return out;
-}
-
-Topology merge(const std::vector<std::string>& per_rank_json) {
-  std::vector<Topology> parts;
-  parts.reserve(per_rank_json.size());
-  for (size_t i = 0; i < per_rank_json.size(); ++i) {
-    try {
-      parts.push_back(topology_from_json(per_rank_json[i]));
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("topology merge: part " + std::to_string(i) + ": " + e.what());
-    }
-  }
-  return merge(parts);
-}
-
-// ---- the readable report --------------------------------------------------------------
-
-namespace {
-
-std::string plural(int n, const char* one, const char* many) {
-  return std::to_string(n) + " " + (n == 1 ? one : many);
-}
-
-std::string sharing(const HostTopology& h, const Cache& c) {
-  int per_core = h.cores.empty() ? 1 : std::max(1, h.pus / h.core_count());
-  if (c.pus_per_instance <= 0) return "";
-  if (c.pus_per_instance == h.pus && h.pus > 1) return "shared by all " + std::to_string(h.pus) + " PUs";
-  if (c.pus_per_instance == per_core) return "per core";
-  for (const auto& p : h.packages)
-    if (h.packages.size() > 1 && p.pus == c.pus_per_instance) return "per package";
-  return "shared by " + std::to_string(c.pus_per_instance) + " PUs";
-}
-
-void put_cores(std::ostringstream& os, const HostTopology& h, const std::vector<const Core*>& cores,
-               const std::string& indent) {
-  if (cores.empty()) return;
-  if (cores.size() <= 8) {
-    for (const Core* c : cores) {
-      auto pus = parse_cpu_list(c->pus);
-      os << indent << "core " << c->index << ": " << (pus.size() == 1 ? "PU " : "PUs ") << c->pus << "\n";
-    }
-    return;
-  }
-  std::vector<int> idx, pus;
-  for (const Core* c : cores) {
-    idx.push_back(c->index);
-    for (int p : parse_cpu_list(c->pus)) pus.push_back(p);
-  }
-  os << indent << "cores " << format_cpu_list(idx) << " (" << cores.size() << "), PUs " << format_cpu_list(pus);
-  if (pus.size() % cores.size() == 0 && pus.size() > cores.size())
-    os << " (" << pus.size() / cores.size() << " per core)";
-  os << "\n";
-}
-
-// One cell of nvidia-smi's matrix: left-aligned in a tab stop of 8.
-std::string cell(const std::string& s, size_t width = 8) {
-  return s.size() >= width ? s + " " : s + std::string(width - s.size(), ' ');
-}
-
-}  // namespace
-
-std::string format_gpu_matrix(const HostTopology& h) {
-  if (h.gpus.empty()) return "";
-  std::ostringstream os;
-  size_t n = h.gpus.size();
-  os << cell("");
-  for (size_t j = 0; j < n; ++j) os << cell("GPU" + std::to_string(j));
-  os << cell("CPU Affinity", 16) << "NUMA Affinity\n";
-  for (size_t i = 0; i < n; ++i) {
-    os << cell("GPU" + std::to_string(i));
-    for (size_t j = 0; j < n; ++j) {
-      std::string label = i < h.gpu_links.size() && j < h.gpu_links[i].size() ? h.gpu_links[i][j].label() : "?";
-      os << cell(" " + label);
-    }
-    const Gpu& g = h.gpus[i];
-    os << cell(g.cpu_affinity.empty() ? "N/A" : g.cpu_affinity, 16)
-       << (g.numa_node < 0 ? std::string("N/A") : std::to_string(g.numa_node)) << "\n";
-  }
-  os << "\nLegend:\n\n"
-     << "  X    = Self\n"
-     << "  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)\n"
-     << "  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node\n"
-     << "  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)\n"
-     << "  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)\n"
-     << "  PIX  = Connection traversing at most a single PCIe bridge\n"
-     << "  NV#  = Connection traversing a bonded set of # NVLinks\n";
-  std::vector<std::string> p2p_yes, p2p_no;
-  for (size_t i = 0; i < n; ++i)
-    for (size_t j = i + 1; j < n; ++j) {
-      bool yes = i < h.gpu_links.size() && j < h.gpu_links[i].size() && h.gpu_links[i][j].p2p;
-      (yes ? p2p_yes : p2p_no).push_back("GPU" + std::to_string(i) + "-GPU" + std::to_string(j));
-    }
-  if (n > 1) {
-    os << "\nPeer access:";
-    if (p2p_no.empty())
-      os << " all pairs\n";
-    else if (p2p_yes.empty())
-      os << " none\n";
-    else {
-      os << " yes";
-      for (const auto& s : p2p_yes) os << " " << s;
-      os << "; no";
-      for (const auto& s : p2p_no) os << " " << s;
-      os << "\n";
-    }
-  }
-  return os.str();
-}
-
-std::string format_host(const HostTopology& h) {
-  std::ostringstream os;
-  os << "host " << h.hostname << ": " << plural(static_cast<int>(h.packages.size()), "package", "packages") << ", "
-     << plural(static_cast<int>(h.numa_nodes.size()), "NUMA node", "NUMA nodes") << ", "
-     << plural(h.core_count(), "core", "cores") << ", " << plural(h.pus, "PU", "PUs") << ", "
-     << format_bytes(h.memory_bytes);
-  if (!h.hwloc_version.empty()) os << " (hwloc " << h.hwloc_version << ")";
-  os << "\n";
-  if (!h.allowed_cpus.empty() && h.pus > 0 && static_cast<int>(parse_cpu_list(h.allowed_cpus).size()) != h.pus)
-    os << "  allowed PUs (cgroup): " << h.allowed_cpus << "\n";
-
-  auto numa_line = [&](const NumaNode& n, const std::string& indent) {
-    os << indent << "NUMA " << n.os_index << ": " << format_bytes(n.memory_bytes);
-    if (n.cpus.empty())
-      os << ", no CPUs (memory only)";
-    else
-      os << ", PUs " << n.cpus;
-    os << "\n";
-    std::vector<const Core*> cores;
-    for (const auto& c : h.cores)
-      if (c.numa == n.index) cores.push_back(&c);
-    put_cores(os, h, cores, indent + "  ");
-  };
-  for (const auto& p : h.packages) {
-    os << "  package " << p.index << ": " << (p.model.empty() ? "" : p.model + ", ")
-       << plural(p.cores, "core", "cores") << ", " << plural(p.pus, "PU", "PUs") << " (" << p.cpus << ")\n";
-    for (const auto& n : h.numa_nodes)
-      if (n.package == p.index) numa_line(n, "    ");
-    std::vector<const Core*> loose;  // cores of this package in no NUMA node shown above
-    for (const auto& c : h.cores) {
-      if (c.package != p.index) continue;
-      bool shown = false;
-      for (const auto& n : h.numa_nodes) shown = shown || (n.index == c.numa && n.package == p.index);
-      if (!shown) loose.push_back(&c);
-    }
-    put_cores(os, h, loose, "    ");
-  }
-  for (const auto& n : h.numa_nodes)  // nodes spanning packages, or with no CPUs
-    if (n.package < 0 || n.package >= static_cast<int>(h.packages.size())) {
-      os << "  NUMA " << n.os_index << " (" << (n.cpus.empty() ? "memory only" : "spans packages")
-         << "): " << format_bytes(n.memory_bytes) << (n.cpus.empty() ? "" : ", PUs " + n.cpus) << "\n";
-    }
-  if (!h.caches.empty()) {
-    os << "  caches:";
-    bool first = true;
-    for (const auto& c : h.caches) {
-      os << (first ? " " : ", ") << c.name << " " << format_bytes(c.size_bytes) << " x" << c.instances;
-      std::string s = sharing(h, c);
-      if (!s.empty()) os << " (" << s << ")";
-      first = false;
-    }
-    os << "\n";
-  }
-  os << "  CUDA: runtime " << (h.cuda_runtime.empty() ? "none" : h.cuda_runtime) << ", driver "
-     << (h.cuda_driver.empty() ? "none" : h.cuda_driver);
-  if (!h.driver_version.empty()) os << " (NVIDIA " << h.driver_version << ")";
-  os << "\n";
-  if (h.gpus.empty()) {
-    os << "  GPUs: none (" << (h.gpu_status.empty() ? "not probed" : h.gpu_status) << ")\n";
-  } else {
-    os << "  GPUs:\n";
-    for (const auto& g : h.gpus) {
-      os << "    GPU" << g.index << ": " << (g.name.empty() ? "unknown" : g.name) << ", "
-         << format_bytes(g.memory_bytes);
-      if (g.compute_major > 0) os << ", sm_" << g.compute_major << g.compute_minor;
-      if (!g.pci_bus_id.empty()) os << ", PCI " << g.pci_bus_id;
-      os << ", NUMA " << (g.numa_node < 0 ? std::string("N/A") : std::to_string(g.numa_node)) << "\n";
-    }
-    std::istringstream matrix(format_gpu_matrix(h));
-    std::string line;
-    os << "\n";
-    while (std::getline(matrix, line)) os << (line.empty() ? "" : "  " + line) << "\n";
-  }
-  for (const auto& w : h.warnings) os << "  warning: " << w << "\n";
-  return os.str();
-}
-
-std::string format_ranks(const Topology& t) {
-  std::ostringstream os;
-  if (t.ranks.empty()) return "";
-  os << "ranks: " << t.ranks_count() << " on " << plural(t.hosts_count(), "host", "hosts");
-  if (t.hosts_count() > 0) {
-    std::vector<std::string> per;
-    for (const auto& h : t.hosts) per.push_back(std::to_string(t.ranks_on(h.hostname).size()) + " on " + h.hostname);
-    os << " (";
-    for (size_t i = 0; i < per.size(); ++i) os << (i ? ", " : "") << per[i];
-    os << ")";
-  }
-  os << "\n";
-  std::vector<std::vector<std::string>> rows = {{"rank", "host", "local", "cpus", "device"}};
-  for (const auto& r : t.ranks)
-    rows.push_back({std::to_string(r.rank), r.host, std::to_string(r.local_rank), r.cpus, r.device});
-  std::vector<size_t> w(5, 0);
-  for (const auto& row : rows)
-    for (size_t c = 0; c < 5; ++c) w[c] = std::max(w[c], row[c].size());
-  for (const auto& row : rows) {
-    std::string line = " ";
-    for (size_t c = 0; c < 5; ++c) line += " " + row[c] + (c + 1 < 5 ? std::string(w[c] - row[c].size() + 1, ' ') : "");
-    os << line << "\n";
-  }
-  return os.str();
-}
-
-std::string format_table(const Topology& t) {
-  std::ostringstream os;
-  for (size_t i = 0; i < t.hosts.size(); ++i) os << (i ? "\n" : "") << format_host(t.hosts[i]);
-  if (!t.ranks.empty()) os << "\n" << format_ranks(t);
-  return os.str();
 }
 
 }  // namespace tetra::hardware

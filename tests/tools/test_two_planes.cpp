@@ -200,9 +200,11 @@ int main(int argc, char** argv) {
     }
     g_planes.host->barrier()->wait();
     // The monitor's handshake is host traffic too (Note [Monitor]).
-    collectives::Monitor::start(*g_planes.host, {});
-    failed = collectives::mpi_gtest::run_all_tests(rank, "test_two_planes");
-    collectives::Monitor::stop();
+    {
+      collectives::Monitor monitor(*g_planes.host, {});
+      failed = collectives::mpi_gtest::run_all_tests(rank, "test_two_planes");
+      monitor.stop();
+    }
     g_planes.host->barrier()->wait();
     if (rank == 0) fs::remove_all(g_dir);
   } catch (const std::exception& e) {

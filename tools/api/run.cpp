@@ -84,6 +84,7 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
   check_paths(spec, /*own_data=*/static_cast<bool>(options.data));
   set_up_health(spec);
   collectives::Planes planes;  // Note [Two planes]
+  std::optional<collectives::Monitor> monitor;  // a job of several processes alone
   if (launch.multi_process()) {
     collectives::BackendRegistry backends;
     collectives::register_builtin_backends(backends);
@@ -94,20 +95,20 @@ TrainResult run(const JobSpec& spec, const RunOptions& options) {
     collectives::MonitorOptions mo;
     mo.timeout = wo.timeout;
     mo.silence = collectives::Duration(static_cast<int64_t>(spec.collectives.peer_silence_s * 1000));
-    collectives::Monitor::start(*planes.host, mo);
+    monitor.emplace(*planes.host, mo);
   }
   try {
     TrainResult result = run_in(spec, options, plan, launch, planes);
-    collectives::Monitor::stop();
+    if (monitor) monitor->stop();
     return result;
   } catch (const PreemptedError&) {
-    collectives::Monitor::stop();  // every rank stops at the agreed step: a clean goodbye
+    if (monitor) monitor->stop();  // every rank stops at the agreed step: a clean goodbye
     throw;
   } catch (const std::exception& e) {
     // A communication error may be the echo of a peer's death: let the monitor say so
     // (it ends this process with kExitPeerLost) before this rank reports its own failure.
-    if (dynamic_cast<const CommError*>(&e)) collectives::Monitor::settle(std::chrono::seconds(2));
-    collectives::Monitor::report_failure(e.what());
+    if (monitor && dynamic_cast<const CommError*>(&e)) monitor->settle(std::chrono::seconds(2));
+    if (monitor) monitor->report_failure(e.what());
     throw;
   }
 }
