@@ -387,23 +387,200 @@ std::string Trainer::finished_run() const {
   return verdict.substr(2);
 }
 
-TrainResult Trainer::run() {
-  if (options_.on_start) options_.on_start(*this);
+// One run() of the loop: what it writes to (the metrics, the run folder's records, the
+// progress line), its counters, and the result it fills.
+struct Trainer::Loop {
+  explicit Loop(Trainer& trainer)
+      : t(trainer),
+        write(trainer.writer()),  // rank 0 writes the replicated state and the logs
+        trace_path(rank_trace_path(trainer.spec_.log.trace, trainer.ranks_ ? trainer.ranks_->rank() : 0,
+                                   trainer.ranks_ ? trainer.ranks_->size() : 1)) {}
+
+  Trainer& t;
   const Stopwatch since_start;
   const std::string started_at = utc_now();
-  const auto& ck = spec_.checkpoint;
-  const bool checkpoints = !ck.dir.empty();
-  const bool write = writer();  // rank 0 writes the replicated state and the logs
+  const bool write;
+  const std::string trace_path;
+  MetricsWriter metrics;
+  std::optional<RunRecords> records;
+  std::optional<Progress> progress;
+  TrainResult result;
+  int64_t spe = 1, epochs_shown = 1;
+  double train_seconds = 0, interval_seconds = 0;
+  int64_t interval_samples = 0;
+  std::string last_checkpoint;
+  int64_t last_saved = -1;  // the last step on disk
+  int64_t checkpoint_failures = 0;
+  std::optional<EvalResult> last_eval;
+  int64_t last_eval_step = -1;
+
+  // The metrics, the records, the progress line and what it says first.
+  void open() {
+    const JobSpec& spec = t.spec_;
+    const bool resumed = !t.resumed_from_.empty();
+    if (write && !spec.log.metrics.empty()) metrics.open(spec.log.metrics, resumed);
+    if (write && !spec.log.tensorboard.empty()) metrics.open_tensorboard(spec.log.tensorboard, resumed ? t.step_ : -1);
+    records.emplace(spec, t.plan_, t.mesh_.get(), t.ranks_);
+    if (write && !spec.log.dir.empty()) records->write_run_start();
+    progress.emplace(write ? spec.log.progress : "off", spec.log.every, t.options_.out);
+    if (!resumed && !t.init_note_.empty()) progress->message(t.init_note_);
+    if (resumed)
+      progress->message("resumed from " + t.resumed_from_ + " at step " + std::to_string(t.step_) +
+                        (t.resume_changes_.empty() ? "" : "; changed since it was written: " + t.resume_changes_));
+    result.resumed_from = t.resumed_from_;
+    spe = t.batches_->steps_per_epoch();
+    epochs_shown = (t.total_steps_ + spe - 1) / spe;
+    last_saved = resumed ? t.step_ : -1;  // a resumed step is on disk
+  }
+
+  // Every rank saves (a collective); a failed save is the same CheckpointSaveError on every
+  // rank, so all take the same checkpoint.on_error decision.
+  void save_now() {
+    try {
+      std::string saved = t.save_checkpoint(t.step_, t.epoch_, t.step_in_epoch_);
+      if (write) last_checkpoint = saved;
+    } catch (const CheckpointSaveError& e) {
+      if (t.spec_.checkpoint.on_error == OnCheckpointError::kStop) throw;
+      ++checkpoint_failures;
+      if (write) {
+        std::fprintf(stderr, "warning: %s (checkpoint.on_error: warn, training goes on)\n", e.what());
+        metrics.write({{"step", t.step_}, {"checkpoint_failures", checkpoint_failures}, {"checkpoint_error", e.what()}});
+      }
+    }
+    last_saved = t.step_;
+  }
+
+  void eval() {
+    EvalResult e = t.evaluate();
+    const int64_t step = t.step_;
+    nlohmann::json rec = {{"step", step}, {"epoch", t.epoch_}, {"eval", true}, {"test_loss", e.test_loss},
+                          {"time_s", since_start.elapsed()}};
+    std::string line = "eval  step " + std::to_string(step) + "  test_loss " + fmt("%.4f", e.test_loss);
+    if (e.perplexity) {
+      rec["perplexity"] = *e.perplexity;
+      rec["test_accuracy"] = *e.accuracy;
+      line += "  perplexity " + fmt("%.3f", *e.perplexity) + "  next-byte accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
+    } else if (e.accuracy) {
+      rec["test_accuracy"] = *e.accuracy;
+      line += "  accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
+      if (!t.best_accuracy_ || *e.accuracy > *t.best_accuracy_) t.best_accuracy_ = e.accuracy;
+    }
+    metrics.write(rec);
+    progress->message(line);
+    last_eval = e;
+    last_eval_step = step;
+  }
+
+  // A step taken: its loss kept (a skipped one warned of), its train record when the log
+  // is due, the progress line.
+  void note(const StepOutcome& outcome, int64_t samples, double lr, double seconds) {
+    interval_samples += samples;
+    if (outcome.skipped) {
+      if (write) {
+        const std::string line = "warning: " + outcome.why + "; skipped, no update (train.on_nonfinite: skip; " +
+                                 std::to_string(t.skipped_steps_) + " skipped so far)";
+        if (t.spec_.log.progress == "off")
+          std::fprintf(stderr, "%s\n", line.c_str());
+        else
+          progress->message(line);
+      }
+    } else {
+      result.losses.push_back(outcome.loss);
+      result.final_loss = outcome.loss;
+    }
+    const bool log_now = t.step_ % t.spec_.log.every == 0 || t.step_ == t.total_steps_;
+    // Training time counts everything a step costs, logging included; not eval or checkpoints.
+    train_seconds += seconds;
+    interval_seconds += seconds;
+    const double sps = interval_seconds > 0 ? static_cast<double>(interval_samples) / interval_seconds : 0;
+    if (log_now) {
+      StepRecord rec;
+      rec.step = t.step_;
+      rec.epoch = t.epoch_;
+      rec.loss = outcome.loss;
+      rec.lr = lr;
+      rec.samples_per_s = sps;
+      rec.time_s = since_start.elapsed();
+      rec.skipped_steps = t.skipped_steps_;
+      rec.skipped = outcome.skipped;
+      rec.grad_norm = outcome.grad_norm;
+      metrics.write(records->train_record(rec, t.rank_state(t.memory())));
+    }
+    Progress::Status st;
+    st.step = t.step_;
+    st.total = t.total_steps_;
+    st.epoch = t.epoch_ + 1;
+    st.epochs = epochs_shown;
+    st.loss = outcome.loss;
+    st.lr = lr;
+    st.samples_per_s = sps;
+    st.elapsed_s = train_seconds;
+    st.peak_rss = hardware::peak_rss_bytes();
+    progress->update(st);
+    if (log_now) {
+      interval_seconds = 0;
+      interval_samples = 0;
+    }
+  }
+
+  // Note [Stop requests]: every rank agreed to stop after this step: its checkpoint
+  // (collective; before any evaluation this step would run, which the grace period a
+  // launcher gives may not cover), then out. The last step just finishes the run.
+  [[noreturn]] void stop(int request) {
+    progress->finish();
+    const std::string folder = save_for_stop(t.ranks_.get(), [&]() -> std::optional<std::string> {
+      if (t.spec_.checkpoint.dir.empty()) return std::nullopt;
+      return t.save_checkpoint(t.step_, t.epoch_, t.step_in_epoch_);
+    });
+    if (!trace_path.empty()) t.trace_.write(trace_path);
+    throw_preempted(t.step_, request, folder, [&](const std::string& line) { progress->message(line); });
+  }
+
+  // After the last step: the last eval and checkpoint, the export, the trace, the result
+  // and the summary.
+  TrainResult finish() {
+    const JobSpec& spec = t.spec_;
+    const CheckpointSpec& ck = spec.checkpoint;
+    progress->finish();
+    if (last_eval_step != t.step_) eval();
+    if (!ck.dir.empty() && last_saved != t.step_) save_now();
+    if (!ck.safetensors.empty()) {
+      TensorMap weights = t.weights();  // collective
+      if (write) {
+        save_safetensors(ck.safetensors, weights,
+                         {{"format", "pt"}, {"framework", "tetra"}, {"model", t.options_.model ? "custom" : spec.model.type},
+                          {"step", std::to_string(t.step_)}});
+        write_export_config(ck.safetensors, t.identity_->export_description(), weights, t.step_);
+      }
+    }
+    if (!trace_path.empty()) t.trace_.write(trace_path);
+    result.steps = static_cast<int64_t>(result.losses.size());
+    result.skipped_steps = t.skipped_steps_;
+    result.final_step = t.step_;
+    result.train_seconds = train_seconds;
+    result.total_seconds = since_start.elapsed();
+    result.samples_per_s =
+        train_seconds > 0 ? static_cast<double>(result.steps * spec.data.batch_size) / train_seconds : 0;
+    result.final_eval = last_eval;
+    result.best_accuracy = t.best_accuracy_;
+    result.checkpoint = last_checkpoint;
+    result.phases = t.phases_;
+    result.memory = t.memory();
+    // Note [Run folder]: every rank's totals for the summary (collective: every rank joins).
+    records->write_summary(result, t.rank_state(result.memory), trace_path, started_at, t.identity_->identity());
+    return std::move(result);
+  }
+};
+
+TrainResult Trainer::run() {
+  if (options_.on_start) options_.on_start(*this);
+  Loop loop(*this);
+  const CheckpointSpec& ck = spec_.checkpoint;
   const int world_rank = ranks_ ? ranks_->rank() : 0;
-  const int world_size = ranks_ ? ranks_->size() : 1;
-  const std::string trace_path = rank_trace_path(spec_.log.trace, world_rank, world_size);
-  if (!trace_path.empty()) trace_.enable(world_rank, spec_.name + " rank " + std::to_string(world_rank));
-
+  if (!loop.trace_path.empty()) trace_.enable(world_rank, spec_.name + " rank " + std::to_string(world_rank));
   // Note [Preflight]: room for one checkpoint, on every rank (each writes its part).
-  if (checkpoints)
-    if (const std::string problem = space_problem(spec_, model_parameters_); !problem.empty())
-      throw ConfigError(problem);
-
+  if (!ck.dir.empty())
+    if (const std::string problem = space_problem(spec_, model_parameters_); !problem.empty()) throw ConfigError(problem);
   // Resume (core/resume.h): checkpoint.resume auto takes the newest intact checkpoint.
   if (std::optional<CheckpointReader> from = choose_checkpoint(ck, ranks_.get())) restore(*from);
   // Note [A finished run stays]: nothing is written before this.
@@ -414,72 +591,12 @@ TrainResult Trainer::run() {
     result.nothing_to_train = std::move(said);
     return result;
   }
-
-  MetricsWriter metrics;
-  if (write && !spec_.log.metrics.empty()) metrics.open(spec_.log.metrics, !resumed_from_.empty());
-  if (write && !spec_.log.tensorboard.empty())
-    metrics.open_tensorboard(spec_.log.tensorboard, resumed_from_.empty() ? -1 : step_);
-  RunRecords records(spec_, plan_, mesh_.get(), ranks_);
-  if (write && !spec_.log.dir.empty()) records.write_run_start();
-  Progress progress(write ? spec_.log.progress : "off", spec_.log.every, options_.out);
-  if (resumed_from_.empty() && !init_note_.empty()) progress.message(init_note_);
-  if (!resumed_from_.empty())
-    progress.message("resumed from " + resumed_from_ + " at step " + std::to_string(step_) +
-                     (resume_changes_.empty() ? "" : "; changed since it was written: " + resume_changes_));
-
-  TrainResult result;
-  result.resumed_from = resumed_from_;
-  const int64_t spe = batches_->steps_per_epoch();
-  const int64_t epochs_shown = (total_steps_ + spe - 1) / spe;
-  const int64_t eval_every = spec_.train.eval_every;
-  double train_seconds = 0, interval_seconds = 0;
-  int64_t interval_samples = 0;
-  std::string last_checkpoint;
-  int64_t last_saved = resumed_from_.empty() ? -1 : step_;  // a resumed step is on disk
-  int64_t checkpoint_failures = 0;
-  // Every rank saves (a collective); a failed save is the same CheckpointSaveError on every
-  // rank, so all take the same checkpoint.on_error decision.
-  auto save_now = [&] {
-    try {
-      std::string saved = save_checkpoint(step_, epoch_, step_in_epoch_);
-      if (write) last_checkpoint = saved;
-    } catch (const CheckpointSaveError& e) {
-      if (ck.on_error == OnCheckpointError::kStop) throw;
-      ++checkpoint_failures;
-      if (write) {
-        std::fprintf(stderr, "warning: %s (checkpoint.on_error: warn, training goes on)\n", e.what());
-        metrics.write({{"step", step_}, {"checkpoint_failures", checkpoint_failures},
-                       {"checkpoint_error", e.what()}});
-      }
-    }
-  };
-
-  auto run_eval = [&](int64_t step) {
-    EvalResult e = evaluate();
-    nlohmann::json rec = {{"step", step}, {"epoch", epoch_}, {"eval", true}, {"test_loss", e.test_loss},
-                          {"time_s", since_start.elapsed()}};
-    std::string line = "eval  step " + std::to_string(step) + "  test_loss " + fmt("%.4f", e.test_loss);
-    if (e.perplexity) {
-      rec["perplexity"] = *e.perplexity;
-      rec["test_accuracy"] = *e.accuracy;
-      line += "  perplexity " + fmt("%.3f", *e.perplexity) + "  next-byte accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
-    } else if (e.accuracy) {
-      rec["test_accuracy"] = *e.accuracy;
-      line += "  accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
-      if (!best_accuracy_ || *e.accuracy > *best_accuracy_) best_accuracy_ = e.accuracy;
-    }
-    metrics.write(rec);
-    progress.message(line);
-    return e;
-  };
-
-  records.start(rank_state(memory()));  // the loop's counters, not the set-up's
-
+  loop.open();
+  loop.records->start(rank_state(memory()));  // the loop's counters, not the set-up's
   model_->train();
-  std::optional<EvalResult> last_eval;
-  int64_t last_eval_step = -1;
+  const int64_t eval_every = spec_.train.eval_every;
   while (step_ < total_steps_) {
-    if (step_in_epoch_ >= spe) {
+    if (step_in_epoch_ >= loop.spe) {
       ++epoch_;
       step_in_epoch_ = 0;
     }
@@ -490,116 +607,19 @@ TrainResult Trainer::run() {
     const StepOutcome outcome = train_step(indices);
     // A span per step: report and Perfetto cut one step of a pipeline out by it.
     if (trace_.enabled()) trace_.span("step", "step " + std::to_string(step_ + 1), step_begin_us, trace_.now_us());
-    const double loss = outcome.loss;
     // A skipped step is still a step: its batch is consumed and the step count (hence the
     // learning-rate schedule) moves on, so the run ends where it would have, on the same data.
     ++step_;
     ++step_in_epoch_;
-    interval_samples += indices.size(0);
-    if (outcome.skipped) {
-      ++skipped_steps_;
-      if (write) {
-        const std::string line = "warning: " + outcome.why + "; skipped, no update (train.on_nonfinite: skip; " +
-                                 std::to_string(skipped_steps_) + " skipped so far)";
-        if (spec_.log.progress == "off")
-          std::fprintf(stderr, "%s\n", line.c_str());
-        else
-          progress.message(line);
-      }
-    } else {
-      result.losses.push_back(loss);
-      result.final_loss = loss;
-    }
-
-    const bool log_now = step_ % spec_.log.every == 0 || step_ == total_steps_;
-    // Training time counts everything a step costs, logging included; not eval or checkpoints.
-    const double dt = step_clock.elapsed();
-    train_seconds += dt;
-    interval_seconds += dt;
-    const double sps = interval_seconds > 0 ? static_cast<double>(interval_samples) / interval_seconds : 0;
-    if (log_now) {
-      StepRecord rec;
-      rec.step = step_;
-      rec.epoch = epoch_;
-      rec.loss = loss;
-      rec.lr = lr;
-      rec.samples_per_s = sps;
-      rec.time_s = since_start.elapsed();
-      rec.skipped_steps = skipped_steps_;
-      rec.skipped = outcome.skipped;
-      rec.grad_norm = outcome.grad_norm;
-      metrics.write(records.train_record(rec, rank_state(memory())));
-    }
-    Progress::Status st;
-    st.step = step_;
-    st.total = total_steps_;
-    st.epoch = epoch_ + 1;
-    st.epochs = epochs_shown;
-    st.loss = loss;
-    st.lr = lr;
-    st.samples_per_s = sps;
-    st.elapsed_s = train_seconds;
-    st.peak_rss = hardware::peak_rss_bytes();
-    progress.update(st);
-    if (log_now) {
-      interval_seconds = 0;
-      interval_samples = 0;
-    }
-    if (options_.on_step) options_.on_step(step_, loss);
-
-    if (outcome.stop && step_ < total_steps_) {
-      // Note [Stop requests]: every rank agreed to stop after this step: its checkpoint
-      // (collective; before any evaluation this step would run, which the grace period a
-      // launcher gives may not cover), then out. The last step just finishes the run.
-      progress.finish();
-      const std::string folder = save_for_stop(ranks_.get(), [&]() -> std::optional<std::string> {
-        if (!checkpoints) return std::nullopt;
-        return save_checkpoint(step_, epoch_, step_in_epoch_);
-      });
-      if (!trace_path.empty()) trace_.write(trace_path);
-      throw_preempted(step_, outcome.stop, folder, [&](const std::string& line) { progress.message(line); });
-    }
-
-    const bool epoch_end = step_in_epoch_ == spe;
-    if ((eval_every > 0 && step_ % eval_every == 0) || (eval_every == 0 && epoch_end)) {
-      last_eval = run_eval(step_);
-      last_eval_step = step_;
-    }
-    if (checkpoints && ck.every_steps > 0 && step_ % ck.every_steps == 0 && step_ < total_steps_) {
-      save_now();
-      last_saved = step_;
-    }
+    if (outcome.skipped) ++skipped_steps_;
+    loop.note(outcome, indices.size(0), lr, step_clock.elapsed());
+    if (options_.on_step) options_.on_step(step_, outcome.loss);
+    if (outcome.stop && step_ < total_steps_) loop.stop(outcome.stop);
+    const bool epoch_end = step_in_epoch_ == loop.spe;
+    if ((eval_every > 0 && step_ % eval_every == 0) || (eval_every == 0 && epoch_end)) loop.eval();
+    if (!ck.dir.empty() && ck.every_steps > 0 && step_ % ck.every_steps == 0 && step_ < total_steps_) loop.save_now();
   }
-  progress.finish();
-  if (last_eval_step != step_) last_eval = run_eval(step_);
-  if (checkpoints && last_saved != step_) save_now();
-  if (!ck.safetensors.empty()) {
-    TensorMap weights = this->weights();  // collective
-    if (write) {
-      save_safetensors(ck.safetensors, weights,
-                     {{"format", "pt"}, {"framework", "tetra"}, {"model", options_.model ? "custom" : spec_.model.type},
-                      {"step", std::to_string(step_)}});
-      write_export_config(ck.safetensors, identity_->export_description(), weights, step_);
-    }
-  }
-  if (!trace_path.empty()) trace_.write(trace_path);
-
-  result.steps = static_cast<int64_t>(result.losses.size());
-  result.skipped_steps = skipped_steps_;
-  result.final_step = step_;
-  result.train_seconds = train_seconds;
-  result.total_seconds = since_start.elapsed();
-  result.samples_per_s = train_seconds > 0
-                             ? static_cast<double>(result.steps * spec_.data.batch_size) / train_seconds
-                             : 0;
-  result.final_eval = last_eval;
-  result.best_accuracy = best_accuracy_;
-  result.checkpoint = last_checkpoint;
-  result.phases = phases_;
-  result.memory = memory();
-  // Note [Run folder]: every rank's totals for the summary (collective: every rank joins).
-  records.write_summary(result, rank_state(result.memory), trace_path, started_at, identity_->identity());
-  return result;
+  return loop.finish();
 }
 
 TrainResult train(const JobSpec& spec, TrainerOptions options, const RankMaker::AfterRun& after) {

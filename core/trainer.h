@@ -110,6 +110,7 @@ class Trainer {
   TensorMap weights();
 
  private:
+  struct Loop;  // one run()'s outputs and counters (trainer.cpp)
   void restore(const CheckpointReader& ckpt);
   // Note [A finished run stays]: "" to train on; what to say when there is nothing to
   // train. Throws ConfigError when training would write over the folder's finished run.
