@@ -1,6 +1,5 @@
 #include "pipeline/pipeline.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -9,18 +8,13 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <mutex>
-#include <tuple>
 #include <numeric>
 #include <sstream>
 
 #include "collectives/error.h"
 #include "core/data.h"
-#include "core/init.h"
-#include "core/models.h"
 #include "core/random.h"
 #include "core/report.h"
-#include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/torch_compat.h"
 #include "pipeline/split_backward.h"
@@ -41,235 +35,6 @@ std::string fmt(const char* f, double v) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), f, v);
   return buf;
-}
-
-// ---- the layers -----------------------------------------------------------------------
-
-torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(model->begin() + i); }
-
-// "Linear(784 -> 512)" from a module's pretty print "torch::nn::Linear(in_features=784, ...)".
-std::string layer_name(const torch::nn::Module& m) {
-  const std::string s = core::layer_text(m);
-  const std::string base = s.substr(0, s.find('('));
-  if (base == "Linear")
-    if (const at::Tensor w = core::linear_weight(m); w.defined())
-      return "Linear(" + std::to_string(w.size(1)) + " -> " + std::to_string(w.size(0)) + ")";
-  return base;
-}
-
-int64_t param_count(const torch::nn::Module& m) {
-  int64_t n = 0;
-  for (const auto& p : m.parameters()) n += p.numel();
-  return n;
-}
-
-// What flows out of each layer for one example: shape without the batch dimension, dtype.
-struct Boundary {
-  std::vector<int64_t> tail;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape(int64_t n) const {
-    std::vector<int64_t> s{n};
-    s.insert(s.end(), tail.begin(), tail.end());
-    return s;
-  }
-  int64_t bytes(int64_t n) const {
-    int64_t b = n * static_cast<int64_t>(c10::elementSize(dtype));
-    for (int64_t d : tail) b *= d;
-    return b;
-  }
-};
-
-// Running layers to learn about them must leave no trace: a batch norm updates its
-// running statistics, and a layer from outside tetra's zoo may draw from torch's generator
-// (torch::nn::Dropout, RReLU), which every thread-rank shares and which seeds each one's
-// initial parameters. This puts both back as they were. It holds the process's generator
-// lock all along: putting the generator back while another thread-rank seeds it and draws
-// its initial parameters would hand that rank other weights (a race CI once lost: a stage
-// began from parameters one process never had). tetra's own Dropout draws nothing from
-// the generator (Note [Layout-invariant dropout]).
-class UntouchedModel {
- public:
-  explicit UntouchedModel(torch::nn::Sequential& model)
-      : lock_(core::global_rng_mutex()), random_(0, 0, 0), model_(model),
-        rng_(at::detail::getDefaultCPUGenerator().get_state()) {
-    for (const auto& b : model->named_buffers()) buffers_.push_back({b.value(), b.value().clone()});
-  }
-  ~UntouchedModel() {
-    torch::NoGradGuard no_grad;
-    for (auto& [live, saved] : buffers_) live.copy_(saved);
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng_);
-    }
-    model_->zero_grad(/*set_to_none=*/true);
-  }
-  UntouchedModel(const UntouchedModel&) = delete;
-  UntouchedModel& operator=(const UntouchedModel&) = delete;
-
- private:
-  std::lock_guard<std::mutex> lock_;  // first: taken before the state is read
-  // tetra's Dropout needs a key in training mode; the masks of layers run to be measured
-  // are never used, so any key does.
-  core::RandomContext::Scope random_;
-  torch::nn::Sequential& model_;
-  at::Tensor rng_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
-};
-
-// Runs the whole model on one example (no grad, the run's precision) and records each
-// layer's output: every rank computes the same table, so the boundaries need no header.
-std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& data, bool bf16) {
-  UntouchedModel untouched(model);
-  core::LayerProbe whole;
-  {
-    core::compat::Autocast autocast(bf16);
-    whole = core::probe_layers(model, data.range(core::Split::kTrain, 0, 1).inputs, /*max_tokens=*/0);
-  }
-  std::vector<Boundary> out;
-  for (const core::LayerShapes& s : whole.layers) {
-    Boundary bd;
-    bd.tail.assign(s.output.sizes().begin() + 1, s.output.sizes().end());
-    bd.dtype = s.output.scalar_type();
-    out.push_back(bd);
-  }
-  return out;
-}
-
-// ---- partitioning ---------------------------------------------------------------------
-
-// ---- stage memory ----------------------------------------------------------------------
-
-// Note [Stage memory]
-// What a rank holds at its peak for one of its stages, as pipeline.memory_gb counts it:
-// the stage's parameters with their gradients and optimizer state (fp32 and replicated:
-// ZeRO over the data group holds less, so the cap errs safe), and the activations its
-// schedule keeps. Every micro-batch in flight (forward run, backward or B not yet) keeps
-// the stage's layer outputs — under checkpointing only its input, plus one micro-batch
-// being recomputed — and under a zero-bubble schedule every micro-batch between its B and
-// its W keeps the inputs of the stage's layers with parameters (what the weight gradients
-// multiply: the paper's M_W). The counts of micro-batches come from the simulator, per
-// rank (simulate's peak_in_flight and peak_weight_pending). With v chunks on a rank, each
-// stage gets 1/v of the rank's cap.
-class StageMemoryModel {
- public:
-  StageMemoryModel(const Options& o, const std::vector<LayerCost>& costs, const core::JobSpec& spec)
-      : opt_(o), costs_(costs),
-        sched_(make_schedule(to_string(o.schedule), o.stages, o.micro_batches, o.virtual_stages)),
-        sim_(simulate(sched_)), slots_(core::optimizer_slots(spec.optimizer)) {
-    const size_t L = costs.size();
-    params_.assign(L + 1, 0);
-    acts_.assign(L + 1, 0);
-    weight_inputs_.assign(L + 1, 0);
-    for (size_t i = 0; i < L; ++i) {
-      params_[i + 1] = params_[i] + costs[i].params;
-      acts_[i + 1] = acts_[i] + costs[i].kept();
-      const int64_t in = i == 0 ? 0 : costs[i - 1].activation_bytes;
-      weight_inputs_[i + 1] = weight_inputs_[i] + (costs[i].params > 0 ? in : 0);
-    }
-  }
-  struct Bytes {
-    int64_t state = 0, activations = 0;
-    int in_flight = 0, weight_pending = 0;  // the micro-batches counted
-    int64_t total() const { return state + activations; }
-  };
-  Bytes operator()(int stage, int first, int end) const {
-    Bytes b;
-    const int r = sched_.rank_of(stage);
-    b.in_flight = sim_.ok ? sim_.peak_in_flight[r] : opt_.micro_batches;
-    b.weight_pending = sim_.ok && sched_.split_backward() ? sim_.peak_weight_pending[r] : 0;
-    b.state = (params_[end] - params_[first]) * 4 * (2 + slots_);
-    const int64_t act = acts_[end] - acts_[first];
-    const int64_t in = first == 0 ? 0 : costs_[first - 1].activation_bytes;
-    b.activations = opt_.checkpoint == Recompute::kNever ? act * b.in_flight : in * b.in_flight + act;
-    int64_t recompute = 0;  // train.recompute: one block's recomputation at a time (Note [Kept bytes])
-    for (int i = first; i < end; ++i) recompute = std::max(recompute, costs_[static_cast<size_t>(i)].recompute_bytes);
-    b.activations += recompute;
-    b.activations += (weight_inputs_[end] - weight_inputs_[first]) * b.weight_pending;
-    return b;
-  }
-  // The cap on one stage: the rank's share for one of its chunks (0: no cap).
-  double cap() const { return opt_.memory_gb * 1073741824.0 / opt_.virtual_stages; }
-  // The schedule the counts come from, and its simulation (plan and estimate use them too).
-  const Schedule& schedule() const { return sched_; }
-  const Simulation& simulation() const { return sim_; }
-
- private:
-  const Options& opt_;
-  const std::vector<LayerCost>& costs_;
-  Schedule sched_;
-  Simulation sim_;
-  int64_t slots_;
-  std::vector<int64_t> params_, acts_, weight_inputs_;  // prefix sums over the layers
-};
-
-}  // namespace
-
-// By the balance: uniform | by_params | explicit, or by_time from `costs` (under
-// pipeline.memory_gb the fastest cut whose every stage fits; when none does, the cut that
-// needs least memory, which memory_issues then reports).
-Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec) {
-  const int L = static_cast<int>(costs.size());
-  const int K = opt.stages * opt.virtual_stages;
-  if (opt.balance == Balance::kExplicit) return partition_explicit(opt.balance_counts, L);
-  if (opt.balance == Balance::kByParams) {
-    std::vector<double> w;
-    for (const auto& c : costs) w.push_back(static_cast<double>(c.params));
-    return partition_min_max(w, K);
-  }
-  if (opt.balance == Balance::kByTime) {
-    std::vector<double> w;
-    for (const auto& c : costs) w.push_back(c.forward_s + c.backward_s);
-    if (opt.memory_gb <= 0) return partition_min_max(w, K);
-    std::vector<double> prefix(L + 1, 0);
-    for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + w[i];
-    const StageMemoryModel mem(opt, costs, spec);
-    Partition p = partition_min_max(L, K, [&](int k, int a, int e) {
-      return static_cast<double>(mem(k, a, e).total()) <= mem.cap() ? prefix[e] - prefix[a]
-                                                                     : std::numeric_limits<double>::infinity();
-    });
-    if (!p.begin.empty()) return p;
-    return partition_min_max(L, K, [&](int k, int a, int e) { return static_cast<double>(mem(k, a, e).total()); });
-  }
-  return partition_uniform(L, K);
-}
-
-std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& part, const std::vector<LayerCost>& costs,
-                                           const core::JobSpec& spec) {
-  std::vector<core::PlanIssue> out;
-  if (opt.memory_gb <= 0) return out;
-  const StageMemoryModel mem(opt, costs, spec);
-  const Schedule& sched = mem.schedule();
-  for (int k = 0; k < part.stages(); ++k) {
-    const auto b = mem(k, part.first(k), part.end(k));
-    if (static_cast<double>(b.total()) <= mem.cap()) continue;
-    std::ostringstream os;
-    os << "stage " << k << " (rank " << sched.rank_of(k) << ", layers " << part.first(k) << "-" << part.end(k) - 1
-       << ") needs " << core::human_bytes(b.total()) << " (" << b.total() << " bytes: parameters, gradients and optimizer state "
-       << core::human_bytes(b.state) << ", activations " << core::human_bytes(b.activations) << " for " << b.in_flight
-       << " micro-batches in flight" << (b.weight_pending ? " and " + std::to_string(b.weight_pending) + " waiting for W" : "")
-       << "), over pipeline.memory_gb " << opt.memory_gb << " per rank"
-       << (opt.virtual_stages > 1 ? " (" + core::human_bytes(static_cast<int64_t>(mem.cap())) + " per chunk)" : "");
-    if (opt.balance == Balance::kByTime)
-      os << "; no cut of the " << costs.size() << " layers into " << part.stages()
-         << " stages fits, and this one needs least; ";
-    else
-      os << "; ";
-    os << "raise pipeline.memory_gb, add pipeline stages, use more micro-batches or checkpoint: always"
-       << (opt.balance == Balance::kByTime ? "" : ", or balance: by_time to cut by time within the cap");
-    out.push_back({"pipeline.memory_gb", os.str()});
-  }
-  return out;
-}
-
-namespace {
-
-// cut_stages from `costs`, or (empty: a cut that needs no timing) the model's sizes.
-Partition partition_for(const Options& opt, torch::nn::Sequential& model, std::vector<LayerCost> costs,
-                        const core::JobSpec& spec) {
-  if (costs.empty())
-    for (int i = 0; i < static_cast<int>(model->size()); ++i) costs.push_back({"", param_count(*layer(model, i).ptr())});
-  return cut_stages(opt, costs, spec);
 }
 
 // ---- links between neighbouring ranks -------------------------------------------------
@@ -321,7 +86,7 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
       throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
                         " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
                         ") that must each hold one");
-    boundaries_ = probe(model, *data_, bf16_);
+    boundaries_ = probe_boundaries(model, *data_, bf16_);
     std::vector<LayerCost> costs;
     if (opt_.balance == Balance::kByTime) {
       partition_ = by_time_partition(model, state, costs);
@@ -428,114 +193,6 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
   const Link& grad_link(int from, int to) const { return grad_links_.at({from, to}); }
   PipelineStats stats_;
 };
-
-}  // namespace
-
-std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time, double max_timed_flops,
-                                      const core::LayerProbe* given) {
-  UntouchedModel untouched(model);
-  std::vector<LayerCost> out;
-  const int L = static_cast<int>(model->size());
-  const torch::Tensor sample = data.range(core::Split::kTrain, 0, 1).inputs;
-  // Output sizes: one sample's probe, at most 64 tokens, scaled (Note [Layer costs]).
-  core::LayerProbe probe;
-  if (given) {
-    probe = *given;
-  } else {
-    core::compat::Autocast autocast(bf16);
-    probe = core::probe_layers(model, sample);
-    core::measure_kept(model, probe);
-  }
-  const double per_micro = static_cast<double>(micro_batch) * probe.scale;  // probe outputs per micro-batch
-  for (int i = 0; i < L; ++i) {
-    LayerCost c;
-    auto& m = layer(model, i);
-    c.name = layer_name(*m.ptr());
-    c.params = param_count(*m.ptr());
-    const torch::Tensor& y = probe.layers[static_cast<size_t>(i)].output;
-    c.activation_bytes = static_cast<int64_t>(static_cast<double>(y.numel() * static_cast<int64_t>(y.element_size())) * per_micro);
-    if (probe.kept.size() == probe.layers.size()) {
-      c.kept_bytes = probe.kept[static_cast<size_t>(i)] * micro_batch;
-      c.recompute_bytes = probe.recompute[static_cast<size_t>(i)] * micro_batch;
-    }
-    out.push_back(c);
-  }
-  if (!time) return out;
-
-  // Time the micro-batch itself, or (over the budget) the probe's sample, scaled by FLOPs.
-  torch::Tensor x;
-  std::vector<double> ratio(static_cast<size_t>(L), 1.0);
-  const std::vector<double> whole = core::forward_flops(model, probe);  // one whole sample
-  double micro_flops = 0;
-  for (double f : whole) micro_flops += f * static_cast<double>(micro_batch);
-  const bool scaled = micro_flops > max_timed_flops;
-  if (scaled) {
-    const torch::Tensor short_sample = probe.layers.empty() ? sample : probe.layers.front().input;
-    core::LayerProbe as_run = probe;  // the probe's own sample, unscaled
-    as_run.scale = 1;
-    const std::vector<double> small = core::forward_flops(model, as_run);
-    for (int i = 0; i < L; ++i)
-      ratio[static_cast<size_t>(i)] = small[static_cast<size_t>(i)] > 0
-                                          ? whole[static_cast<size_t>(i)] * static_cast<double>(micro_batch) / small[static_cast<size_t>(i)]
-                                          : per_micro;
-    x = short_sample;
-  } else {
-    x = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain))).inputs;
-  }
-  // A layer like one already timed (the same signature: a transformer's repeated blocks)
-  // takes that one's times and output.
-  std::map<std::string, std::tuple<double, double, torch::Tensor>> timed;
-  // In training, a layer's backward computes its input's gradient only when a layer
-  // before it has parameters (the data needs none): the first Linear's dX is not work a
-  // step does, and timing it made a dry run's compute rate low.
-  bool upstream_parameters = false;
-  for (int i = 0; i < L; ++i) {
-    auto& m = layer(model, i);
-    LayerCost& c = out[static_cast<size_t>(i)];
-    c.scaled = scaled;
-    const bool input_grad = upstream_parameters;
-    upstream_parameters = upstream_parameters || c.params > 0;
-    const std::string key = core::layer_signature(*m.ptr(), x) + (input_grad ? "" : " (no input gradient)");
-    if (auto it = timed.find(key); it != timed.end()) {
-      c.forward_s = std::get<0>(it->second) * ratio[static_cast<size_t>(i)];
-      c.backward_s = std::get<1>(it->second) * ratio[static_cast<size_t>(i)];
-      x = std::get<2>(it->second);
-      continue;
-    }
-    core::MaterializedScope created(*m.ptr());  // before y: the graph goes first
-    torch::Tensor in = x.detach();
-    if (in.is_floating_point() && input_grad) in.requires_grad_(true);
-    torch::Tensor y;
-    // The best of several runs: the first pays for allocation, the noise of a shared
-    // machine only ever adds. At least 4, and up to 20 until the layer has run for 50 ms
-    // (a short layer's best of 4 on two busy cores varied by half). A scaled timing is a
-    // rough one anyway: two runs.
-    double f = 1e30, bw = 1e30, spent = 0;
-    for (int rep = 0; rep < (scaled ? 2 : 20) && (scaled || rep < 4 || spent < 0.05); ++rep) {
-      auto t0 = Clock::now();
-      {
-        core::compat::Autocast autocast(bf16);
-        y = m.forward(in);
-      }
-      auto t1 = Clock::now();
-      if (y.requires_grad()) {
-        torch::autograd::backward({y}, {torch::ones_like(y)});
-      }
-      auto t2 = Clock::now();
-      f = std::min(f, seconds(t0, t1));
-      bw = std::min(bw, seconds(t1, t2));
-      spent += seconds(t0, t2);
-    }
-    c.forward_s = f * ratio[static_cast<size_t>(i)];
-    c.backward_s = bw * ratio[static_cast<size_t>(i)];
-    x = y.detach();
-    timed.emplace(key, std::make_tuple(f, bw, x));
-  }
-  return out;
-}
-
-namespace {
 
 Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainState& state,
                                        std::vector<LayerCost>& costs) {

@@ -27,13 +27,11 @@
 // saved with 2 stages resumes on 1, on 4, or with another balance.
 #pragma once
 
-#include <limits>
-#include <memory>
-#include <string>
-#include <vector>
+#include <cstdint>
 
 #include "core/job_spec.h"
 #include "core/strategy.h"
+#include "pipeline/cut.h"
 #include "pipeline/options.h"
 #include "pipeline/partition.h"
 #include "pipeline/schedule.h"
@@ -51,15 +49,6 @@ struct PipelineStats {
   double bubble() const { return wall_s > 0 ? wait_s / wall_s : 0.0; }
 };
 
-// The cut a run makes from its layers' costs (partition.h; measure_layers): by the
-// balance, and under pipeline.memory_gb with balance by_time the fastest cut whose every
-// stage fits (Note [Stage memory]); when none fits, the one that needs least.
-Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec);
-// The stages of `part` over pipeline.memory_gb, one issue each, naming the stage, its rank,
-// its layers and its bytes (none when memory_gb is 0).
-std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& part, const std::vector<LayerCost>& costs,
-                                           const core::JobSpec& spec);
-
 // The strategy object, for code that wants its stats (dynamic_cast from Strategy).
 class PipelineStrategy : public core::Strategy {
  public:
@@ -67,30 +56,5 @@ class PipelineStrategy : public core::Strategy {
   virtual const Partition& partition() const = 0;
   virtual const Schedule& schedule() const = 0;
 };
-
-// The model's layers with their parameter counts, output sizes for one micro-batch and
-// (when `time` is set) forward and backward seconds measured on a micro-batch of
-// `micro_batch` examples from `data`. Used by attach (by_time) and --dry-run.
-//
-// Note [Layer costs]: the output sizes come from one sample's probe (core::probe_layers:
-// at most 64 tokens, scaled), never from a whole micro-batch. The times come from the
-// micro-batch itself while its forward is at most `max_timed_flops` (a run's by_time cut
-// times the real thing); above it, as a dry run of a billion-parameter model asks (24
-// layers x 4 timed passes of a 4 x 1024-token micro-batch would take this machine most of
-// an hour), each layer is timed on the probe's sample and its times scaled by the layer's
-// FLOPs on the micro-batch over its FLOPs on the sample (core::forward_flops; by the
-// elements for a layer with no matmul), and LayerCost::scaled says so. Small inputs run
-// below a core's peak, so scaled times lean high; the balance they give is what matters.
-// Layers of one signature (core::layer_signature: a transformer's repeated blocks) are timed
-// once. A layer built as shapes is created for its timing and freed after. `probe`: the
-// plan's probe of the model at this precision, when one was taken (else it is taken here).
-std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time,
-                                      double max_timed_flops = std::numeric_limits<double>::infinity(),
-                                      const core::LayerProbe* probe = nullptr);
-// The budget a dry run gives measure_layers: a micro-batch whose forward is more FLOPs than
-// this is timed on one sample and scaled (about a second of this machine's time for the
-// 4 timed passes of forward and backward at the full size).
-constexpr double kDryRunTimedFlops = 5e9;
 
 }  // namespace tetra::pipeline
