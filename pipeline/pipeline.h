@@ -25,6 +25,12 @@
 // Checkpoints. gather_state() sends every stage's tensors to the writer under the names
 // one process uses, so a checkpoint does not depend on the layout that wrote it: a run
 // saved with 2 stages resumes on 1, on 4, or with another balance.
+//
+// The plugin, by what each part does: options.h reads and checks the `pipeline:` keys;
+// cut.h decides which layers each stage holds (partition.h: the arithmetic of a cut);
+// schedule.h writes the schedules as instruction lists and simulates them; executor.h
+// runs them, one handler per instruction (split_backward.h: a backward as B and W); and
+// pipeline.cpp is the strategy that attaches them to a run, with its plan and estimate.
 #pragma once
 
 #include <cstdint>
