@@ -1,42 +1,21 @@
 #include "pipeline/pipeline.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <tuple>
-#include <numeric>
 #include <sstream>
 
 #include "collectives/error.h"
-#include "core/data.h"
-#include "core/fields.h"
-#include "core/init.h"
-#include "core/models.h"
-#include "core/random.h"
 #include "core/report.h"
-#include "core/runtime.h"
 #include "core/safetensors.h"
-#include "core/torch_compat.h"
-#include "pipeline/split_backward.h"
+#include "pipeline/executor.h"
 
 namespace tetra::pipeline {
 
 namespace {
-
-using collectives::CommunicatorPtr;
-using collectives::WorkPtr;
-using Clock = std::chrono::steady_clock;
-
-double seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 std::string fmt(const char* f, double v) {
   char buf[64];
@@ -44,326 +23,31 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
-// ---- the layers -----------------------------------------------------------------------
-
-torch::nn::AnyModule& layer(torch::nn::Sequential& model, int i) { return *(model->begin() + i); }
-
-// "Linear(784 -> 512)" from a module's pretty print "torch::nn::Linear(in_features=784, ...)".
-std::string layer_name(const torch::nn::Module& m) {
-  const std::string s = core::layer_text(m);
-  const std::string base = s.substr(0, s.find('('));
-  if (base == "Linear")
-    if (const at::Tensor w = core::linear_weight(m); w.defined())
-      return "Linear(" + std::to_string(w.size(1)) + " -> " + std::to_string(w.size(0)) + ")";
-  return base;
-}
-
-int64_t param_count(const torch::nn::Module& m) {
-  int64_t n = 0;
-  for (const auto& p : m.parameters()) n += p.numel();
-  return n;
-}
-
-// What flows out of each layer for one example: shape without the batch dimension, dtype.
-struct Boundary {
-  std::vector<int64_t> tail;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape(int64_t n) const {
-    std::vector<int64_t> s{n};
-    s.insert(s.end(), tail.begin(), tail.end());
-    return s;
-  }
-  int64_t bytes(int64_t n) const {
-    int64_t b = n * static_cast<int64_t>(c10::elementSize(dtype));
-    for (int64_t d : tail) b *= d;
-    return b;
-  }
-};
-
-// Running layers to learn about them must leave no trace: a batch norm updates its
-// running statistics, and a layer from outside tetra's zoo may draw from torch's generator
-// (torch::nn::Dropout, RReLU), which every thread-rank shares and which seeds each one's
-// initial parameters. This puts both back as they were. It holds the process's generator
-// lock all along: putting the generator back while another thread-rank seeds it and draws
-// its initial parameters would hand that rank other weights (a race CI once lost: a stage
-// began from parameters one process never had). tetra's own Dropout draws nothing from
-// the generator (Note [Layout-invariant dropout]).
-class UntouchedModel {
- public:
-  explicit UntouchedModel(torch::nn::Sequential& model)
-      : lock_(core::global_rng_mutex()), random_(0, 0, 0), model_(model),
-        rng_(at::detail::getDefaultCPUGenerator().get_state()) {
-    for (const auto& b : model->named_buffers()) buffers_.push_back({b.value(), b.value().clone()});
-  }
-  ~UntouchedModel() {
-    torch::NoGradGuard no_grad;
-    for (auto& [live, saved] : buffers_) live.copy_(saved);
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng_);
-    }
-    model_->zero_grad(/*set_to_none=*/true);
-  }
-  UntouchedModel(const UntouchedModel&) = delete;
-  UntouchedModel& operator=(const UntouchedModel&) = delete;
-
- private:
-  std::lock_guard<std::mutex> lock_;  // first: taken before the state is read
-  // tetra's Dropout needs a key in training mode; the masks of layers run to be measured
-  // are never used, so any key does.
-  core::RandomContext::Scope random_;
-  torch::nn::Sequential& model_;
-  at::Tensor rng_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
-};
-
-// Runs the whole model on one example (no grad, the run's precision) and records each
-// layer's output: every rank computes the same table, so the boundaries need no header.
-std::vector<Boundary> probe(torch::nn::Sequential& model, const core::Dataset& data, bool bf16) {
-  UntouchedModel untouched(model);
-  core::LayerProbe whole;
-  {
-    core::compat::Autocast autocast(bf16);
-    whole = core::probe_layers(model, data.range(core::Split::kTrain, 0, 1).inputs, /*max_tokens=*/0);
-  }
-  std::vector<Boundary> out;
-  for (const core::LayerShapes& s : whole.layers) {
-    Boundary bd;
-    bd.tail.assign(s.output.sizes().begin() + 1, s.output.sizes().end());
-    bd.dtype = s.output.scalar_type();
-    out.push_back(bd);
-  }
-  return out;
-}
-
-// ---- partitioning ---------------------------------------------------------------------
-
-// ---- stage memory ----------------------------------------------------------------------
-
-// Note [Stage memory]
-// What a rank holds at its peak for one of its stages, as pipeline.memory_gb counts it:
-// the stage's parameters with their gradients and optimizer state (fp32 and replicated:
-// ZeRO over the data group holds less, so the cap errs safe), and the activations its
-// schedule keeps. Every micro-batch in flight (forward run, backward or B not yet) keeps
-// the stage's layer outputs — under checkpointing only its input, plus one micro-batch
-// being recomputed — and under a zero-bubble schedule every micro-batch between its B and
-// its W keeps the inputs of the stage's layers with parameters (what the weight gradients
-// multiply: the paper's M_W). The counts of micro-batches come from the simulator, per
-// rank (simulate's peak_in_flight and peak_weight_pending). With v chunks on a rank, each
-// stage gets 1/v of the rank's cap.
-class StageMemoryModel {
- public:
-  StageMemoryModel(const Options& o, const std::vector<LayerCost>& costs, const core::JobSpec& spec)
-      : opt_(o), costs_(costs),
-        sched_(make_schedule(to_string(o.schedule), o.stages, o.micro_batches, o.virtual_stages)),
-        sim_(simulate(sched_)), slots_(core::optimizer_slots(spec.optimizer)) {
-    const size_t L = costs.size();
-    params_.assign(L + 1, 0);
-    acts_.assign(L + 1, 0);
-    weight_inputs_.assign(L + 1, 0);
-    for (size_t i = 0; i < L; ++i) {
-      params_[i + 1] = params_[i] + costs[i].params;
-      acts_[i + 1] = acts_[i] + costs[i].kept();
-      const int64_t in = i == 0 ? 0 : costs[i - 1].activation_bytes;
-      weight_inputs_[i + 1] = weight_inputs_[i] + (costs[i].params > 0 ? in : 0);
-    }
-  }
-  struct Bytes {
-    int64_t state = 0, activations = 0;
-    int in_flight = 0, weight_pending = 0;  // the micro-batches counted
-    int64_t total() const { return state + activations; }
-  };
-  Bytes operator()(int stage, int first, int end) const {
-    Bytes b;
-    const int r = sched_.rank_of(stage);
-    b.in_flight = sim_.ok ? sim_.peak_in_flight[r] : opt_.micro_batches;
-    b.weight_pending = sim_.ok && sched_.split_backward() ? sim_.peak_weight_pending[r] : 0;
-    b.state = (params_[end] - params_[first]) * 4 * (2 + slots_);
-    const int64_t act = acts_[end] - acts_[first];
-    const int64_t in = first == 0 ? 0 : costs_[first - 1].activation_bytes;
-    b.activations = opt_.checkpoint == Recompute::kNever ? act * b.in_flight : in * b.in_flight + act;
-    int64_t recompute = 0;  // train.recompute: one block's recomputation at a time (Note [Kept bytes])
-    for (int i = first; i < end; ++i) recompute = std::max(recompute, costs_[static_cast<size_t>(i)].recompute_bytes);
-    b.activations += recompute;
-    b.activations += (weight_inputs_[end] - weight_inputs_[first]) * b.weight_pending;
-    return b;
-  }
-  // The cap on one stage: the rank's share for one of its chunks (0: no cap).
-  double cap() const { return opt_.memory_gb * 1073741824.0 / opt_.virtual_stages; }
-  // The schedule the counts come from, and its simulation (plan and estimate use them too).
-  const Schedule& schedule() const { return sched_; }
-  const Simulation& simulation() const { return sim_; }
-
- private:
-  const Options& opt_;
-  const std::vector<LayerCost>& costs_;
-  Schedule sched_;
-  Simulation sim_;
-  int64_t slots_;
-  std::vector<int64_t> params_, acts_, weight_inputs_;  // prefix sums over the layers
-};
-
-}  // namespace
-
-// By the balance: uniform | by_params | explicit, or by_time from `costs` (under
-// pipeline.memory_gb the fastest cut whose every stage fits; when none does, the cut that
-// needs least memory, which memory_issues then reports).
-Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec) {
-  const int L = static_cast<int>(costs.size());
-  const int K = opt.stages * opt.virtual_stages;
-  if (opt.balance == Balance::kExplicit) return partition_explicit(opt.balance_counts, L);
-  if (opt.balance == Balance::kByParams) {
-    std::vector<double> w;
-    for (const auto& c : costs) w.push_back(static_cast<double>(c.params));
-    return partition_min_max(w, K);
-  }
-  if (opt.balance == Balance::kByTime) {
-    std::vector<double> w;
-    for (const auto& c : costs) w.push_back(c.forward_s + c.backward_s);
-    if (opt.memory_gb <= 0) return partition_min_max(w, K);
-    std::vector<double> prefix(L + 1, 0);
-    for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + w[i];
-    const StageMemoryModel mem(opt, costs, spec);
-    Partition p = partition_min_max(L, K, [&](int k, int a, int e) {
-      return static_cast<double>(mem(k, a, e).total()) <= mem.cap() ? prefix[e] - prefix[a]
-                                                                     : std::numeric_limits<double>::infinity();
-    });
-    if (!p.begin.empty()) return p;
-    return partition_min_max(L, K, [&](int k, int a, int e) { return static_cast<double>(mem(k, a, e).total()); });
-  }
-  return partition_uniform(L, K);
-}
-
-std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& part, const std::vector<LayerCost>& costs,
-                                           const core::JobSpec& spec) {
-  std::vector<core::PlanIssue> out;
-  if (opt.memory_gb <= 0) return out;
-  const StageMemoryModel mem(opt, costs, spec);
-  const Schedule& sched = mem.schedule();
-  for (int k = 0; k < part.stages(); ++k) {
-    const auto b = mem(k, part.first(k), part.end(k));
-    if (static_cast<double>(b.total()) <= mem.cap()) continue;
-    std::ostringstream os;
-    os << "stage " << k << " (rank " << sched.rank_of(k) << ", layers " << part.first(k) << "-" << part.end(k) - 1
-       << ") needs " << core::human_bytes(b.total()) << " (" << b.total() << " bytes: parameters, gradients and optimizer state "
-       << core::human_bytes(b.state) << ", activations " << core::human_bytes(b.activations) << " for " << b.in_flight
-       << " micro-batches in flight" << (b.weight_pending ? " and " + std::to_string(b.weight_pending) + " waiting for W" : "")
-       << "), over pipeline.memory_gb " << opt.memory_gb << " per rank"
-       << (opt.virtual_stages > 1 ? " (" + core::human_bytes(static_cast<int64_t>(mem.cap())) + " per chunk)" : "");
-    if (opt.balance == Balance::kByTime)
-      os << "; no cut of the " << costs.size() << " layers into " << part.stages()
-         << " stages fits, and this one needs least; ";
-    else
-      os << "; ";
-    os << "raise pipeline.memory_gb, add pipeline stages, use more micro-batches or checkpoint: always"
-       << (opt.balance == Balance::kByTime ? "" : ", or balance: by_time to cut by time within the cap");
-    out.push_back({"pipeline.memory_gb", os.str()});
-  }
-  return out;
-}
-
-namespace {
-
-// cut_stages from `costs`, or (empty: a cut that needs no timing) the model's sizes.
-Partition partition_for(const Options& opt, torch::nn::Sequential& model, std::vector<LayerCost> costs,
-                        const core::JobSpec& spec) {
-  if (costs.empty())
-    for (int i = 0; i < static_cast<int>(model->size()); ++i) costs.push_back({"", param_count(*layer(model, i).ptr())});
-  return cut_stages(opt, costs, spec);
-}
-
-// ---- links between neighbouring ranks -------------------------------------------------
-
-// One direction of one kind between two ranks: a two-rank communicator whose rank 0
-// sends and rank 1 receives. Its own progress thread keeps its transfers in order.
-struct Link {
-  CommunicatorPtr comm;
-  int peer() const { return 1 - comm->rank(); }
-};
-
 // ---- the strategy ---------------------------------------------------------------------
 
 // It runs the step (core::StepRunner) and sends its stages' tensors to the checkpoint
-// writer (core::StateGatherer).
+// writer (core::StateGatherer). What it runs with is the executor's (RankStages), which
+// attach sets up; the step and the evaluation are the executor's (executor.h).
 class Pipeline final : public PipelineStrategy, public core::StepRunner, public core::StateGatherer {
  public:
-  explicit Pipeline(Options o) : opt_(std::move(o)) {}
+  explicit Pipeline(Options o) { st_.opt = std::move(o); }
   std::string name() const override { return "pipeline"; }
   const PipelineStats& stats() const override { return stats_; }
   Idle idle() const override { return {stats_.wait_s, stats_.wall_s}; }
-  const Partition& partition() const override { return partition_; }
-  const Schedule& schedule() const override { return sched_; }
+  const Partition& partition() const override { return st_.partition; }
+  const Schedule& schedule() const override { return st_.sched; }
 
-  void attach(core::TrainState& state) override {
-    spec_ = &state.spec;
-    trace_ = &state.trace;
-    data_ = state.data;
-    TETRA_CHECK(data_, "pipeline: attach needs the job's dataset in TrainState::data");
-    const int P = opt_.stages, v = opt_.virtual_stages;
-    if (!state.mesh && P > 1)
-      throw ConfigError("mesh.pipeline is " + std::to_string(P) + " but this trainer has no world of " +
-                        std::to_string(P) + " ranks (run it under mpirun -np " + std::to_string(P) + ")");
-    rank_ = state.mesh ? state.mesh->coord("pipeline") : 0;
-    data_size_ = state.mesh ? state.mesh->size("data") : 1;
-    data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
-    bf16_ = state.spec.train.precision == core::Precision::kBf16;
-    device_ = state.device;
-    timeout_ = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
-    sched_ = make_schedule(to_string(opt_.schedule), P, opt_.micro_batches, v);
-    micro_size_ = state.spec.data.batch_size / data_size_ / opt_.micro_batches / state.spec.train.accumulation_steps;
+  void attach(core::TrainState& state) override;
 
-    // Everything that can be wrong with the job is found here, on every rank alike,
-    // before any rank sends a byte.
-    torch::nn::Sequential& model = state.model;
-    const int L = static_cast<int>(model->size());
-    const int K = P * v;
-    if (L < K)
-      throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
-                        " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
-                        ") that must each hold one");
-    boundaries_ = probe(model, *data_, bf16_);
-    std::vector<LayerCost> costs;
-    if (opt_.balance == Balance::kByTime) {
-      partition_ = by_time_partition(model, state, costs);
-    } else {
-      partition_ = partition_for(opt_, model, {}, state.spec);
-    }
-    if (opt_.memory_gb > 0) {  // the rule `train --check` applies (model_issues), met here too
-      if (costs.empty()) costs = measure_layers(model, *data_, micro_size_, bf16_, false);
-      std::string msg;
-      for (const core::PlanIssue& p : memory_issues(opt_, partition_, costs, state.spec))
-        msg += "error: " + p.key + ": " + p.message + "\n";
-      if (!msg.empty()) throw ConfigError(msg);
-    }
-    if (state.mesh && P > 1) make_links(*state.mesh);
-
-    // Keep this rank's stages; name every layer as the whole model names it.
-    torch::nn::Sequential kept;
-    for (int c = 0; c < v; ++c) {
-      const int s = sched_.stage_of(rank_, c);
-      chunk_ranges_.push_back({static_cast<int>(kept->size()), partition_.end(s) - partition_.first(s)});
-      for (int i = partition_.first(s); i < partition_.end(s); ++i) kept->push_back(std::to_string(i), layer(model, i));
-    }
-    model = kept;
-    // The chunks are cut from the model when the first step runs, not now: a strategy
-    // that attaches after this one may wrap the layers (ZeRO-3 gathers each layer's
-    // parameters around its forward), and the chunks must run the wrapped layers.
-    model_ = &state.model;
-    loss_ = &state.loss;  // read when it runs: a strategy attached after this one may set it
-    state.params.clear();
-    for (const auto& p : model->named_parameters()) state.params.push_back({p.key(), p.value()});
-  }
-
-  core::StepOutput run(const core::StepInput& step) override;
-  core::EvalSums evaluate(const core::Batch& batch, bool bf16) override;
+  core::StepOutput run(const core::StepInput& step) override { return run_step(st_, step, stats_); }
+  core::EvalSums evaluate(const core::Batch& batch, bool bf16) override { return run_evaluation(st_, batch, bf16); }
 
   double reduce_grad_norm_sq(double local) override {
-    if (!pp_ || pp_->size() == 1) return local;
+    if (!st_.pp || st_.pp->size() == 1) return local;
     at::Tensor t = at::full({1}, local, at::kDouble);
     collectives::AllreduceOptions o;
-    o.timeout = timeout_;
-    pp_host_->allreduce(t, o)->wait();
+    o.timeout = st_.timeout;
+    st_.pp_host->allreduce(t, o)->wait();
     return t.item<double>();
   }
 
@@ -371,172 +55,74 @@ class Pipeline final : public PipelineStrategy, public core::StepRunner, public 
 
  private:
   Partition by_time_partition(torch::nn::Sequential& model, core::TrainState& state, std::vector<LayerCost>& costs);
-  void make_links(const core::Mesh& mesh);
-  int stage(int chunk) const { return sched_.stage_of(rank_, chunk); }
-  bool first(int chunk) const { return stage(chunk) == 0; }
-  bool last(int chunk) const { return stage(chunk) == sched_.total_stages() - 1; }
-  // The input boundary of a stage (the previous stage's output).
-  const Boundary& input_of(int chunk) const { return boundaries_[partition_.first(stage(chunk)) - 1]; }
-  const Boundary& output_of(int chunk) const { return boundaries_[partition_.end(stage(chunk)) - 1]; }
-  bool checkpointed(int micro) const {
-    return opt_.checkpoint == Recompute::kAlways ||
-           (opt_.checkpoint == Recompute::kExceptLast && micro != opt_.micro_batches - 1);
-  }
-  // Neighbouring stages' ranks (this rank itself when they hand over locally).
-  int prev_rank(int chunk) const { return sched_.rank_of(stage(chunk) - 1); }
-  int next_rank(int chunk) const { return sched_.rank_of(stage(chunk) + 1); }
-  int prev_chunk(int chunk) const { return sched_.chunk_of(stage(chunk) - 1); }
-  int next_chunk(int chunk) const { return sched_.chunk_of(stage(chunk) + 1); }
-  void broadcast_from_last(at::Tensor t) {
-    if (!pp_ || pp_->size() == 1) return;
-    collectives::BroadcastOptions o;
-    o.root = sched_.rank_of(sched_.total_stages() - 1);  // rank 0 under ZBV's V
-    o.timeout = timeout_;
-    pp_host_->broadcast(t, o)->wait();
-  }
 
-  Options opt_;
-  const core::JobSpec* spec_ = nullptr;
-  core::Trace* trace_ = nullptr;
+  RankStages st_;  // the options (st_.opt), the schedule, the cut, this rank's layers and links
   const core::Dataset* data_ = nullptr;
-  int rank_ = 0, data_size_ = 1, data_coord_ = 0;
+  int data_size_ = 1, data_coord_ = 0;
   bool bf16_ = false;
-  at::Device device_ = at::kCPU;  // Note [One device]
   int64_t micro_size_ = 1;
-  collectives::Duration timeout_ = collectives::kDefaultTimeout;
-  Schedule sched_;
-  Partition partition_;
-  std::vector<Boundary> boundaries_;  // boundaries_[i]: layer i's output
-  std::vector<torch::nn::Sequential> chunks_;      // cut from *model_ by chunk_ranges_ on first use
-  std::vector<std::pair<int, int>> chunk_ranges_;  // (first layer in the kept model, layers)
-  torch::nn::Sequential* model_ = nullptr;         // the trainer's model (this rank's layers)
-  const core::ModelLoss* loss_ = nullptr;          // the trainer's (TrainState::loss)
-  void cut_chunks() {
-    if (!chunks_.empty()) return;
-    for (const auto& [first, count] : chunk_ranges_) {
-      torch::nn::Sequential chunk;
-      auto names = (*model_)->named_children();
-      for (int i = first; i < first + count; ++i) chunk->push_back(names[i].key(), layer(*model_, i));
-      chunks_.push_back(chunk);
-    }
-  }
-  CommunicatorPtr pp_;
-  CommunicatorPtr pp_host_;  // the same ranks' host plane: the loss, norms, state (Note [Two planes])
-  // This rank's links, by (from, to) pipeline rank: activations flow from stage s to s+1,
-  // gradients back. Under ZBV's V both kinds flow both ways between neighbours.
-  std::map<std::pair<int, int>, Link> act_links_, grad_links_;
-  const Link& act_link(int from, int to) const { return act_links_.at({from, to}); }
-  const Link& grad_link(int from, int to) const { return grad_links_.at({from, to}); }
   PipelineStats stats_;
 };
 
-}  // namespace
+void Pipeline::attach(core::TrainState& state) {
+  st_.spec = &state.spec;
+  st_.trace = &state.trace;
+  data_ = state.data;
+  TETRA_CHECK(data_, "pipeline: attach needs the job's dataset in TrainState::data");
+  const int P = st_.opt.stages, v = st_.opt.virtual_stages;
+  if (!state.mesh && P > 1)
+    throw ConfigError("mesh.pipeline is " + std::to_string(P) + " but this trainer has no world of " +
+                      std::to_string(P) + " ranks (run it under mpirun -np " + std::to_string(P) + ")");
+  st_.rank = state.mesh ? state.mesh->coord("pipeline") : 0;
+  data_size_ = state.mesh ? state.mesh->size("data") : 1;
+  data_coord_ = state.mesh ? state.mesh->coord("data") : 0;
+  bf16_ = state.spec.train.precision == core::Precision::kBf16;
+  st_.device = state.device;
+  st_.timeout = std::chrono::milliseconds(static_cast<int64_t>(state.spec.collectives.timeout_s * 1000));
+  st_.sched = make_schedule(to_string(st_.opt.schedule), P, st_.opt.micro_batches, v);
+  micro_size_ = state.spec.data.batch_size / data_size_ / st_.opt.micro_batches / state.spec.train.accumulation_steps;
 
-std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time, double max_timed_flops,
-                                      const core::LayerProbe* given) {
-  UntouchedModel untouched(model);
-  std::vector<LayerCost> out;
+  // Everything that can be wrong with the job is found here, on every rank alike,
+  // before any rank sends a byte.
+  torch::nn::Sequential& model = state.model;
   const int L = static_cast<int>(model->size());
-  const torch::Tensor sample = data.range(core::Split::kTrain, 0, 1).inputs;
-  // Output sizes: one sample's probe, at most 64 tokens, scaled (Note [Layer costs]).
-  core::LayerProbe probe;
-  if (given) {
-    probe = *given;
+  const int K = P * v;
+  if (L < K)
+    throw ConfigError("the model has " + std::to_string(L) + " layers, fewer than the " + std::to_string(K) +
+                      " stages (pipeline " + std::to_string(P) + " x virtual_stages " + std::to_string(v) +
+                      ") that must each hold one");
+  st_.boundaries = probe_boundaries(model, *data_, bf16_);
+  std::vector<LayerCost> costs;
+  if (st_.opt.balance == Balance::kByTime) {
+    st_.partition = by_time_partition(model, state, costs);
   } else {
-    core::compat::Autocast autocast(bf16);
-    probe = core::probe_layers(model, sample);
-    core::measure_kept(model, probe);
+    st_.partition = partition_for(st_.opt, model, {}, state.spec);
   }
-  const double per_micro = static_cast<double>(micro_batch) * probe.scale;  // probe outputs per micro-batch
-  for (int i = 0; i < L; ++i) {
-    LayerCost c;
-    auto& m = layer(model, i);
-    c.name = layer_name(*m.ptr());
-    c.params = param_count(*m.ptr());
-    const torch::Tensor& y = probe.layers[static_cast<size_t>(i)].output;
-    c.activation_bytes = static_cast<int64_t>(static_cast<double>(y.numel() * static_cast<int64_t>(y.element_size())) * per_micro);
-    if (probe.kept.size() == probe.layers.size()) {
-      c.kept_bytes = probe.kept[static_cast<size_t>(i)] * micro_batch;
-      c.recompute_bytes = probe.recompute[static_cast<size_t>(i)] * micro_batch;
-    }
-    out.push_back(c);
+  if (st_.opt.memory_gb > 0) {  // the rule `train --check` applies (model_issues), met here too
+    if (costs.empty()) costs = measure_layers(model, *data_, micro_size_, bf16_, false);
+    std::string msg;
+    for (const core::PlanIssue& p : memory_issues(st_.opt, st_.partition, costs, state.spec))
+      msg += "error: " + p.key + ": " + p.message + "\n";
+    if (!msg.empty()) throw ConfigError(msg);
   }
-  if (!time) return out;
+  if (state.mesh && P > 1) st_.make_links(*state.mesh);
 
-  // Time the micro-batch itself, or (over the budget) the probe's sample, scaled by FLOPs.
-  torch::Tensor x;
-  std::vector<double> ratio(static_cast<size_t>(L), 1.0);
-  const std::vector<double> whole = core::forward_flops(model, probe);  // one whole sample
-  double micro_flops = 0;
-  for (double f : whole) micro_flops += f * static_cast<double>(micro_batch);
-  const bool scaled = micro_flops > max_timed_flops;
-  if (scaled) {
-    const torch::Tensor short_sample = probe.layers.empty() ? sample : probe.layers.front().input;
-    core::LayerProbe as_run = probe;  // the probe's own sample, unscaled
-    as_run.scale = 1;
-    const std::vector<double> small = core::forward_flops(model, as_run);
-    for (int i = 0; i < L; ++i)
-      ratio[static_cast<size_t>(i)] = small[static_cast<size_t>(i)] > 0
-                                          ? whole[static_cast<size_t>(i)] * static_cast<double>(micro_batch) / small[static_cast<size_t>(i)]
-                                          : per_micro;
-    x = short_sample;
-  } else {
-    x = data.range(core::Split::kTrain, 0, std::min<int64_t>(micro_batch, data.size(core::Split::kTrain))).inputs;
+  // Keep this rank's stages; name every layer as the whole model names it.
+  torch::nn::Sequential kept;
+  for (int c = 0; c < v; ++c) {
+    const int s = st_.sched.stage_of(st_.rank, c);
+    st_.chunk_ranges.push_back({static_cast<int>(kept->size()), st_.partition.end(s) - st_.partition.first(s)});
+    for (int i = st_.partition.first(s); i < st_.partition.end(s); ++i) kept->push_back(std::to_string(i), layer(model, i));
   }
-  // A layer like one already timed (the same signature: a transformer's repeated blocks)
-  // takes that one's times and output.
-  std::map<std::string, std::tuple<double, double, torch::Tensor>> timed;
-  // In training, a layer's backward computes its input's gradient only when a layer
-  // before it has parameters (the data needs none): the first Linear's dX is not work a
-  // step does, and timing it made a dry run's compute rate low.
-  bool upstream_parameters = false;
-  for (int i = 0; i < L; ++i) {
-    auto& m = layer(model, i);
-    LayerCost& c = out[static_cast<size_t>(i)];
-    c.scaled = scaled;
-    const bool input_grad = upstream_parameters;
-    upstream_parameters = upstream_parameters || c.params > 0;
-    const std::string key = core::layer_signature(*m.ptr(), x) + (input_grad ? "" : " (no input gradient)");
-    if (auto it = timed.find(key); it != timed.end()) {
-      c.forward_s = std::get<0>(it->second) * ratio[static_cast<size_t>(i)];
-      c.backward_s = std::get<1>(it->second) * ratio[static_cast<size_t>(i)];
-      x = std::get<2>(it->second);
-      continue;
-    }
-    core::MaterializedScope created(*m.ptr());  // before y: the graph goes first
-    torch::Tensor in = x.detach();
-    if (in.is_floating_point() && input_grad) in.requires_grad_(true);
-    torch::Tensor y;
-    // The best of several runs: the first pays for allocation, the noise of a shared
-    // machine only ever adds. At least 4, and up to 20 until the layer has run for 50 ms
-    // (a short layer's best of 4 on two busy cores varied by half). A scaled timing is a
-    // rough one anyway: two runs.
-    double f = 1e30, bw = 1e30, spent = 0;
-    for (int rep = 0; rep < (scaled ? 2 : 20) && (scaled || rep < 4 || spent < 0.05); ++rep) {
-      auto t0 = Clock::now();
-      {
-        core::compat::Autocast autocast(bf16);
-        y = m.forward(in);
-      }
-      auto t1 = Clock::now();
-      if (y.requires_grad()) {
-        torch::autograd::backward({y}, {torch::ones_like(y)});
-      }
-      auto t2 = Clock::now();
-      f = std::min(f, seconds(t0, t1));
-      bw = std::min(bw, seconds(t1, t2));
-      spent += seconds(t0, t2);
-    }
-    c.forward_s = f * ratio[static_cast<size_t>(i)];
-    c.backward_s = bw * ratio[static_cast<size_t>(i)];
-    x = y.detach();
-    timed.emplace(key, std::make_tuple(f, bw, x));
-  }
-  return out;
+  model = kept;
+  // The chunks are cut from the model when the first step runs, not now: a strategy
+  // that attaches after this one may wrap the layers (ZeRO-3 gathers each layer's
+  // parameters around its forward), and the chunks must run the wrapped layers.
+  st_.model = &state.model;
+  st_.loss = &state.loss;  // read when it runs: a strategy attached after this one may set it
+  state.params.clear();
+  for (const auto& p : model->named_parameters()) state.params.push_back({p.key(), p.value()});
 }
-
-namespace {
 
 Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainState& state,
                                        std::vector<LayerCost>& costs) {
@@ -554,373 +140,45 @@ Partition Pipeline::by_time_partition(torch::nn::Sequential& model, core::TrainS
     }
   if (state.mesh && state.mesh->world()->size() > 1) {
     collectives::BroadcastOptions o;
-    o.timeout = timeout_;
+    o.timeout = st_.timeout;
     state.mesh->host_world()->broadcast(t, o)->wait();
   }
   for (int i = 0; i < L; ++i) {
     costs[i].forward_s = t[2 * i].item<double>();
     costs[i].backward_s = t[2 * i + 1].item<double>();
   }
-  return partition_for(opt_, model, costs, state.spec);
-}
-
-void Pipeline::make_links(const core::Mesh& mesh) {
-  pp_ = mesh.axis("pipeline");
-  pp_host_ = mesh.host("pipeline");
-  const int me = pp_->rank();
-  // The rank pairs activations cross, in stage order: r -> r+1, P-1 -> 0 when chunks wrap
-  // around the ranks (interleaving), r -> r-1 on the way back up a V. Every pipeline rank
-  // takes part in every split, in the same order.
-  std::vector<std::pair<int, int>> pairs;
-  for (int st = 0; st + 1 < sched_.total_stages(); ++st) {
-    const std::pair<int, int> ab{sched_.rank_of(st), sched_.rank_of(st + 1)};
-    if (ab.first != ab.second && std::find(pairs.begin(), pairs.end(), ab) == pairs.end()) pairs.push_back(ab);
-  }
-  for (const auto& [a, b] : pairs) {
-    const bool in = me == a || me == b;
-    const std::string edge = std::to_string(a) + "->" + std::to_string(b);
-    CommunicatorPtr act = pp_->split(in ? 0 : -1, me == a ? 0 : 1, "pipeline activations " + edge, timeout_);
-    CommunicatorPtr grad = pp_->split(in ? 0 : -1, me == b ? 0 : 1,
-                                      "pipeline gradients " + std::to_string(b) + "->" + std::to_string(a), timeout_);
-    if (in) {
-      act_links_[{a, b}].comm = act;
-      grad_links_[{b, a}].comm = grad;
-    }
-  }
-}
-
-// ---- the executor ---------------------------------------------------------------------
-
-// Receives posted ahead on one link, in the order the schedule consumes them.
-class Inbox {
- public:
-  Inbox(const Link& link, int ahead, collectives::Duration timeout, at::Device device)
-      : ahead_(ahead), link_(link), timeout_(timeout), device_(device) {}
-  void expect(std::vector<int64_t> shape, at::ScalarType dtype) { pending_.push_back({std::move(shape), dtype}); }
-  void start() {
-    for (int k = 0; k < ahead_; ++k) post();
-  }
-  // The next message; posts the one after.
-  at::Tensor take(double* wait_s) {
-    if (posted_.empty()) post();
-    TETRA_CHECK(!posted_.empty(), "pipeline: a receive the schedule did not announce");
-    auto [buf, work] = posted_.front();
-    posted_.erase(posted_.begin());
-    auto t0 = Clock::now();
-    work->wait();
-    *wait_s += seconds(t0, Clock::now());
-    if (ahead_ > 0) post();
-    return buf;
-  }
-
- private:
-  const int ahead_;  // receives posted before they are needed (pipeline.prefetch)
-  void post() {
-    if (next_ >= pending_.size()) return;
-    const auto& [shape, dtype] = pending_[next_++];
-    at::Tensor buf = at::empty(shape, at::TensorOptions().dtype(dtype).device(device_));
-    collectives::RecvOptions o;
-    o.timeout = timeout_;
-    posted_.push_back({buf, link_.comm->recv(buf, link_.peer(), o)});
-  }
-  const Link& link_;
-  collectives::Duration timeout_;
-  at::Device device_;
-  std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> pending_;
-  size_t next_ = 0;
-  std::vector<std::pair<at::Tensor, WorkPtr>> posted_;
-};
-
-// What one (micro-batch, chunk) holds between its forward and its backward.
-struct Slot {
-  at::Tensor input;   // received (requires grad) or the data's inputs
-  at::Tensor output;  // with its graph (none under checkpointing)
-  at::Tensor loss;    // last stage: the micro-batch's weighted loss
-  at::Tensor targets;
-  at::Tensor out_grad;
-  at::Tensor input_grad;  // what the backward (or B) computed for the previous stage
-  SplitBackward split;    // between a B and its W: what the W needs
-};
-
-}  // namespace
-
-core::StepOutput Pipeline::run(const core::StepInput& step) {
-  cut_chunks();
-  const int m = opt_.micro_batches, v = opt_.virtual_stages;
-  const auto& prog = sched_.ranks[rank_];
-  // Each micro-batch's rows, dropout key and loss weight, the step's loss and its times
-  // (Note [One step runner]).
-  // With train.accumulation_steps A the schedule runs A times, each round on the next m of
-  // the step's A x m micro-batches; the gradients accumulate over the rounds and the other
-  // strategies' hooks send them after the last round's last backward.
-  const int rounds = spec_->train.accumulation_steps;
-  core::MicroBatches micro(step, m * rounds);
-  core::StepOutput& out = micro.out();
-  std::vector<WorkPtr> sends;
-  double wait_s = 0;
-  const auto t_begin = Clock::now();
-  for (int round = 0; round < rounds; ++round) {
-    const int base = round * m;  // the round's first micro-batch in the step
-    std::vector<std::vector<Slot>> slots(v, std::vector<Slot>(m));
-
-    // One inbox per link this rank receives on, told in order what the schedule takes from it.
-    std::map<std::pair<int, int>, Inbox> acts, grads;
-    for (const auto& [key, link] : act_links_)
-      if (key.second == rank_) acts.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
-    for (const auto& [key, link] : grad_links_)
-      if (key.second == rank_) grads.emplace(key, Inbox(link, opt_.prefetch, timeout_, device_));
-    // The instruction after which the step's gradients are complete: the last fused backward
-    // or W (the data-parallel and ZeRO hooks then send what they have).
-    int last_backward = -1;
-    for (size_t k = 0; k < prog.size(); ++k) {
-      const Instr& in = prog[k];
-      if (in.op == Op::kRecvAct)
-        acts.at({prev_rank(in.chunk), rank_}).expect(input_of(in.chunk).shape(micro.rows(base + in.micro)), input_of(in.chunk).dtype);
-      if (in.op == Op::kRecvGrad)
-        grads.at({next_rank(in.chunk), rank_}).expect(output_of(in.chunk).shape(micro.rows(base + in.micro)), output_of(in.chunk).dtype);
-      if ((in.op == Op::kBackward || in.op == Op::kBackwardWeight) && round == rounds - 1) last_backward = static_cast<int>(k);
-    }
-    for (auto& [key, inbox] : acts) inbox.start();
-    for (auto& [key, inbox] : grads) inbox.start();
-
-    const bool tracing = trace_->enabled();
-    auto span = [&](int chunk, const std::string& what, Clock::time_point a, Clock::time_point b) {
-      if (tracing) trace_->span("stage " + std::to_string(stage(chunk)), what, trace_->us_at(a), trace_->us_at(b));
-    };
-    auto load = [&](int i, Slot& s, int chunk) {
-      core::Batch b = micro.load(base + i);
-      if (first(chunk)) s.input = b.inputs;
-      s.targets = b.targets;
-    };
-    // A micro-batch's dropout draws by its rows' places in the global batch: its forward and
-    // its recompute under checkpointing draw the same masks (Note [Layout-invariant dropout]).
-    // The last stage's forward returns the micro-batch's mean loss (s.loss is it weighted).
-    auto run_forward = [&](int i, int chunk, Slot& s) {
-      core::RandomContext::Scope random(micro.random(base + i));
-      core::compat::Autocast autocast(step.bf16, step.device.type());
-      s.output = chunks_[chunk]->forward(s.input);
-      if (!last(chunk)) return at::Tensor();
-      at::Tensor l = loss_->loss(s.output, s.targets);
-      s.loss = micro.weighted(base + i, l);
-      return l;
-    };
-    auto send = [&](const Link& link, const at::Tensor& t) {
-      collectives::SendOptions o;
-      o.timeout = timeout_;
-      // A finished send lets go of its tensor now rather than at the step's end (a
-      // gradient a stage sent is memory it no longer needs).
-      sends.erase(std::remove_if(sends.begin(), sends.end(), [](const WorkPtr& w) { return w->done() && !w->exception(); }),
-                  sends.end());
-      sends.push_back(link.comm->send(t.detach().contiguous(), link.peer(), o));
-    };
-    // A backward (fused or B) begins with its output's gradient: received, or handed over by
-    // the next stage when it is on this rank; under checkpointing it recomputes the forward.
-    auto begin_backward = [&](const Instr& in, Slot& s) {
-      if (!last(in.chunk) && !s.out_grad.defined()) {
-        Slot& next = slots[next_chunk(in.chunk)][in.micro];
-        s.out_grad = next.input_grad;
-        next.input = next.input_grad = at::Tensor();
-      }
-      if (checkpointed(in.micro)) run_forward(in.micro, in.chunk, s);  // again, now with its graph (GPipe)
-    };
-    // What a backward leaves: its input's gradient, until it is sent or handed over, and
-    // (after a B) what its W needs, which the slot's SplitBackward holds.
-    auto end_backward = [&](Slot& s, int chunk) {
-      s.output = s.loss = s.out_grad = s.targets = at::Tensor();
-      if (first(chunk)) s.input = at::Tensor();
-    };
-    // Runs an instruction's compute, adds its time to `total` and traces it.
-    auto timed = [&](const Instr& in, double& total, auto&& work) {
-      const auto t0 = Clock::now();
-      work();
-      const auto t1 = Clock::now();
-      total += seconds(t0, t1);
-      span(in.chunk, to_string(in), t0, t1);
-    };
-
-    for (size_t k = 0; k < prog.size(); ++k) {
-      const Instr& in = prog[k];
-      Slot& s = slots[in.chunk][in.micro];
-      switch (in.op) {
-        case Op::kRecvAct: {
-          auto t0 = Clock::now();
-          s.input = acts.at({prev_rank(in.chunk), rank_}).take(&wait_s);
-          if (s.input.is_floating_point()) s.input.requires_grad_(true);
-          span(in.chunk, "wait " + to_string(in), t0, Clock::now());
-          break;
-        }
-        case Op::kRecvGrad: {
-          auto t0 = Clock::now();
-          s.out_grad = grads.at({next_rank(in.chunk), rank_}).take(&wait_s);
-          span(in.chunk, "wait " + to_string(in), t0, Clock::now());
-          break;
-        }
-        case Op::kForward: {
-          if (first(in.chunk) || last(in.chunk)) load(in.micro, s, in.chunk);
-          if (!first(in.chunk) && !s.input.defined()) {
-            // The previous stage is on this rank (one rank with several chunks, the V's
-            // turn): hand over.
-            Slot& prev = slots[prev_chunk(in.chunk)][in.micro];
-            s.input = prev.output.detach();
-            if (s.input.is_floating_point()) s.input.requires_grad_(true);
-          }
-          timed(in, out.forward_s, [&] {
-            at::Tensor loss;
-            if (checkpointed(in.micro)) {
-              torch::NoGradGuard no_grad;
-              loss = run_forward(in.micro, in.chunk, s);
-            } else {
-              loss = run_forward(in.micro, in.chunk, s);
-            }
-            if (loss.defined()) micro.add_loss(base + in.micro, loss.item<double>());
-          });
-          break;
-        }
-        case Op::kSendAct:
-          send(act_link(rank_, next_rank(in.chunk)), s.output);
-          break;
-        case Op::kBackward: {
-          if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
-          begin_backward(in, s);
-          timed(in, out.backward_s, [&] {
-            // A stage with nothing to differentiate (a lone Flatten on the data) has no graph.
-            if (last(in.chunk)) {
-              if (s.loss.requires_grad()) s.loss.backward();
-            } else if (s.output.requires_grad()) {
-              torch::autograd::backward({s.output}, {s.out_grad});
-            }
-            if (!first(in.chunk) && s.input.requires_grad()) s.input_grad = s.input.grad();
-          });
-          end_backward(s, in.chunk);
-          break;
-        }
-        case Op::kBackwardInput: {
-          begin_backward(in, s);
-          timed(in, out.backward_s, [&] {
-            const at::Tensor& root = last(in.chunk) ? s.loss : s.output;
-            s.input_grad = s.split.input_pass(root, last(in.chunk) ? at::Tensor() : s.out_grad,
-                                              first(in.chunk) ? at::Tensor() : s.input);
-          });
-          end_backward(s, in.chunk);
-          break;
-        }
-        case Op::kBackwardWeight: {
-          if (step.before_backward) step.before_backward(static_cast<int>(k) == last_backward);
-          timed(in, out.backward_s, [&] { s.split.weight_pass(); });
-          break;
-        }
-        case Op::kSendGrad: {
-          at::Tensor g = s.input_grad;
-          if (!g.defined()) g = at::zeros_like(s.input);
-          send(grad_link(rank_, prev_rank(in.chunk)), g);
-          s.input = s.input_grad = at::Tensor();
-          break;
-        }
-      }
-    }
-  }  // rounds
-  for (auto& w : sends) {
-    auto t0 = Clock::now();
-    w->wait();
-    wait_s += seconds(t0, Clock::now());
-  }
-  const auto t_end = Clock::now();
-  stats_.steps += 1;
-  stats_.busy_s += out.forward_s + out.backward_s;
-  stats_.wait_s += wait_s;
-  stats_.wall_s += seconds(t_begin, t_end);
-  // The loss lives on the last stage; every pipeline rank reports it.
-  at::Tensor loss = at::full({1}, out.loss, at::kDouble);
-  broadcast_from_last(loss);
-  out.loss = loss.item<double>();
-  return out;
-}
-
-core::EvalSums Pipeline::evaluate(const core::Batch& batch, bool bf16) {
-  cut_chunks();
-  // Forward only, through every stage in order; the batch goes in pieces so the stages
-  // overlap (and no piece is larger than a training micro-batch needs to be).
-  const int v = opt_.virtual_stages;
-  const int64_t n = batch.size();
-  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(n, opt_.micro_batches));
-  torch::NoGradGuard no_grad;
-  double loss_sum = 0;
-  int64_t correct = 0, predictions = 0;
-  std::vector<WorkPtr> sends;
-  std::vector<std::vector<at::Tensor>> outputs(v, std::vector<at::Tensor>(pieces));
-  for (int c = 0; c < v; ++c) {
-    for (int64_t j = 0; j < pieces; ++j) {
-      const int64_t b = n * j / pieces, e = n * (j + 1) / pieces;
-      at::Tensor x;
-      if (first(c)) {
-        x = batch.inputs.slice(0, b, e);
-      } else if (prev_rank(c) != rank_) {
-        x = at::empty(input_of(c).shape(e - b), at::TensorOptions().dtype(input_of(c).dtype).device(device_));
-        collectives::RecvOptions o;
-        o.timeout = timeout_;
-        const Link& link = act_link(prev_rank(c), rank_);
-        link.comm->recv(x, link.peer(), o)->wait();
-      } else {
-        x = std::move(outputs[prev_chunk(c)][j]);  // the previous stage is on this rank
-      }
-      at::Tensor y;
-      {
-        core::compat::Autocast autocast(bf16, x.device().type());
-        y = chunks_[c]->forward(x);
-      }
-      if (last(c)) {
-        y = y.to(at::kFloat);
-        at::Tensor t = batch.targets.slice(0, b, e);
-        loss_sum += loss_->loss(y, t).item<double>() * static_cast<double>(e - b);
-        correct += loss_->correct(y, t);
-        predictions += t.numel();
-      } else if (next_rank(c) != rank_) {
-        collectives::SendOptions o;
-        o.timeout = timeout_;
-        const Link& link = act_link(rank_, next_rank(c));
-        sends.push_back(link.comm->send(y.contiguous(), link.peer(), o));
-      } else {
-        outputs[c][j] = y;
-      }
-    }
-  }
-  for (auto& w : sends) w->wait();
-  at::Tensor sums = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(predictions)}, at::kDouble);
-  broadcast_from_last(sums);
-  core::EvalSums r;
-  r.loss_sum = sums[0].item<double>();
-  r.correct = static_cast<int64_t>(sums[1].item<double>());
-  r.predictions = static_cast<int64_t>(sums[2].item<double>());
-  return r;
+  return partition_for(st_.opt, model, costs, state.spec);
 }
 
 void Pipeline::gather_state(core::TensorMap& tensors) {
   // Only the writer's pipeline group gathers: the other data replicas hold the same. The
   // stages' tensors travel as safetensors bytes, host memory: over the host plane.
-  if (!pp_ || pp_->size() == 1 || data_coord_ != 0) return;
+  if (!st_.pp || st_.pp->size() == 1 || data_coord_ != 0) return;
   collectives::SendOptions so;
-  so.timeout = timeout_;
+  so.timeout = st_.timeout;
   collectives::RecvOptions ro;
-  ro.timeout = timeout_;
-  if (pp_host_->rank() != 0) {
+  ro.timeout = st_.timeout;
+  if (st_.pp_host->rank() != 0) {
     const std::string bytes = core::safetensors_bytes(tensors);
     at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
     at::Tensor buf = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
-    pp_host_->send(len, 0, so)->wait();
-    pp_host_->send(buf, 0, so)->wait();
+    st_.pp_host->send(len, 0, so)->wait();
+    st_.pp_host->send(buf, 0, so)->wait();
     return;
   }
-  for (int r = 1; r < pp_host_->size(); ++r) {
+  for (int r = 1; r < st_.pp_host->size(); ++r) {
     at::Tensor len = at::empty({1}, at::kLong);
-    pp_host_->recv(len, r, ro)->wait();
+    st_.pp_host->recv(len, r, ro)->wait();
     at::Tensor buf = at::empty({len.item<int64_t>()}, at::kByte);
-    pp_host_->recv(buf, r, ro)->wait();
+    st_.pp_host->recv(buf, r, ro)->wait();
     std::string bytes(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel()));
     for (auto& [k, t] : core::parse_safetensors(bytes, "pipeline stage state from rank " + std::to_string(r)))
       tensors.emplace(k, t);  // names are global; shared entries (the step count) agree
   }
 }
+
+}  // namespace
 
 // ---- the job spec ---------------------------------------------------------------------
 
@@ -1056,59 +314,6 @@ void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) c
   if (input.spec.optimizer.clip_grad_norm > 0) t.record(collectives::Traffic::kAllreduce, 8, P);
 }
 
-const std::vector<std::string>& balance_names() {
-  static const std::vector<std::string> names = {"uniform", "by_params", "by_time", "explicit"};
-  return names;
-}
-const std::vector<std::string>& recompute_names() {
-  static const std::vector<std::string> names = {"never", "except_last", "always"};
-  return names;
-}
-const std::string& to_string(ScheduleKind kind) { return schedule_kinds().at(static_cast<size_t>(kind)); }
-const std::string& to_string(Balance balance) { return balance_names().at(static_cast<size_t>(balance)); }
-const std::string& to_string(Recompute recompute) { return recompute_names().at(static_cast<size_t>(recompute)); }
-
-namespace {
-
-// The `pipeline` section's keys, declared once (Note [Fields declared once]). The reader
-// starts from o.stages = mesh.pipeline; micro_batches 0 reads as 4 x stages.
-template <class V>
-void pipeline_fields(V& v, Options& o) {
-  v.word("schedule", o.schedule, schedule_kinds());
-  if constexpr (V::kReads)
-    if (o.micro_batches == 0) o.micro_batches = 4 * o.stages;
-  v.integer("micro_batches", o.micro_batches, 1, 1 << 20);
-  if constexpr (V::kReads)
-    if (o.schedule == ScheduleKind::kZBV) o.virtual_stages = 2;  // ZBV's V: two chunks per rank
-  v.integer("virtual_stages", o.virtual_stages, 1, 1024);
-  // balance: a word, or a list of layer counts.
-  bool counts = o.balance == Balance::kExplicit;
-  if constexpr (V::kReads) counts = v.section().is_list("balance");
-  if (counts) {
-    v.integers("balance", o.balance_counts, 1);
-    if constexpr (V::kReads) {
-      o.balance = Balance::kExplicit;
-      const size_t K = static_cast<size_t>(o.stages) * static_cast<size_t>(o.virtual_stages);
-      if (o.balance_counts.size() != K)
-        v.section().error("balance", "lists " + std::to_string(o.balance_counts.size()) + " layer counts, but there are " +
-                                         std::to_string(K) + " stages (pipeline " + std::to_string(o.stages) +
-                                         " x virtual_stages " + std::to_string(o.virtual_stages) + ")");
-    }
-  } else {
-    // A word: the three that are not a list.
-    const std::vector<std::string> words(balance_names().begin(), balance_names().end() - 1);
-    v.word("balance", o.balance, words);
-  }
-  v.word("checkpoint", o.checkpoint, recompute_names());
-  v.number("memory_gb", o.memory_gb, 0);
-  v.integer("prefetch", o.prefetch, 0, 64);
-}
-const auto kFields = [](auto& v, Options& o) { pipeline_fields(v, o); };
-
-}  // namespace
-
-YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
-
 std::vector<core::PlanIssue> Options::model_issues(const core::PlanInput& input) const {
   // Every stage holds a layer: what the run and the dry run find, `train --check` finds.
   const int K = stages * virtual_stages, L = static_cast<int>(input.model->size());
@@ -1124,55 +329,6 @@ std::vector<core::PlanIssue> Options::model_issues(const core::PlanInput& input)
                                                       input.spec.train.precision == core::Precision::kBf16, false,
                                                       kDryRunTimedFlops, &input.probe);
   return memory_issues(*this, partition_for(*this, input.model, costs, input.spec), costs, input.spec);
-}
-
-std::vector<core::PlanIssue> Options::issues(const core::JobSpec& job) const {
-  std::vector<core::PlanIssue> out;
-  const bool split = schedule == ScheduleKind::kZBH1 || schedule == ScheduleKind::kZBV;
-  // ZeRO-3 gathers a layer's parameters around its backward and frees them after; a
-  // zero-bubble W runs later, when they are gone. (The pipeline links core only: it reads
-  // the zero section's stage from its YAML.)
-  if (const auto zero = job.plugin<core::StrategyConfig>("zero"); split && zero) {
-    const YAML::Node stage = zero->to_yaml()["stage"];
-    if (stage && stage.as<int>() == 3)
-      out.push_back({"pipeline.schedule",
-                     "pipeline.schedule " + to_string(schedule) +
-                         " splits each backward into B and W, and zero.stage 3 gathers a layer's parameters only around "
-                         "its whole backward; use zero.stage 1 or 2 with a zero-bubble schedule, or schedule 1f1b"});
-  }
-  return out;
-}
-
-core::StrategyRole Options::role(const core::JobSpec& job) const {
-  core::StrategyRole r;
-  r.axis = "pipeline";
-  r.why = "splits the model into " + std::to_string(stages * virtual_stages) + " stages (" + to_string(schedule) + ", " +
-          std::to_string(micro_batches) + " micro-batches, balance " + to_string(balance) + ")";
-  // Accumulation runs the schedule train.accumulation_steps times: the batch splits into both.
-  r.micro_batches = micro_batches * job.train.accumulation_steps;
-  r.micro_batches_key = job.train.accumulation_steps > 1 ? "pipeline.micro_batches x train.accumulation_steps"
-                                                         : "pipeline.micro_batches";
-  return r;
-}
-
-void register_pipeline(core::SectionRegistry& registry) {
-  registry.add(
-      "pipeline",
-      [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-        auto o = std::make_shared<Options>();
-        const bool given = !s.keys().empty();
-        o->stages = job.mesh.size("pipeline");
-        const int P = o->stages;
-        core::fields::Reader r(s);
-        pipeline_fields(r, *o);
-        s.finish();
-        if (!given && P == 1) return nullptr;  // off: no pipeline
-        const std::string problem = schedule_problem(to_string(o->schedule), P, o->micro_batches, o->virtual_stages);
-        if (!problem.empty())
-          s.error(problem.find("virtual") != std::string::npos ? "virtual_stages" : "micro_batches", problem);
-        return o;
-      },
-      "pipeline");
 }
 
 }  // namespace tetra::pipeline

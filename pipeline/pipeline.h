@@ -25,62 +25,24 @@
 // Checkpoints. gather_state() sends every stage's tensors to the writer under the names
 // one process uses, so a checkpoint does not depend on the layout that wrote it: a run
 // saved with 2 stages resumes on 1, on 4, or with another balance.
+//
+// The plugin, by what each part does: options.h reads and checks the `pipeline:` keys;
+// cut.h decides which layers each stage holds (partition.h: the arithmetic of a cut);
+// schedule.h writes the schedules as instruction lists and simulates them; executor.h
+// runs them, one handler per instruction (split_backward.h: a backward as B and W); and
+// pipeline.cpp is the strategy that attaches them to a run, with its plan and estimate.
 #pragma once
 
-#include <limits>
-#include <memory>
-#include <string>
-#include <vector>
+#include <cstdint>
 
 #include "core/job_spec.h"
 #include "core/strategy.h"
+#include "pipeline/cut.h"
+#include "pipeline/options.h"
 #include "pipeline/partition.h"
 #include "pipeline/schedule.h"
 
 namespace tetra::pipeline {
-
-// pipeline.schedule, in the order of schedule_kinds() (the words the job file takes).
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kZBH1, kZBV };
-// pipeline.balance: how layers are cut into stages (a list in the file: kExplicit).
-enum class Balance { kUniform, kByParams, kByTime, kExplicit };
-const std::vector<std::string>& balance_names();  // uniform by_params by_time explicit
-// pipeline.checkpoint: which micro-batches recompute their forward in backward.
-enum class Recompute { kNever, kExceptLast, kAlways };
-const std::vector<std::string>& recompute_names();  // never except_last always
-const std::string& to_string(ScheduleKind kind);
-const std::string& to_string(Balance balance);
-const std::string& to_string(Recompute recompute);
-
-struct Options : core::StrategyConfig {
-  int stages = 1;                  // mesh.pipeline (P); set from the mesh when parsed
-  ScheduleKind schedule = ScheduleKind::k1F1B;
-  int micro_batches = 0;           // m; 0 = 4 x P
-  int virtual_stages = 1;          // v: chunks per rank (interleaved_1f1b)
-  Balance balance = Balance::kUniform;
-  std::vector<int64_t> balance_counts;  // balance kExplicit: [4, 3, ...] (P x v counts)
-  Recompute checkpoint = Recompute::kNever;
-  // Each rank's memory for its stages in GiB (Note [Stage memory]); 0 = no cap. With
-  // balance by_time the cut is the fastest whose every stage fits; any other balance's cut
-  // must fit. A cut that does not is a `train --check` error naming the stage and bytes.
-  double memory_gb = 0;
-  // Receives posted on each link before the schedule needs them. Posting ahead overlaps
-  // a transfer with compute, but the link's progress thread then polls for it beside
-  // the compute thread: on a CPU with a core per rank that cost more than it hid
-  // (the 784-512x8-10 MLP, 1f1b, m = 8, 2 ranks x 1 thread on 2 cores: 5419 samples/s
-  // with 0, 4953 with 1, 5017 with 2). Raise
-  // it where communication has cores of its own (GPUs).
-  int prefetch = 0;
-  std::unique_ptr<core::Strategy> build() const override;
-  core::StrategyRole role(const core::JobSpec& job) const override;
-  std::string plan(const core::PlanInput& input) const override;
-  void estimate(const core::PlanInput& input, core::RankEstimate& rank) const override;
-  std::vector<core::PlanIssue> issues(const core::JobSpec& job) const override;
-  std::vector<core::PlanIssue> model_issues(const core::PlanInput& input) const override;
-  YAML::Node to_yaml() const override;
-};
-
-// Registers the `pipeline` section (owner of the `pipeline` mesh axis).
-void register_pipeline(core::SectionRegistry& registry);
 
 // What a run measured, per rank (for benchmarks and the closing summary).
 struct PipelineStats {
@@ -93,15 +55,6 @@ struct PipelineStats {
   double bubble() const { return wall_s > 0 ? wait_s / wall_s : 0.0; }
 };
 
-// The cut a run makes from its layers' costs (partition.h; measure_layers): by the
-// balance, and under pipeline.memory_gb with balance by_time the fastest cut whose every
-// stage fits (Note [Stage memory]); when none fits, the one that needs least.
-Partition cut_stages(const Options& opt, const std::vector<LayerCost>& costs, const core::JobSpec& spec);
-// The stages of `part` over pipeline.memory_gb, one issue each, naming the stage, its rank,
-// its layers and its bytes (none when memory_gb is 0).
-std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& part, const std::vector<LayerCost>& costs,
-                                           const core::JobSpec& spec);
-
 // The strategy object, for code that wants its stats (dynamic_cast from Strategy).
 class PipelineStrategy : public core::Strategy {
  public:
@@ -109,30 +62,5 @@ class PipelineStrategy : public core::Strategy {
   virtual const Partition& partition() const = 0;
   virtual const Schedule& schedule() const = 0;
 };
-
-// The model's layers with their parameter counts, output sizes for one micro-batch and
-// (when `time` is set) forward and backward seconds measured on a micro-batch of
-// `micro_batch` examples from `data`. Used by attach (by_time) and --dry-run.
-//
-// Note [Layer costs]: the output sizes come from one sample's probe (core::probe_layers:
-// at most 64 tokens, scaled), never from a whole micro-batch. The times come from the
-// micro-batch itself while its forward is at most `max_timed_flops` (a run's by_time cut
-// times the real thing); above it, as a dry run of a billion-parameter model asks (24
-// layers x 4 timed passes of a 4 x 1024-token micro-batch would take this machine most of
-// an hour), each layer is timed on the probe's sample and its times scaled by the layer's
-// FLOPs on the micro-batch over its FLOPs on the sample (core::forward_flops; by the
-// elements for a layer with no matmul), and LayerCost::scaled says so. Small inputs run
-// below a core's peak, so scaled times lean high; the balance they give is what matters.
-// Layers of one signature (core::layer_signature: a transformer's repeated blocks) are timed
-// once. A layer built as shapes is created for its timing and freed after. `probe`: the
-// plan's probe of the model at this precision, when one was taken (else it is taken here).
-std::vector<LayerCost> measure_layers(torch::nn::Sequential& model, const core::Dataset& data,
-                                      int64_t micro_batch, bool bf16, bool time,
-                                      double max_timed_flops = std::numeric_limits<double>::infinity(),
-                                      const core::LayerProbe* probe = nullptr);
-// The budget a dry run gives measure_layers: a micro-batch whose forward is more FLOPs than
-// this is timed on one sample and scaled (about a second of this machine's time for the
-// 4 timed passes of forward and backward at the full size).
-constexpr double kDryRunTimedFlops = 5e9;
 
 }  // namespace tetra::pipeline

@@ -456,7 +456,19 @@ class Simulator {
                          " runs both a fused backward and a split B/W (one or the other)");
   }
 
-  // Runs rank r's next instruction, or says why it cannot.
+  // Where rank r's next instruction runs: what each kind's handler below checks against.
+  struct At {
+    int r;
+    const Instr& in;
+    const std::string& label;  // to_string(in), for the messages
+    size_t idx;                // index(in.micro, in.chunk)
+    int stage;
+    bool first, last;          // the first or the last of the P*v stages
+    int prev_rank, next_rank;  // the neighbouring stages' ranks (-1: none)
+  };
+
+  // Runs rank r's next instruction, or says why it cannot: the checks every kind shares,
+  // then the kind's own (one handler each, Note [Schedules as data] lists what they check).
   Step step(int r) {
     RankState& st = state_[r];
     const Instr& in = s_.ranks[r][st.pc];
@@ -466,128 +478,164 @@ class Simulator {
       return failed(r, label + " is outside " +
                            plural(s_.micro_batches, "micro-batch", "micro-batches") + " x " +
                            plural(s_.virtual_stages, "chunk", "chunks"));
-    const size_t idx = index(in.micro, in.chunk);
     const int stage = s_.stage_of(r, in.chunk);
     const bool first = stage == 0, last = stage == s_.total_stages() - 1;
-    const int prev_rank = first ? -1 : s_.rank_of(stage - 1);
-    const int next_rank = last ? -1 : s_.rank_of(stage + 1);
+    const At at{r, in, label, index(in.micro, in.chunk), stage, first, last,
+                first ? -1 : s_.rank_of(stage - 1), last ? -1 : s_.rank_of(stage + 1)};
 
+    Step done = Step::kRan;
     switch (in.op) {
-      case Op::kForward: {
-        if (st.forward_done[idx]) return failed(r, "runs " + label + " twice");
-        if (!first) {
-          if (prev_rank == r) {
-            const int prev = s_.chunk_of(stage - 1);
-            if (!st.forward_done[index(in.micro, prev)])
-              return failed(r, label + " runs before " + name(Op::kForward, in.micro, prev) +
-                                   ", whose output it takes");
-          } else if (!st.act_received[idx]) {
-            return failed(r, label + " runs before its input arrives (no " +
-                                 name(Op::kRecvAct, in.micro, in.chunk) + " before it)");
-          }
-        }
-        compute(r, in, costs_.forward);
-        st.forward_done[idx] = 1;
-        sim_.peak_in_flight[r] = std::max(sim_.peak_in_flight[r], ++st.in_flight);
-        break;
-      }
+      case Op::kForward: done = forward(at); break;
       case Op::kBackward:
-      case Op::kBackwardInput: {
-        const bool fused = in.op == Op::kBackward;
-        if (fused ? st.backward_done[idx] : st.input_done[idx])
-          return failed(r, "runs " + label + " twice");
-        if (fused ? st.input_done[idx] : st.backward_done[idx]) return mixed(r, in);
-        if (check_backward_inputs(r, in, label) == Step::kFailed) return Step::kFailed;
-        if (fused) {
-          compute(r, in, costs_.input + costs_.weight);
-          st.backward_done[idx] = 1;
-        } else {
-          compute(r, in, costs_.input);
-          st.input_done[idx] = 1;
-          sim_.peak_weight_pending[r] = std::max(sim_.peak_weight_pending[r], ++st.weight_pending);
-        }
-        --st.in_flight;
-        break;
-      }
-      case Op::kBackwardWeight: {
-        if (st.weight_done[idx]) return failed(r, "runs " + label + " twice");
-        if (st.backward_done[idx]) return mixed(r, in);
-        if (!st.input_done[idx])
-          return failed(r,
-                        label + " runs before its " + name(Op::kBackwardInput, in.micro, in.chunk));
-        compute(r, in, costs_.weight);
-        st.weight_done[idx] = 1;
-        --st.weight_pending;
-        break;
-      }
-      case Op::kSendAct: {
-        if (last) return failed(r, label + " sends from the last stage");
-        if (next_rank == r)
-          return failed(r, label + " sends to a stage on the same rank (handed over locally)");
-        if (st.act_sent[idx]) return failed(r, "sends " + label + " twice");
-        if (!st.forward_done[idx])
-          return failed(r, label + " sends before " + name(Op::kForward, in.micro, in.chunk) +
-                               " computes it");
-        st.act_sent[idx] = 1;
-        post(r, {r, kActivations, next_rank}, {in.micro, stage, 0});
-        break;
-      }
-      case Op::kSendGrad: {
-        if (first) return failed(r, label + " sends from the first stage");
-        if (prev_rank == r)
-          return failed(r, label + " sends to a stage on the same rank (handed over locally)");
-        if (st.grad_sent[idx]) return failed(r, "sends " + label + " twice");
-        if (!st.grad_done(idx))
-          return failed(r, label + " sends before " + name(Op::kBackward, in.micro, in.chunk) +
-                               " computes it");
-        st.grad_sent[idx] = 1;
-        post(r, {r, kGradients, prev_rank}, {in.micro, stage, 0});
-        break;
-      }
-      case Op::kRecvAct: {
-        if (first) return failed(r, label + " receives on the first stage");
-        if (prev_rank == r)
-          return failed(r, label + " receives from a stage on the same rank (handed over locally)");
-        if (st.act_received[idx]) return failed(r, "receives " + label + " twice");
-        Channel& ch = channel(prev_rank, kActivations, r);
-        if (ch.received >= ch.sent.size()) {
-          leave(r);  // the rank idles from now
-          return Step::kBlocked;
-        }
-        const Message& msg = ch.sent[ch.received];
-        if (msg.micro != in.micro || msg.stage != stage - 1)
-          return out_of_order("activation", prev_rank, r, in, Op::kSendAct, msg);
-        ++ch.received;
-        const double ready = arrival(msg, st.time);
-        if (ready > st.time) leave(r);
-        st.time = std::max(st.time, ready);
-        st.act_received[idx] = 1;
-        break;
-      }
-      case Op::kRecvGrad: {
-        if (last) return failed(r, label + " receives on the last stage");
-        if (next_rank == r)
-          return failed(r, label + " receives from a stage on the same rank (handed over locally)");
-        if (st.grad_received[idx]) return failed(r, "receives " + label + " twice");
-        Channel& ch = channel(next_rank, kGradients, r);
-        if (ch.received >= ch.sent.size()) {
-          leave(r);  // the rank idles from now
-          return Step::kBlocked;
-        }
-        const Message& msg = ch.sent[ch.received];
-        if (msg.micro != in.micro || msg.stage != stage + 1)
-          return out_of_order("gradient", next_rank, r, in, Op::kSendGrad, msg);
-        ++ch.received;
-        const double ready = arrival(msg, st.time);
-        if (ready > st.time) leave(r);
-        st.time = std::max(st.time, ready);
-        st.grad_received[idx] = 1;
-        break;
-      }
+      case Op::kBackwardInput: done = backward(at); break;
+      case Op::kBackwardWeight: done = backward_weight(at); break;
+      case Op::kSendAct: done = send_act(at); break;
+      case Op::kSendGrad: done = send_grad(at); break;
+      case Op::kRecvAct: done = recv_act(at); break;
+      case Op::kRecvGrad: done = recv_grad(at); break;
     }
+    if (done != Step::kRan) return done;
     ++st.pc;
     if (st.pc == s_.ranks[r].size()) leave(r);  // the step's end
     return Step::kRan;
+  }
+
+  Step forward(const At& at) {
+    RankState& st = state_[at.r];
+    const Instr& in = at.in;
+    if (st.forward_done[at.idx]) return failed(at.r, "runs " + at.label + " twice");
+    if (!at.first) {
+      if (at.prev_rank == at.r) {
+        const int prev = s_.chunk_of(at.stage - 1);
+        if (!st.forward_done[index(in.micro, prev)])
+          return failed(at.r, at.label + " runs before " + name(Op::kForward, in.micro, prev) +
+                                  ", whose output it takes");
+      } else if (!st.act_received[at.idx]) {
+        return failed(at.r, at.label + " runs before its input arrives (no " +
+                                name(Op::kRecvAct, in.micro, in.chunk) + " before it)");
+      }
+    }
+    compute(at.r, in, costs_.forward);
+    st.forward_done[at.idx] = 1;
+    sim_.peak_in_flight[at.r] = std::max(sim_.peak_in_flight[at.r], ++st.in_flight);
+    return Step::kRan;
+  }
+
+  // A fused backward (kBackward) or a B (kBackwardInput).
+  Step backward(const At& at) {
+    RankState& st = state_[at.r];
+    const Instr& in = at.in;
+    const bool fused = in.op == Op::kBackward;
+    if (fused ? st.backward_done[at.idx] : st.input_done[at.idx])
+      return failed(at.r, "runs " + at.label + " twice");
+    if (fused ? st.input_done[at.idx] : st.backward_done[at.idx]) return mixed(at.r, in);
+    if (check_backward_inputs(at.r, in, at.label) == Step::kFailed) return Step::kFailed;
+    if (fused) {
+      compute(at.r, in, costs_.input + costs_.weight);
+      st.backward_done[at.idx] = 1;
+    } else {
+      compute(at.r, in, costs_.input);
+      st.input_done[at.idx] = 1;
+      sim_.peak_weight_pending[at.r] =
+          std::max(sim_.peak_weight_pending[at.r], ++st.weight_pending);
+    }
+    --st.in_flight;
+    return Step::kRan;
+  }
+
+  Step backward_weight(const At& at) {
+    RankState& st = state_[at.r];
+    const Instr& in = at.in;
+    if (st.weight_done[at.idx]) return failed(at.r, "runs " + at.label + " twice");
+    if (st.backward_done[at.idx]) return mixed(at.r, in);
+    if (!st.input_done[at.idx])
+      return failed(at.r,
+                    at.label + " runs before its " + name(Op::kBackwardInput, in.micro, in.chunk));
+    compute(at.r, in, costs_.weight);
+    st.weight_done[at.idx] = 1;
+    --st.weight_pending;
+    return Step::kRan;
+  }
+
+  Step send_act(const At& at) {
+    RankState& st = state_[at.r];
+    const Instr& in = at.in;
+    if (at.last) return failed(at.r, at.label + " sends from the last stage");
+    if (at.next_rank == at.r)
+      return failed(at.r, at.label + " sends to a stage on the same rank (handed over locally)");
+    if (st.act_sent[at.idx]) return failed(at.r, "sends " + at.label + " twice");
+    if (!st.forward_done[at.idx])
+      return failed(at.r, at.label + " sends before " + name(Op::kForward, in.micro, in.chunk) +
+                              " computes it");
+    st.act_sent[at.idx] = 1;
+    post(at.r, {at.r, kActivations, at.next_rank}, {in.micro, at.stage, 0});
+    return Step::kRan;
+  }
+
+  Step send_grad(const At& at) {
+    RankState& st = state_[at.r];
+    const Instr& in = at.in;
+    if (at.first) return failed(at.r, at.label + " sends from the first stage");
+    if (at.prev_rank == at.r)
+      return failed(at.r, at.label + " sends to a stage on the same rank (handed over locally)");
+    if (st.grad_sent[at.idx]) return failed(at.r, "sends " + at.label + " twice");
+    if (!st.grad_done(at.idx))
+      return failed(at.r, at.label + " sends before " + name(Op::kBackward, in.micro, in.chunk) +
+                              " computes it");
+    st.grad_sent[at.idx] = 1;
+    post(at.r, {at.r, kGradients, at.prev_rank}, {in.micro, at.stage, 0});
+    return Step::kRan;
+  }
+
+  Step recv_act(const At& at) {
+    RankState& st = state_[at.r];
+    if (at.first) return failed(at.r, at.label + " receives on the first stage");
+    if (at.prev_rank == at.r)
+      return failed(at.r,
+                    at.label + " receives from a stage on the same rank (handed over locally)");
+    if (st.act_received[at.idx]) return failed(at.r, "receives " + at.label + " twice");
+    Channel& ch = channel(at.prev_rank, kActivations, at.r);
+    if (ch.received >= ch.sent.size()) {
+      leave(at.r);  // the rank idles from now
+      return Step::kBlocked;
+    }
+    const Message& msg = ch.sent[ch.received];
+    if (msg.micro != at.in.micro || msg.stage != at.stage - 1)
+      return out_of_order("activation", at.prev_rank, at.r, at.in, Op::kSendAct, msg);
+    take(at.r, ch);
+    st.act_received[at.idx] = 1;
+    return Step::kRan;
+  }
+
+  Step recv_grad(const At& at) {
+    RankState& st = state_[at.r];
+    if (at.last) return failed(at.r, at.label + " receives on the last stage");
+    if (at.next_rank == at.r)
+      return failed(at.r,
+                    at.label + " receives from a stage on the same rank (handed over locally)");
+    if (st.grad_received[at.idx]) return failed(at.r, "receives " + at.label + " twice");
+    Channel& ch = channel(at.next_rank, kGradients, at.r);
+    if (ch.received >= ch.sent.size()) {
+      leave(at.r);  // the rank idles from now
+      return Step::kBlocked;
+    }
+    const Message& msg = ch.sent[ch.received];
+    if (msg.micro != at.in.micro || msg.stage != at.stage + 1)
+      return out_of_order("gradient", at.next_rank, at.r, at.in, Op::kSendGrad, msg);
+    take(at.r, ch);
+    st.grad_received[at.idx] = 1;
+    return Step::kRan;
+  }
+
+  // Rank r takes the channel's next message, in order: its clock moves to the message's
+  // arrival when that is later (and it waits, its posted sends leaving, from now).
+  void take(int r, Channel& ch) {
+    RankState& st = state_[r];
+    const Message& msg = ch.sent[ch.received];
+    ++ch.received;
+    const double ready = arrival(msg, st.time);
+    if (ready > st.time) leave(r);
+    st.time = std::max(st.time, ready);
   }
 
   // A send posted by rank r: it leaves now, or (Costs::progress_when_waiting) when r
