@@ -588,42 +588,31 @@ class Simulator {
   }
 
   Step recv_act(const At& at) {
-    RankState& st = state_[at.r];
-    if (at.first) return failed(at.r, at.label + " receives on the first stage");
-    if (at.prev_rank == at.r)
-      return failed(at.r,
-                    at.label + " receives from a stage on the same rank (handed over locally)");
-    if (st.act_received[at.idx]) return failed(at.r, "receives " + at.label + " twice");
-    Channel& ch = channel(at.prev_rank, kActivations, at.r);
-    if (ch.received >= ch.sent.size()) {
-      leave(at.r);  // the rank idles from now
-      return Step::kBlocked;
-    }
-    const Message& msg = ch.sent[ch.received];
-    if (msg.micro != at.in.micro || msg.stage != at.stage - 1)
-      return out_of_order("activation", at.prev_rank, at.r, at.in, Op::kSendAct, msg);
-    take(at.r, ch);
-    st.act_received[at.idx] = 1;
-    return Step::kRan;
+    return receive(at, at.first, "receives on the first stage", at.prev_rank, kActivations,
+                   state_[at.r].act_received, "activation", at.stage - 1, Op::kSendAct);
   }
 
   Step recv_grad(const At& at) {
-    RankState& st = state_[at.r];
-    if (at.last) return failed(at.r, at.label + " receives on the last stage");
-    if (at.next_rank == at.r)
-      return failed(at.r,
-                    at.label + " receives from a stage on the same rank (handed over locally)");
-    if (st.grad_received[at.idx]) return failed(at.r, "receives " + at.label + " twice");
-    Channel& ch = channel(at.next_rank, kGradients, at.r);
+    return receive(at, at.last, "receives on the last stage", at.next_rank, kGradients, state_[at.r].grad_received,
+                   "gradient", at.stage + 1, Op::kSendGrad);
+  }
+
+  // A receive of an activation (from the stage before) or a gradient (from the stage
+  // after): checked, then blocked until its message is there, or taken in order.
+  Step receive(const At& at, bool no_peer, const char* why_no_peer, int from, Carries kind, std::vector<char>& received,
+               const char* what, int from_stage, Op send_op) {
+    if (no_peer) return failed(at.r, at.label + " " + why_no_peer);
+    if (from == at.r) return failed(at.r, at.label + " receives from a stage on the same rank (handed over locally)");
+    if (received[at.idx]) return failed(at.r, "receives " + at.label + " twice");
+    Channel& ch = channel(from, kind, at.r);
     if (ch.received >= ch.sent.size()) {
       leave(at.r);  // the rank idles from now
       return Step::kBlocked;
     }
     const Message& msg = ch.sent[ch.received];
-    if (msg.micro != at.in.micro || msg.stage != at.stage + 1)
-      return out_of_order("gradient", at.next_rank, at.r, at.in, Op::kSendGrad, msg);
+    if (msg.micro != at.in.micro || msg.stage != from_stage) return out_of_order(what, from, at.r, at.in, send_op, msg);
     take(at.r, ch);
-    st.grad_received[at.idx] = 1;
+    received[at.idx] = 1;
     return Step::kRan;
   }
 

@@ -126,12 +126,15 @@ int main(int argc, char** argv) {
     const bool rank0 = world->rank() == 0;
     SectionRegistry plugins;
     pipeline::register_pipeline(plugins);
-    auto parse = [&](std::vector<std::string> extra) {
+    // The pipelined runs are for the launch's 2 processes; a baseline on rank 0 alone is a
+    // world of one (Note [Auto axis]: under mpirun the data axis would size itself to 2).
+    auto parse = [&](std::vector<std::string> extra, const JobWorld& where) {
       std::vector<std::string> all = sets;
       all.push_back("train.max_steps=" + std::to_string(steps));
       all.insert(all.end(), extra.begin(), extra.end());
-      return parse_job_string(kJob, "bench-pipeline", all, plugins).spec;
+      return parse_job_string(kJob, "bench-pipeline", all, plugins, {}, where).spec;
     };
+    const JobWorld alone{1, "the one-process baseline"};
     set_threads(1);
     auto pipelined = [&](int m, const std::string& checkpoint, bool meter, std::vector<std::string> extra) {
       Run r;
@@ -150,7 +153,7 @@ int main(int argc, char** argv) {
       }
       extra.insert(extra.end(), {"mesh.pipeline=2", "pipeline.micro_batches=" + std::to_string(m),
                                  "pipeline.checkpoint=" + checkpoint});
-      Trainer t(parse(extra), o);
+      Trainer t(parse(extra, launch_world()), o);
       TrainResult res = t.run();
       r.samples_per_s = res.samples_per_s;
       for (const auto& s : t.strategies())
@@ -200,7 +203,7 @@ int main(int argc, char** argv) {
     bo.timeout = std::chrono::minutes(30);
     const std::string longer = "train.max_steps=" + std::to_string(3 * steps);
     double whole = 0;
-    for (int rep = 0; rep < 3 && rank0; ++rep) whole = std::max(whole, Trainer(parse({longer})).run().samples_per_s);
+    for (int rep = 0; rep < 3 && rank0; ++rep) whole = std::max(whole, Trainer(parse({longer}, alone)).run().samples_per_s);
     world->barrier(bo)->wait();
     if (rank0)
       std::printf("\none process x 1 thread, the whole batch: %.0f samples/s\n"
@@ -210,7 +213,7 @@ int main(int argc, char** argv) {
     for (int m : {8, 16}) {
       double same = 0;
       for (int rep = 0; rep < 3 && rank0; ++rep)
-        same = std::max(same, Trainer(parse({longer, "train.accumulation_steps=" + std::to_string(m)})).run().samples_per_s);
+        same = std::max(same, Trainer(parse({longer, "train.accumulation_steps=" + std::to_string(m)}, alone)).run().samples_per_s);
       world->barrier(bo)->wait();  // rank 1 sleeps here while rank 0 runs alone
       const double bound = 2.0 * m / (m + 1);
       for (const Kind& k : kinds) {
