@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
     sets.push_back("data.eval_samples=1");  // the trainer's closing evaluation: not timed anyway
     sets.push_back("checkpoint.dir=");
     sets.push_back("log.metrics=");
+    sets.push_back("log.dir=");
     sets.push_back("log.progress=off");
     ParsedJob parsed = job.empty() ? parse_job_string(kDefaultJob, "bench-overhead", sets, {})
                                    : parse_job_file(job, sets, {});

@@ -43,7 +43,7 @@ using namespace tetra::core;
 
 namespace {
 
-const std::vector<std::string> kQuiet = {"train.eval_every=0", "data.eval_samples=1", "checkpoint.dir=", "log.metrics=",
+const std::vector<std::string> kQuiet = {"train.eval_every=0", "data.eval_samples=1", "checkpoint.dir=", "log.metrics=", "log.dir=",
                                          "log.progress=off", "checkpoint.safetensors="};
 
 // Worker: trains `job` with `sets` for `steps` steps under whatever launched it and

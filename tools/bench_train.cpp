@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   try {
     SectionRegistry plugins;
     data_parallel::register_data_parallel(plugins);
-    for (const char* s : {"train.eval_every=0", "data.eval_samples=1", "checkpoint.dir=", "log.metrics=",
+    for (const char* s : {"train.eval_every=0", "data.eval_samples=1", "checkpoint.dir=", "log.metrics=", "log.dir=",
                           "log.progress=off"})
       sets.push_back(s);
     sets.push_back("train.max_steps=" + std::to_string(steps));
