@@ -30,6 +30,9 @@ namespace fs = std::filesystem;
 //                 config.json: the job's relative paths are taken inside log.dir (Note
 //                 [One run folder] in job_spec.h; the trace and the export are off unless
 //                 named).
+// The records of summary.json and metrics.jsonl are core/run_folder.h's types: written
+// here (and by the trainer's eval and checkpoint failures) and read by the report and
+// the tuner's trials through the same fields (Note [Record fields]).
 //
 // Note [Per-rank records]
 // A train record carries what differs between ranks, gathered to the writer by one

@@ -10,7 +10,9 @@
 //                   and trace files; without it they are RUN_DIR/metrics.jsonl and
 //                   RUN_DIR/trace*.json.
 //   metrics.jsonl   one record per line: train, eval, checkpoint failures (Note [Resumed
-//                   runs] for a file a resumed run appended to).
+//                   runs] in core/run_folder.cpp for a file a resumed run appended to).
+// The files are read by core/run_folder.h (read_run_folder): the records arrive as types,
+// and no key of theirs is spelled here.
 //   job.yaml        the resolved job: shown as it is, and `train --dry-run`'s per-rank
 //                   estimate is worked out from it (--no-estimate skips that: it builds
 //                   the model and reads the data).
