@@ -30,6 +30,9 @@ namespace fs = std::filesystem;
 //                 config.json: the job's relative paths are taken inside log.dir (Note
 //                 [One run folder] in job_spec.h; the trace and the export are off unless
 //                 named).
+// The records of summary.json and metrics.jsonl are core/run_folder.h's types: written
+// here (and by the trainer's eval and checkpoint failures) and read by the report and
+// the tuner's trials through the same fields (Note [Record fields]).
 //
 // Note [Per-rank records]
 // A train record carries what differs between ranks, gathered to the writer by one
@@ -64,45 +67,54 @@ std::vector<double> since(std::vector<double> now, const std::vector<double>& be
 double bubble_of(const std::vector<double>& c) { return c[kIdleWall] > 0 ? c[kIdleWait] / c[kIdleWall] : -1; }
 
 // Where the counters' steps went, in ms per step (a record's and the summary's step_ms).
-nlohmann::json step_ms_of(const std::vector<double>& c) {
+StepMsRecord step_ms_of(const std::vector<double>& c) {
   const double steps = std::max(1.0, c[kStepsTaken]);
-  return {{"data", c[kData] * 1e3 / steps},           {"forward", c[kForward] * 1e3 / steps},
-          {"backward", c[kBackward] * 1e3 / steps},   {"gradients", c[kGradientSync] * 1e3 / steps},
-          {"optimizer", c[kOptimizerStep] * 1e3 / steps}};
+  StepMsRecord ms;
+  ms.data = c[kData] * 1e3 / steps;
+  ms.forward = c[kForward] * 1e3 / steps;
+  ms.backward = c[kBackward] * 1e3 / steps;
+  ms.gradients = c[kGradientSync] * 1e3 / steps;
+  ms.optimizer = c[kOptimizerStep] * 1e3 / steps;
+  return ms;
+}
+
+std::optional<double> bubble_if_staged(const std::vector<double>& c) {
+  return bubble_of(c) >= 0 ? std::optional<double>(bubble_of(c)) : std::nullopt;
 }
 
 // The record's share of Note [Per-rank records]: `ranks` holds every rank's counters over
 // the interval (memory as it is now).
-void add_rank_fields(nlohmann::json& rec, const std::vector<std::vector<double>>& ranks,
+void add_rank_fields(TrainRecord& rec, const std::vector<std::vector<double>>& ranks,
                      const std::vector<std::string>& axes) {
   const double steps = std::max(1.0, ranks[0][kStepsTaken]);
   if (!axes.empty()) {
-    nlohmann::json comm = nlohmann::json::object();
+    AxisTimes comm;
     for (size_t a = 0; a < axes.size(); ++a) {
       double sum = 0;
       for (const auto& c : ranks) sum += c[kAxisBusy + a];
       comm[axes[a]] = sum / static_cast<double>(ranks.size()) * 1e3 / steps;
     }
-    rec["comm_ms"] = comm;
+    rec.comm_ms = comm;
   }
   double bubble = 0;
   int staged = 0;
   for (const auto& c : ranks)
     if (bubble_of(c) >= 0) bubble += bubble_of(c), ++staged;
-  if (staged > 0) rec["pipeline_bubble"] = bubble / staged;
+  if (staged > 0) rec.pipeline_bubble = bubble / staged;
   if (ranks.size() < 2 || ranks.size() > kRanksInRecords) return;
-  nlohmann::json rows = nlohmann::json::array();
+  rec.ranks.emplace();
   for (const auto& c : ranks) {
-    nlohmann::json row = {{"model_state_bytes", static_cast<int64_t>(c[kParameters] + c[kGradients] + c[kOptimizerState] + c[kBuffers])},
-                          {"peak_rss_bytes", static_cast<int64_t>(c[kPeakRss])}};
-    if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
+    TrainRecord::Rank row;
+    row.model_state_bytes = static_cast<int64_t>(c[kParameters] + c[kGradients] + c[kOptimizerState] + c[kBuffers]);
+    row.peak_rss_bytes = static_cast<int64_t>(c[kPeakRss]);
+    row.pipeline_bubble = bubble_if_staged(c);
     // Where each rank's steps went (the record's own step_ms and comm_ms are rank 0's and
     // the ranks' mean): what tells a slow stage or a late rank from the others.
-    row["step_ms"] = step_ms_of(c);
-    for (size_t a = 0; a < axes.size(); ++a) row["comm_ms"][axes[a]] = c[kAxisBusy + a] * 1e3 / std::max(1.0, c[kStepsTaken]);
-    rows.push_back(row);
+    row.step_ms = step_ms_of(c);
+    if (!axes.empty()) row.comm_ms.emplace();
+    for (size_t a = 0; a < axes.size(); ++a) (*row.comm_ms)[axes[a]] = c[kAxisBusy + a] * 1e3 / std::max(1.0, c[kStepsTaken]);
+    rec.ranks->push_back(row);
   }
-  rec["ranks"] = rows;
 }
 
 }  // namespace
@@ -156,23 +168,26 @@ void RunRecords::start(const RankState& now) {
   logged_ = start_;
 }
 
-nlohmann::json RunRecords::train_record(const StepRecord& r, const RankState& state) {
+TrainRecord RunRecords::train_record(const StepRecord& r, const RankState& state) {
   const ModelStateBytes& m = state.memory;
-  nlohmann::json rec = {{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
-                        {"samples_per_s", r.samples_per_s}, {"time_s", r.time_s},
-                        {"skipped_steps", r.skipped_steps},
-                        {"model_state_bytes", {{"parameters", m.parameters}, {"gradients", m.gradients},
-                                               {"optimizer", m.optimizer}, {"buffers", m.buffers},
-                                               {"total", m.total()}}}};
-  if (r.skipped) rec["skipped"] = true;  // its loss is not finite: JSON null
-  if (r.grad_norm >= 0) rec["grad_norm"] = r.grad_norm;
-  rec["peak_rss_bytes"] = hardware::peak_rss_bytes();
+  TrainRecord rec;
+  rec.step = r.step;
+  rec.epoch = r.epoch;
+  rec.loss = r.loss;  // a skipped step's is not finite: JSON null
+  rec.lr = r.lr;
+  rec.samples_per_s = r.samples_per_s;
+  rec.time_s = r.time_s;
+  rec.skipped_steps = r.skipped_steps;
+  rec.model_state_bytes = StateBytesRecord{m.parameters, m.gradients, m.optimizer, m.buffers, m.total()};
+  rec.skipped = r.skipped;
+  if (r.grad_norm >= 0) rec.grad_norm = r.grad_norm;
+  rec.peak_rss_bytes = hardware::peak_rss_bytes();
   // The interval since the last record, from this rank's counters.
   const std::vector<double> now = counters(state);
   const std::vector<double> interval = since(now, logged_);
   logged_ = now;
   // Where the interval's steps went, per step (this rank's clock).
-  rec["step_ms"] = step_ms_of(interval);
+  rec.step_ms = step_ms_of(interval);
   // Note [Per-rank records]: every rank joins (the job's log settings are every rank's),
   // when the records go somewhere; the writer adds what they sent.
   if (!spec_.log.metrics.empty() || !spec_.log.tensorboard.empty()) {
@@ -203,70 +218,67 @@ void RunRecords::write_summary(const TrainResult& r, const RankState& now, const
   }
   if (ranks_ && ranks_->rank() != 0) return;
   auto absolute = [](const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); };
-  nlohmann::json j;
-  j["job"] = spec_.name;
-  j["tetra"] = TETRA_VERSION;
-  j["commit"] = TETRA_GIT_COMMIT;
-  j["started"] = started_at;
-  j["finished"] = utc_now();
-  j["world"] = ranks_ ? ranks_->size() : 1;  // ranks: processes x replica threads
-  j["processes"] = plan_.process_count();
-  j["replicas"] = plan_.replicas();
-  j["mesh"] = nlohmann::json::object();
-  for (const MeshAxis& a : spec_.mesh.axes) j["mesh"][a.name] = a.size;
-  j["metrics"] = absolute(spec_.log.metrics);
-  j["job_yaml"] = spec_.resolved.empty() ? "" : "job.yaml";
-  j["identity"] = identity;  // Note [Checkpoint identity]: what a later run of this name must match
+  Summary j;
+  j.job = spec_.name;
+  j.tetra = TETRA_VERSION;
+  j.commit = TETRA_GIT_COMMIT;
+  j.started = started_at;
+  j.finished = utc_now();
+  j.world = ranks_ ? ranks_->size() : 1;  // ranks: processes x replica threads
+  j.processes = plan_.process_count();
+  j.replicas = plan_.replicas();
+  j.mesh.emplace();
+  for (const MeshAxis& a : spec_.mesh.axes) (*j.mesh)[a.name] = a.size;
+  j.metrics = absolute(spec_.log.metrics);
+  j.job_yaml = spec_.resolved.empty() ? "" : "job.yaml";
+  j.identity = identity;  // Note [Checkpoint identity]: what a later run of this name must match
   // The files Trace::write left: trace.json alone, else one per rank beside it.
-  nlohmann::json traces = nlohmann::json::array();
+  j.traces.emplace();
   if (!trace_path.empty())
     for (size_t i = 0; i < ranks.size(); ++i)
-      traces.push_back(absolute(rank_trace_path(spec_.log.trace, static_cast<int>(i), static_cast<int>(ranks.size()))));
-  j["traces"] = traces;
-  j["steps"] = r.steps;
-  j["final_step"] = r.final_step;
-  j["skipped_steps"] = r.skipped_steps;
-  j["train_seconds"] = r.train_seconds;
-  j["total_seconds"] = r.total_seconds;
-  j["samples_per_s"] = r.samples_per_s;
-  j["final_loss"] = r.final_loss;
-  j["resumed_from"] = r.resumed_from;
-  j["checkpoint"] = r.checkpoint;
-  j["final_eval"] = nullptr;
-  if (r.final_eval) {
-    j["final_eval"] = {{"test_loss", r.final_eval->test_loss}};
-    if (r.final_eval->accuracy) j["final_eval"]["test_accuracy"] = *r.final_eval->accuracy;
-    if (r.final_eval->perplexity) j["final_eval"]["perplexity"] = *r.final_eval->perplexity;
+      j.traces->push_back(absolute(rank_trace_path(spec_.log.trace, static_cast<int>(i), static_cast<int>(ranks.size()))));
+  j.steps = r.steps;
+  j.final_step = r.final_step;
+  j.skipped_steps = r.skipped_steps;
+  j.train_seconds = r.train_seconds;
+  j.total_seconds = r.total_seconds;
+  j.samples_per_s = r.samples_per_s;
+  j.final_loss = r.final_loss;
+  j.resumed_from = r.resumed_from;
+  j.checkpoint = r.checkpoint;
+  if (r.final_eval) {  // else null
+    j.final_eval.emplace();
+    j.final_eval->test_loss = r.final_eval->test_loss;
+    j.final_eval->test_accuracy = r.final_eval->accuracy;
+    j.final_eval->perplexity = r.final_eval->perplexity;
   }
-  nlohmann::json rows = nlohmann::json::array();
+  j.ranks.emplace();
   for (size_t i = 0; i < ranks.size(); ++i) {
     const std::vector<double>& c = ranks[i];
     const double steps = std::max(1.0, c[kStepsTaken]);
     auto bytes = [&](RankCounter k) { return static_cast<int64_t>(c[k]); };
-    nlohmann::json row = {
-        {"rank", i},
-        {"host", i < hosts.size() ? hosts[i] : hardware::hostname()},
-        {"model_state_bytes",
-         {{"parameters", bytes(kParameters)}, {"gradients", bytes(kGradients)}, {"optimizer", bytes(kOptimizerState)},
-          {"buffers", bytes(kBuffers)},
-          {"total", bytes(kParameters) + bytes(kGradients) + bytes(kOptimizerState) + bytes(kBuffers)}}},
-        {"peak_rss_bytes", bytes(kPeakRss)},
-        {"step_ms", step_ms_of(c)},
-        {"comm_s", nlohmann::json::object()}};
-    row["comm_ms"] = nlohmann::json::object();  // per step, as step_ms
+    Summary::Rank row;
+    row.rank = static_cast<int64_t>(i);
+    row.host = i < hosts.size() ? hosts[i] : hardware::hostname();
+    row.model_state_bytes = StateBytesRecord{
+        bytes(kParameters), bytes(kGradients), bytes(kOptimizerState), bytes(kBuffers),
+        bytes(kParameters) + bytes(kGradients) + bytes(kOptimizerState) + bytes(kBuffers)};
+    row.peak_rss_bytes = bytes(kPeakRss);
+    row.step_ms = step_ms_of(c);
+    row.comm_s.emplace();
+    row.comm_ms.emplace();  // per step, as step_ms
     for (size_t a = 0; a < comm_axes_.size(); ++a) {
-      row["comm_s"][comm_axes_[a]] = c[kAxisBusy + a];
-      row["comm_ms"][comm_axes_[a]] = c[kAxisBusy + a] * 1e3 / steps;
+      (*row.comm_s)[comm_axes_[a]] = c[kAxisBusy + a];
+      (*row.comm_ms)[comm_axes_[a]] = c[kAxisBusy + a] * 1e3 / steps;
     }
-    if (bubble_of(c) >= 0) row["pipeline_bubble"] = bubble_of(c);
-    rows.push_back(row);
+    row.pipeline_bubble = bubble_if_staged(c);
+    j.ranks->push_back(row);
   }
-  j["ranks"] = rows;
   // The run is done and its results are elsewhere: a summary that cannot be written
   // (the disk filled up since job.yaml was) is a warning, not a failed run.
   const std::string path = (fs::path(spec_.log.dir) / "summary.json").string();
   try {
-    write_file_atomic(path, j.dump(2) + "\n");
+    write_file_atomic(path, to_json(j).dump(2) + "\n");
   } catch (const Error& e) {
     std::fprintf(stderr, "warning: log.dir: the run's summary was not written: %s\n", e.what());
   }

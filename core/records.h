@@ -15,6 +15,7 @@
 #include "core/mesh.h"
 #include "core/model_state.h"
 #include "core/plan.h"
+#include "core/run_folder.h"
 #include "core/step.h"
 
 namespace tetra::core {
@@ -81,7 +82,7 @@ class RunRecords {
   // A train record: its figures, this rank's memory and step split over the interval
   // since the last record, and (collective over every rank, when the records go
   // somewhere) every rank's (Note [Per-rank records]).
-  nlohmann::json train_record(const StepRecord& r, const RankState& now);
+  TrainRecord train_record(const StepRecord& r, const RankState& now);
   // job.yaml in log.dir (the writer, when the run starts).
   void write_run_start() const;
   // summary.json in log.dir: collective (every rank sends its totals); the writer writes.

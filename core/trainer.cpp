@@ -444,7 +444,11 @@ struct Trainer::Loop {
       ++checkpoint_failures;
       if (write) {
         std::fprintf(stderr, "warning: %s (checkpoint.on_error: warn, training goes on)\n", e.what());
-        metrics.write({{"step", t.step_}, {"checkpoint_failures", checkpoint_failures}, {"checkpoint_error", e.what()}});
+        CheckpointFailureRecord rec;
+        rec.step = t.step_;
+        rec.checkpoint_failures = checkpoint_failures;
+        rec.checkpoint_error = e.what();
+        metrics.write(to_json(rec));
       }
     }
     last_saved = t.step_;
@@ -453,19 +457,22 @@ struct Trainer::Loop {
   void eval() {
     EvalResult e = t.evaluate();
     const int64_t step = t.step_;
-    nlohmann::json rec = {{"step", step}, {"epoch", t.epoch_}, {"eval", true}, {"test_loss", e.test_loss},
-                          {"time_s", since_start.elapsed()}};
+    EvalRecord rec;
+    rec.step = step;
+    rec.epoch = t.epoch_;
+    rec.test_loss = e.test_loss;
+    rec.time_s = since_start.elapsed();
     std::string line = "eval  step " + std::to_string(step) + "  test_loss " + fmt("%.4f", e.test_loss);
     if (e.perplexity) {
-      rec["perplexity"] = *e.perplexity;
-      rec["test_accuracy"] = *e.accuracy;
+      rec.perplexity = *e.perplexity;
+      rec.test_accuracy = *e.accuracy;
       line += "  perplexity " + fmt("%.3f", *e.perplexity) + "  next-byte accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
     } else if (e.accuracy) {
-      rec["test_accuracy"] = *e.accuracy;
+      rec.test_accuracy = *e.accuracy;
       line += "  accuracy " + fmt("%.2f%%", 100 * *e.accuracy);
       if (!t.best_accuracy_ || *e.accuracy > *t.best_accuracy_) t.best_accuracy_ = e.accuracy;
     }
-    metrics.write(rec);
+    metrics.write(to_json(rec));
     progress->message(line);
     last_eval = e;
     last_eval_step = step;
@@ -504,7 +511,7 @@ struct Trainer::Loop {
       rec.skipped_steps = t.skipped_steps_;
       rec.skipped = outcome.skipped;
       rec.grad_norm = outcome.grad_norm;
-      metrics.write(records->train_record(rec, t.rank_state(t.memory())));
+      metrics.write(to_json(records->train_record(rec, t.rank_state(t.memory()))));
     }
     Progress::Status st;
     st.step = t.step_;

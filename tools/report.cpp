@@ -10,7 +10,9 @@
 //                   and trace files; without it they are RUN_DIR/metrics.jsonl and
 //                   RUN_DIR/trace*.json.
 //   metrics.jsonl   one record per line: train, eval, checkpoint failures (Note [Resumed
-//                   runs] for a file a resumed run appended to).
+//                   runs] in core/run_folder.cpp for a file a resumed run appended to).
+// The files are read by core/run_folder.h (read_run_folder): the records arrive as types,
+// and no key of theirs is spelled here.
 //   job.yaml        the resolved job: shown as it is, and `train --dry-run`'s per-rank
 //                   estimate is worked out from it (--no-estimate skips that: it builds
 //                   the model and reads the data).
@@ -55,6 +57,7 @@
 #include "collectives/error.h"
 #include "tools/chart/chart.h"
 #include "core/job_spec.h"
+#include "core/run_folder.h"
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/trace_merge.h"
@@ -80,6 +83,7 @@ double seconds_since(Clock::time_point t) {
 }
 
 // j[key] as a number; NaN when j is not an object or the key is missing, null or not a number.
+// (A Chrome trace's events: the run folder's records are core/run_folder.h's types.)
 double number(const json& j, const char* key) {
   if (!j.is_object()) return kNaN;
   const auto it = j.find(key);
@@ -100,76 +104,48 @@ std::string text_of(const json& j, const char* key) {
 
 using tetra::core::fmt;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+// ---- the run folder's records ----------------------------------------------------------
+
+using tetra::core::EvalFigures;
+using tetra::core::MetricsFile;
+using tetra::core::RunFolder;
+using tetra::core::StateBytesRecord;
+using tetra::core::StepMsRecord;
+using tetra::core::Summary;
+using tetra::core::TrainRecord;
+
+// A figure of a record; NaN where the record does not have it.
+template <class T>
+double num(const std::optional<T>& v) {
+  return v ? static_cast<double>(*v) : kNaN;
+}
+// One figure of a sub-object (step_ms, model_state_bytes); NaN where either is absent.
+template <class S, class T>
+double num(const std::optional<S>& sub, std::optional<T> S::*figure) {
+  return sub ? num((*sub).*figure) : kNaN;
+}
+// A mesh axis's time in comm_ms; NaN where absent.
+double num(const std::optional<tetra::core::AxisTimes>& times, const std::string& axis) {
+  if (!times) return kNaN;
+  const auto it = times->find(axis);
+  return it != times->end() ? it->second : kNaN;
 }
 
-// ---- the metrics file ----------------------------------------------------------------
-
-// Note [Resumed runs]: a resumed run appends to the metrics file of the run it resumes,
-// from the step after its checkpoint, so steps can go back. As TensorBoard does at a
-// SessionLog START, the later run wins: a train record whose step is not past the last
-// train step kept (or an eval record before the last eval step) drops every record of
-// every kind from that step on, and the page marks the step where the run resumed.
-// The interrupted run's records between its checkpoint and that step are dropped too
-// whenever the resumed run logs the step after its checkpoint (log.every divides
-// checkpoint.every_steps, or is 1).
-struct Metrics {
-  std::string path;
-  std::map<int64_t, json> train, eval, failures;  // by step
-  std::vector<int64_t> resumed_at;                // steps where the file went back
-  size_t records = 0, other = 0;                  // lines read; records of no known kind
-};
-
-Metrics read_metrics(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw ConfigError(path.string() + ": cannot read");
-  Metrics m;
-  m.path = path.string();
-  std::string line;
-  for (size_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    json rec;
-    try {
-      rec = json::parse(line);
-    } catch (const json::exception& e) {
-      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not JSON (" + e.what() + ")");
-    }
-    if (!rec.is_object())
-      throw ConfigError(path.string() + ":" + std::to_string(n) + ": not a JSON object");
-    ++m.records;
-    // Kinds this reader does not know (a later trainer's) are counted and left out.
-    const bool eval = member(rec, "eval") == true, failure = rec.contains("checkpoint_failures"),
-               train = !eval && !failure && rec.contains("loss");
-    if (!member(rec, "step").is_number_integer() || (!eval && !failure && !train)) {
-      ++m.other;
-      continue;
-    }
-    const int64_t step = rec["step"].get<int64_t>();
-    std::map<int64_t, json>& kind = eval ? m.eval : failure ? m.failures : m.train;
-    // A run writes one train record per step; an eval twice at one step replaces.
-    if (!failure && !kind.empty() &&
-        (eval ? step < kind.rbegin()->first : step <= kind.rbegin()->first)) {
-      for (auto* k : {&m.train, &m.eval, &m.failures}) k->erase(k->lower_bound(step), k->end());
-      m.resumed_at.push_back(step);
-    }
-    kind[step] = std::move(rec);
-  }
-  return m;
-}
-
-// `key` (then `sub` inside it) of each record; NaN where absent.
-std::vector<double> column(const std::map<int64_t, json>& recs, const char* key,
-                           const char* sub = nullptr) {
+// `figure` of each record, in step order (NaN where absent).
+template <class R, class F>
+std::vector<double> column(const std::map<int64_t, R>& recs, F figure) {
   std::vector<double> out;
   out.reserve(recs.size());
-  for (const auto& [step, r] : recs)
-    out.push_back(sub ? number(member(r, key), sub) : number(r, key));
+  for (const auto& kv : recs) out.push_back(figure(kv.second));
   return out;
 }
+template <class R, class T, class Base>
+std::vector<double> column(const std::map<int64_t, R>& recs, std::optional<T> Base::*figure) {
+  return column(recs, [&](const R& r) { return num(r.*figure); });
+}
 
-std::vector<double> steps_of(const std::map<int64_t, json>& recs) {
+template <class R>
+std::vector<double> steps_of(const std::map<int64_t, R>& recs) {
   std::vector<double> out;
   out.reserve(recs.size());
   for (const auto& kv : recs) out.push_back(static_cast<double>(kv.first));
@@ -178,104 +154,6 @@ std::vector<double> steps_of(const std::map<int64_t, json>& recs) {
 
 bool any_finite(const std::vector<double>& v) {
   return std::any_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); });
-}
-
-// ---- the run folder -------------------------------------------------------------------
-
-struct Run {
-  fs::path dir;
-  json summary;  // null: none
-  Metrics metrics;
-  std::string job_yaml;
-  fs::path job_path;
-  bool has_job = false;
-  std::vector<std::string> traces;
-  std::vector<std::string> notes;  // what the reader should know about the files themselves
-};
-
-// A path summary.json names: as written, else in RUN_DIR by its name (a run folder that
-// was copied or moved elsewhere).
-fs::path locate(const fs::path& dir, const std::string& named) {
-  std::error_code ec;
-  const fs::path p(named);
-  if (fs::exists(p, ec)) return p;
-  if (p.is_relative() && fs::exists(dir / p, ec)) return dir / p;
-  if (fs::exists(dir / p.filename(), ec)) return dir / p.filename();
-  return p;
-}
-
-// Without summary.json: RUN_DIR/trace*.json, and only the per-rank files when there are
-// some (a trace.json beside them is trace-merge's output).
-std::vector<std::string> default_traces(const fs::path& dir) {
-  for (const char* pattern : {"trace*rank*.json", "trace*.json"}) {
-    try {
-      return tetra::core::find_trace_files({(dir / pattern).string()});
-    } catch (const ConfigError&) {  // nothing matches
-    }
-  }
-  return {};
-}
-
-Run read_run(const fs::path& dir) {
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec))
-    throw ConfigError(dir.string() + ": no such folder (the run's log.dir)");
-  Run run;
-  run.dir = dir;
-  const fs::path summary = dir / "summary.json";
-  if (fs::exists(summary, ec)) {
-    try {
-      run.summary = json::parse(slurp(summary));
-    } catch (const json::exception& e) {
-      throw ConfigError(summary.string() + ": not JSON (" + e.what() + ")");
-    }
-    if (!run.summary.is_object()) throw ConfigError(summary.string() + ": not a JSON object");
-  }
-  fs::path metrics = dir / "metrics.jsonl";
-  const std::string named = text_of(run.summary, "metrics");
-  if (!named.empty()) {
-    metrics = locate(dir, named);
-    if (metrics != fs::path(named))
-      run.notes.push_back("summary.json names " + named + "; read " + metrics.string());
-  }
-  if (!fs::exists(metrics, ec))
-    throw ConfigError(dir.string() + ": no metrics (" + metrics.string() +
-                      " does not exist; set log.metrics)");
-  run.metrics = read_metrics(metrics);
-  if (run.metrics.train.empty() && run.metrics.eval.empty())
-    throw ConfigError(metrics.string() + ": no train or eval records (" +
-                      std::to_string(run.metrics.records) +
-                      " records, none with an integer \"step\" and a \"loss\" or \"eval\": true)");
-  if (run.metrics.other)
-    run.notes.push_back(
-        std::to_string(run.metrics.other) + " of the " + std::to_string(run.metrics.records) +
-        " records in " + metrics.string() +
-        " are of no kind this report knows (no integer step, or neither train, eval nor checkpoint "
-        "failure): left out");
-
-  run.job_path = dir / "job.yaml";
-  const std::string job = text_of(run.summary, "job_yaml");
-  if (!job.empty()) run.job_path = locate(dir, job);
-  if (fs::exists(run.job_path, ec)) {
-    run.job_yaml = slurp(run.job_path);
-    run.has_job = true;
-  }
-
-  const json& traces = member(run.summary, "traces");
-  if (traces.is_array() && !traces.empty()) {
-    for (const auto& t : traces) {
-      if (!t.is_string()) continue;
-      const fs::path p = locate(dir, t.get<std::string>());
-      if (fs::exists(p, ec))
-        run.traces.push_back(p.string());
-      else
-        run.notes.push_back("summary.json names the trace " + t.get<std::string>() +
-                            ", which is not there");
-    }
-  } else {
-    run.traces = default_traces(dir);
-  }
-  return run;
 }
 
 // ---- the page -------------------------------------------------------------------------
@@ -334,9 +212,10 @@ const std::string& kBackward = chart::colour(1);
 const std::string kWaitColour = "#BBBBBB";
 
 // summary.json's processes; its world counts replica threads too (older summaries: world).
-double processes(const json& summary) {
-  const double p = number(summary, "processes");
-  return std::isfinite(p) ? p : number(summary, "world");
+double processes(const std::optional<Summary>& summary) {
+  if (!summary) return kNaN;
+  const double p = num(summary->processes);
+  return std::isfinite(p) ? p : num(summary->world);
 }
 
 std::string pct(double fraction) {
@@ -353,14 +232,13 @@ std::string duration(double seconds) {
 // ---- header ---------------------------------------------------------------------------
 
 // Returns the job's name (the page's title).
-std::string header_section(Page& page, const Run& run) {
-  const json& s = run.summary;
-  const Metrics& m = run.metrics;
-  const bool have = s.is_object();
-  std::string name = text_of(s, "job");
+std::string header_section(Page& page, const RunFolder& run) {
+  const MetricsFile& m = run.metrics;
+  const bool have = run.summary.has_value();
+  std::string name = have ? run.summary->job : "";
+  const fs::path dir(run.dir);
   if (name.empty())
-    name = run.dir.filename().empty() ? run.dir.parent_path().filename().string()
-                                      : run.dir.filename().string();
+    name = dir.filename().empty() ? dir.parent_path().filename().string() : dir.filename().string();
   page.html += "<h1>" + chart::escape(name) + "</h1>\n";
   page.open("run", "Run");
   if (!have)
@@ -373,51 +251,46 @@ std::string header_section(Page& page, const Run& run) {
     if (!v.empty()) facts.emplace_back(k, v);
   };
   if (have) {
-    std::string version = text_of(s, "tetra");
-    if (!text_of(s, "commit").empty()) version += " (commit " + text_of(s, "commit") + ")";
+    const Summary& s = *run.summary;
+    std::string version = s.tetra;
+    if (!s.commit.empty()) version += " (commit " + s.commit + ")";
     fact("tetra", version);
-    fact("started", text_of(s, "started"));
-    fact("finished", text_of(s, "finished"));
+    fact("started", s.started);
+    fact("finished", s.finished);
     std::string world =
-        std::isfinite(processes(s)) ? fmt("%.0f processes", processes(s)) : "";
-    const json& mesh = member(s, "mesh");
-    if (mesh.is_object() && !mesh.empty()) {
+        std::isfinite(processes(run.summary)) ? fmt("%.0f processes", processes(run.summary)) : "";
+    if (s.mesh && !s.mesh->empty()) {
       std::vector<std::string> axes;
-      for (const auto& [axis, n] : mesh.items()) axes.push_back(axis + "=" + n.dump());
+      for (const auto& [axis, n] : *s.mesh) axes.push_back(axis + "=" + std::to_string(n));
       world += ", mesh " + tetra::core::join(axes, " x ");
     }
-    if (number(s, "replicas") > 1)
-      world += fmt(", %.0f replicas per process", number(s, "replicas"));
+    if (num(s.replicas) > 1) world += fmt(", %.0f replicas per process", num(s.replicas));
     fact("world", world);
-    std::string steps = fmt("%.0f", number(s, "final_step"));
-    if (number(s, "steps") != number(s, "final_step"))
-      steps += fmt(" (%.0f this run)", number(s, "steps"));
-    if (number(s, "skipped_steps") > 0) steps += fmt(", %.0f skipped", number(s, "skipped_steps"));
+    std::string steps = fmt("%.0f", num(s.final_step));
+    if (num(s.steps) != num(s.final_step)) steps += fmt(" (%.0f this run)", num(s.steps));
+    if (num(s.skipped_steps) > 0) steps += fmt(", %.0f skipped", num(s.skipped_steps));
     fact("steps", steps);
-    fact("time", duration(number(s, "total_seconds")) + " (training " +
-                     duration(number(s, "train_seconds")) + ")");
-    fact("throughput", fmt("%.0f samples/s", number(s, "samples_per_s")));
-    fact("final loss", fmt("%.4f", number(s, "final_loss")));
-    fact("resumed from", text_of(s, "resumed_from"));
+    fact("time", duration(num(s.total_seconds)) + " (training " + duration(num(s.train_seconds)) + ")");
+    fact("throughput", fmt("%.0f samples/s", num(s.samples_per_s)));
+    fact("final loss", fmt("%.4f", num(s.final_loss)));
+    fact("resumed from", s.resumed_from);
   } else if (!m.train.empty()) {
-    const json& last = m.train.rbegin()->second;
+    const TrainRecord& last = m.train.rbegin()->second;
     fact("steps", std::to_string(m.train.rbegin()->first) + " logged (the last record)");
-    fact("time", duration(number(last, "time_s")) + " at the last record");
-    fact("throughput", fmt("%.0f samples/s at the last record", number(last, "samples_per_s")));
+    fact("time", duration(num(last.time_s)) + " at the last record");
+    fact("throughput", fmt("%.0f samples/s at the last record", num(last.samples_per_s)));
     double loss = kNaN;
     for (const auto& kv : m.train)
-      if (std::isfinite(number(kv.second, "loss"))) loss = number(kv.second, "loss");
+      if (std::isfinite(num(kv.second.loss))) loss = num(kv.second.loss);
     fact("last loss", fmt("%.4f", loss));
   }
-  json eval = member(s, "final_eval");
-  const bool final_eval = eval.is_object();
-  if (!final_eval && !m.eval.empty()) eval = m.eval.rbegin()->second;
-  if (eval.is_object()) {
-    std::string e = fmt("test loss %.4f", number(eval, "test_loss"));
-    if (std::isfinite(number(eval, "perplexity")))
-      e += fmt(", perplexity %.3f", number(eval, "perplexity"));
-    if (std::isfinite(number(eval, "test_accuracy")))
-      e += fmt(", accuracy %.2f%%", 100 * number(eval, "test_accuracy"));
+  std::optional<EvalFigures> eval = have ? run.summary->final_eval : std::nullopt;
+  const bool final_eval = eval.has_value();
+  if (!final_eval && !m.eval.empty()) eval = static_cast<const EvalFigures&>(m.eval.rbegin()->second);
+  if (eval) {
+    std::string e = fmt("test loss %.4f", num(eval->test_loss));
+    if (std::isfinite(num(eval->perplexity))) e += fmt(", perplexity %.3f", num(eval->perplexity));
+    if (std::isfinite(num(eval->test_accuracy))) e += fmt(", accuracy %.2f%%", 100 * num(eval->test_accuracy));
     fact(final_eval ? "final eval" : "last eval", e);
   }
   if (!m.resumed_at.empty()) {
@@ -436,7 +309,7 @@ std::string header_section(Page& page, const Run& run) {
 
 // ---- loss, evaluation and the other curves over steps ---------------------------------
 
-std::vector<chart::Rule> rules_of(const Metrics& m) {
+std::vector<chart::Rule> rules_of(const MetricsFile& m) {
   std::vector<chart::Rule> rules;
   for (int64_t st : m.resumed_at) rules.push_back({static_cast<double>(st), "resumed", "#555555"});
   for (const auto& [st, rec] : m.failures)
@@ -455,9 +328,10 @@ chart::Frame frame_over_steps(const std::string& title, const std::string& y, Un
   return f;
 }
 
-void loss_section(Page& page, const Metrics& m) {
+void loss_section(Page& page, const MetricsFile& m) {
   page.open("loss", "Loss");
-  const std::vector<double> loss = column(m.train, "loss"), test = column(m.eval, "test_loss");
+  const std::vector<double> loss = column(m.train, &TrainRecord::loss),
+                            test = column(m.eval, &EvalFigures::test_loss);
   if (!any_finite(loss) && !any_finite(test)) {
     page.missing_line(
         "no loss in the metrics: neither train records with a finite loss nor eval records");
@@ -471,7 +345,7 @@ void loss_section(Page& page, const Metrics& m) {
     series.push_back({"test loss (eval)", steps_of(m.eval), test, kBackward, true, true, true});
   chart::Frame f = frame_over_steps("Loss", "loss", Unit::kNumber, kWide, false);
   const auto skipped = std::count_if(m.train.begin(), m.train.end(), [](const auto& kv) {
-    return kv.second.value("skipped", false);
+    return kv.second.skipped;
   });
   if (skipped)
     f.note =
@@ -479,14 +353,14 @@ void loss_section(Page& page, const Metrics& m) {
   page.add(chart::line_chart(f, series, rules_of(m)));
   for (const auto& [st, rec] : m.failures)
     page.note("step " + std::to_string(st) + ": checkpoint failed (" +
-              text_of(rec, "checkpoint_error") + ")");
+              rec.checkpoint_error + ")");
   page.close();
 }
 
-void eval_section(Page& page, const Metrics& m) {
+void eval_section(Page& page, const MetricsFile& m) {
   page.open("eval", "Evaluation");
-  const std::vector<double> ppl = column(m.eval, "perplexity"),
-                            acc = column(m.eval, "test_accuracy");
+  const std::vector<double> ppl = column(m.eval, &EvalFigures::perplexity),
+                            acc = column(m.eval, &EvalFigures::test_accuracy);
   if (m.eval.empty()) {
     page.missing_line(
         "no eval records in the metrics (train.eval_every, or the end of an epoch, writes them)");
@@ -507,10 +381,11 @@ void eval_section(Page& page, const Metrics& m) {
 }
 
 // One number of the train records over steps, in a half-width section.
-void curve_section(Page& page, const Metrics& m, const std::string& id, const std::string& title,
-                   const char* key, const std::string& y, const std::string& why_missing) {
+void curve_section(Page& page, const MetricsFile& m, const std::string& id, const std::string& title,
+                   std::optional<double> TrainRecord::*figure, const std::string& y,
+                   const std::string& why_missing) {
   page.open(id, title);
-  const std::vector<double> v = column(m.train, key);
+  const std::vector<double> v = column(m.train, figure);
   if (!any_finite(v))
     page.missing_line(why_missing);
   else
@@ -523,45 +398,43 @@ void curve_section(Page& page, const Metrics& m, const std::string& id, const st
 
 // ---- time per step --------------------------------------------------------------------
 
-// A key of the records, its name on the page and its colour in every chart.
-struct Part {
-  const char* key;
+// A phase of the records' step_ms, its name on the page and its colour in every chart.
+struct Phase {
+  std::optional<double> StepMsRecord::*ms;
   const char* name;
   std::string colour;
 };
 // The trainer's phases (core/trainer.cpp's step_ms), bottom to top; "gradients" is the
 // gradient synchronisation after backward.
-const std::vector<Part>& phases() {
-  static const std::vector<Part> p = {{"data", "data", chart::colour(4)},
-                                      {"forward", "forward", kForward},
-                                      {"backward", "backward", kBackward},
-                                      {"gradients", "gradient sync", chart::colour(5)},
-                                      {"optimizer", "optimizer", chart::colour(2)}};
+const std::vector<Phase>& phases() {
+  static const std::vector<Phase> p = {{&StepMsRecord::data, "data", chart::colour(4)},
+                                       {&StepMsRecord::forward, "forward", kForward},
+                                       {&StepMsRecord::backward, "backward", kBackward},
+                                       {&StepMsRecord::gradients, "gradient sync", chart::colour(5)},
+                                       {&StepMsRecord::optimizer, "optimizer", chart::colour(2)}};
   return p;
 }
 
-void step_time_section(Page& page, const Run& run) {
-  const Metrics& m = run.metrics;
-  page.open("step-time", "Time per step");
+// The step-time chart: each phase per logged interval, rank 0's, and the time in
+// communication per mesh axis. False when the records carry no step_ms.
+bool step_time_chart(Page& page, const MetricsFile& m) {
   std::vector<chart::Layer> layers;
   bool any = false;
   for (const auto& ph : phases()) {
-    layers.push_back({ph.name, column(m.train, "step_ms", ph.key), ph.colour});
+    layers.push_back({ph.name, column(m.train, [&](const TrainRecord& r) { return num(r.step_ms, ph.ms); }),
+                      ph.colour});
     any = any || any_finite(layers.back().y);
   }
-  if (!any) {
-    page.missing_line("the train records carry no step_ms (where a step's time went)");
-    page.close();
-    return;
-  }
+  if (!any) return false;
   std::set<std::string> axes;
   for (const auto& kv : m.train)
-    for (const auto& [axis, v] : member(kv.second, "comm_ms").items()) axes.insert(axis);
+    if (kv.second.comm_ms)
+      for (const auto& [axis, v] : *kv.second.comm_ms) axes.insert(axis);
   std::vector<chart::Series> lines;
   size_t k = 0;
   for (const auto& axis : axes)
     lines.push_back({"communication, " + axis + " axis", steps_of(m.train),
-                     column(m.train, "comm_ms", axis.c_str()),
+                     column(m.train, [&](const TrainRecord& r) { return num(r.comm_ms, axis); }),
                      k++ ? chart::colour(6) : chart::colour(3), true, false, true});
   chart::Frame f = frame_over_steps("Time per step, by phase (rank 0)", "time per step",
                                     Unit::kMilliseconds, kWide, true);
@@ -571,6 +444,17 @@ void step_time_section(Page& page, const Run& run) {
                       ? ""
                       : "; dashed: time in communication per mesh axis, which overlaps the phases");
   page.add(chart::stacked_steps_chart(f, steps_of(m.train), layers, lines));
+  return true;
+}
+
+void step_time_section(Page& page, const RunFolder& run) {
+  const MetricsFile& m = run.metrics;
+  page.open("step-time", "Time per step");
+  if (!step_time_chart(page, m)) {
+    page.missing_line("the train records carry no step_ms (where a step's time went)");
+    page.close();
+    return;
+  }
 
   // Means per rank from summary.json; else rank 0's from the records, each weighted by
   // the steps it covers.
@@ -578,30 +462,31 @@ void step_time_section(Page& page, const Run& run) {
   for (const auto& ph : phases()) head.push_back(ph.name);
   head.push_back("total");
   std::vector<std::vector<std::string>> rows;
-  const json& ranks = member(run.summary, "ranks");
-  if (ranks.is_array() && !ranks.empty()) {
+  if (run.summary && run.summary->ranks && !run.summary->ranks->empty()) {
+    const std::vector<Summary::Rank>& ranks = *run.summary->ranks;
     std::set<std::string> comm_axes;
     bool bubble = false;
     for (const auto& r : ranks) {
-      for (const auto& [axis, v] : member(r, "comm_ms").items()) comm_axes.insert(axis);
-      bubble = bubble || std::isfinite(number(r, "pipeline_bubble"));
+      if (r.comm_ms)
+        for (const auto& [axis, v] : *r.comm_ms) comm_axes.insert(axis);
+      bubble = bubble || std::isfinite(num(r.pipeline_bubble));
     }
     for (const auto& axis : comm_axes) head.push_back("comm " + axis);
     if (bubble) head.push_back("bubble over the run");
     for (const auto& r : ranks) {
-      std::vector<std::string> row = {fmt("%.0f", number(r, "rank"))};
+      std::vector<std::string> row = {fmt("%.0f", num(r.rank))};
       double total = 0;
       for (const auto& ph : phases()) {
-        const double v = number(member(r, "step_ms"), ph.key);
+        const double v = num(r.step_ms, ph.ms);
         row.push_back(ms(v));
         if (std::isfinite(v)) total += v;
       }
       row.push_back(ms(total));
       for (const auto& axis : comm_axes) {
-        const double v = number(member(r, "comm_ms"), axis.c_str());
+        const double v = num(r.comm_ms, axis);
         row.push_back(std::isfinite(v) ? ms(v) : "");
       }
-      if (bubble) row.push_back(pct(number(r, "pipeline_bubble")));
+      if (bubble) row.push_back(pct(num(r.pipeline_bubble)));
       rows.push_back(std::move(row));
     }
     page.note("Mean per step over the run, per rank (summary.json):");
@@ -612,7 +497,7 @@ void step_time_section(Page& page, const Run& run) {
       double sum = 0, n = 0;
       int64_t before = 0;
       for (const auto& [st, rec] : m.train) {
-        const double v = number(member(rec, "step_ms"), ph.key);
+        const double v = num(rec.step_ms, ph.ms);
         const double steps = static_cast<double>(std::max<int64_t>(1, st - before));
         before = st;
         if (std::isfinite(v)) sum += v * steps, n += steps;
@@ -631,17 +516,24 @@ void step_time_section(Page& page, const Run& run) {
 
 // ---- memory ---------------------------------------------------------------------------
 
+// One process's bytes as train --dry-run estimates them.
+struct Planned {
+  int rank = 0;
+  tetra::core::ModelStateBytes state;
+  int64_t activations = 0;  // saved for backward at the peak
+};
+
 struct Estimate {
-  json ranks;       // dry_run's "estimate": per rank {"rank", "bytes": {...}}
-  std::string why;  // when there is none
+  std::vector<Planned> ranks;  // dry_run's estimate, per process
+  std::string why;             // when there is none
   double seconds = 0;
   YAML::Node resolved;  // the job with every default, when job.yaml parsed
 };
 
-Estimate estimate(const Run& run, bool wanted) {
+Estimate estimate(const RunFolder& run, bool wanted) {
   Estimate e;
   if (!run.has_job) {
-    e.why = "no job.yaml in " + run.dir.string();
+    e.why = "no job.yaml in " + run.dir;
     return e;
   }
   const auto t0 = Clock::now();
@@ -654,7 +546,7 @@ Estimate estimate(const Run& run, bool wanted) {
         std::isfinite(world) ? tetra::core::JobWorld{static_cast<int>(world), "the run's summary.json"}
                              : tetra::core::JobWorld{};
     tetra::core::ParsedJob parsed =
-        tetra::core::parse_job_string(run.job_yaml, run.job_path.string(), {}, plugins, {}, job_world);
+        tetra::core::parse_job_string(run.job_yaml, run.job_path, {}, plugins, {}, job_world);
     e.resolved = parsed.resolved;
     if (!wanted) {
       e.why = "not worked out (--no-estimate)";
@@ -663,7 +555,8 @@ Estimate estimate(const Run& run, bool wanted) {
     tetra::DryRunOptions how;
     how.timing_rounds = 1;  // the estimate's bytes are what the page uses, not the step's spread
     how.np = std::isfinite(world) ? static_cast<int>(world) : 0;
-    e.ranks = tetra::core::estimate_json(tetra::plan_report(parsed.spec, {}, how).estimates);
+    for (const tetra::core::RankEstimate& r : tetra::plan_report(parsed.spec, {}, how).estimates)
+      e.ranks.push_back({r.rank, r.state, r.activations});
   } catch (const std::exception& ex) {
     std::string why = ex.what();
     while (!why.empty() && why.back() == '\n') why.pop_back();
@@ -673,59 +566,69 @@ Estimate estimate(const Run& run, bool wanted) {
   return e;
 }
 
-const std::vector<Part>& state_kinds() {
-  static const std::vector<Part> k = {
-      {"parameters", "parameters", chart::colour(0)},
-      {"gradients", "gradients", chart::colour(1)},
-      {"optimizer", "optimizer state", chart::colour(2)},
-      {"buffers", "buffers", chart::colour(3)},
-      {"activations", "activations (estimate only)", chart::colour(4)}};
+// A kind of model state: its name on the page, its colour in every bar, and its bytes as
+// measured (none for activations: estimated only) and as estimated.
+struct StateKind {
+  const char* name;
+  std::string colour;
+  std::optional<int64_t> StateBytesRecord::*measured;
+  int64_t (*planned)(const Planned&);
+};
+const std::vector<StateKind>& state_kinds() {
+  static const std::vector<StateKind> k = {
+      {"parameters", chart::colour(0), &StateBytesRecord::parameters,
+       [](const Planned& p) { return p.state.parameters; }},
+      {"gradients", chart::colour(1), &StateBytesRecord::gradients,
+       [](const Planned& p) { return p.state.gradients; }},
+      {"optimizer state", chart::colour(2), &StateBytesRecord::optimizer,
+       [](const Planned& p) { return p.state.optimizer; }},
+      {"buffers", chart::colour(3), &StateBytesRecord::buffers,
+       [](const Planned& p) { return p.state.buffers; }},
+      {"activations (estimate only)", chart::colour(4), nullptr,
+       [](const Planned& p) { return p.activations; }}};
   return k;
 }
 
 struct RankMemory {
   int rank = 0;
   std::string host;
-  json state;  // {"parameters",...,"total"}, or {"total"} only
+  StateBytesRecord state;  // by kind, or the total only
   double rss = kNaN;
 };
 
 // From summary.json; else from the last train record (rank 0's breakdown, the others'
-// totals from its "ranks").
-std::vector<RankMemory> measured_memory(const Run& run, std::string* source) {
+// totals from its per-rank rows).
+std::vector<RankMemory> measured_memory(const RunFolder& run, std::string* source) {
   std::vector<RankMemory> out;
-  const json& ranks = member(run.summary, "ranks");
-  if (ranks.is_array() && !ranks.empty()) {
+  if (run.summary && run.summary->ranks && !run.summary->ranks->empty()) {
     *source = "summary.json";
-    for (const auto& r : ranks)
-      out.push_back({static_cast<int>(number(r, "rank")), text_of(r, "host"),
-                     member(r, "model_state_bytes"), number(r, "peak_rss_bytes")});
+    for (const auto& r : *run.summary->ranks)
+      out.push_back({static_cast<int>(num(r.rank)), r.host, r.model_state_bytes.value_or(StateBytesRecord{}),
+                     num(r.peak_rss_bytes)});
     return out;
   }
   if (run.metrics.train.empty()) return out;
-  const json& last = run.metrics.train.rbegin()->second;
+  const TrainRecord& last = run.metrics.train.rbegin()->second;
   *source =
       "the last train record (step " + std::to_string(run.metrics.train.rbegin()->first) + ")";
-  const json& per_rank = member(last, "ranks");
-  const size_t n = per_rank.is_array() && !per_rank.empty() ? per_rank.size() : 1;
+  const size_t n = last.ranks && !last.ranks->empty() ? last.ranks->size() : 1;
   for (size_t i = 0; i < n; ++i) {
     RankMemory r;
     r.rank = static_cast<int>(i);
-    const json& pr = per_rank.is_array() && i < per_rank.size() ? per_rank[i] : json();
-    if (i == 0 && member(last, "model_state_bytes").is_object()) {
-      r.state = member(last, "model_state_bytes");
-      r.rss = number(last, "peak_rss_bytes");
+    const TrainRecord::Rank pr = last.ranks && i < last.ranks->size() ? (*last.ranks)[i] : TrainRecord::Rank{};
+    if (i == 0 && last.model_state_bytes) {
+      r.state = *last.model_state_bytes;
+      r.rss = num(last.peak_rss_bytes);
     } else {
-      r.state = {{"total", number(pr, "model_state_bytes")}};
-      r.rss = number(pr, "peak_rss_bytes");
+      r.state.total = pr.model_state_bytes;
+      r.rss = num(pr.peak_rss_bytes);
     }
-    if (std::isfinite(number(r.state, "total")) || std::isfinite(r.rss))
-      out.push_back(std::move(r));
+    if (std::isfinite(num(r.state.total)) || std::isfinite(r.rss)) out.push_back(std::move(r));
   }
   return out;
 }
 
-void memory_section(Page& page, const Run& run, const Estimate& est) {
+void memory_section(Page& page, const RunFolder& run, const Estimate& est) {
   page.open("memory", "Memory per rank");
   std::string source;
   const std::vector<RankMemory> measured = measured_memory(run, &source);
@@ -734,13 +637,11 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
   // The estimate is per process; the run's ranks are processes x replica threads, rank
   // p * R + r being process p's replica r (make_hierarchical's order): each replica is
   // set against its process's estimate.
-  const double replicas_read = number(run.summary, "replicas");
+  const double replicas_read = run.summary ? num(run.summary->replicas) : kNaN;
   const int R = std::isfinite(replicas_read) && replicas_read > 1 ? static_cast<int>(replicas_read) : 1;
-  std::map<int, json> planned;  // by the run's rank
-  if (est.ranks.is_array())
-    for (const auto& r : est.ranks)
-      for (int replica = 0; replica < R; ++replica)
-        planned[static_cast<int>(number(r, "rank")) * R + replica] = member(r, "bytes");
+  std::map<int, const Planned*> planned;  // by the run's rank
+  for (const auto& r : est.ranks)
+    for (int replica = 0; replica < R; ++replica) planned[r.rank * R + replica] = &r;
   std::set<int> ranks;
   for (const auto& kv : by_rank) ranks.insert(kv.first);
   for (const auto& kv : planned) ranks.insert(kv.first);
@@ -762,12 +663,11 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
     if (mi != by_rank.end()) {
       const RankMemory& r = *mi->second;
       chart::Bar bar{"measured", {}, false};
-      state = number(r.state, "total");
+      state = num(r.state.total);
       rss = r.rss;
-      if (std::isfinite(number(r.state, "parameters"))) {
+      if (std::isfinite(num(r.state.parameters))) {
         for (const auto& k : state_kinds())
-          if (std::string(k.key) != "activations")
-            bar.segments.push_back({k.name, number(r.state, k.key), k.colour});
+          if (k.measured) bar.segments.push_back({k.name, num(r.state.*k.measured), k.colour});
       } else {
         bar.segments.push_back({"model state (total only)", state, chart::colour(5)});
       }
@@ -775,9 +675,11 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
     }
     if (pi != planned.end()) {
       chart::Bar bar{"estimate", {}, true};
+      const Planned& p = *pi->second;
       for (const auto& k : state_kinds())
-        bar.segments.push_back({k.name, number(pi->second, k.key), k.colour});
-      plan_state = number(pi->second, "total") - number(pi->second, "activations");
+        bar.segments.push_back({k.name, static_cast<double>(k.planned(p)), k.colour});
+      // The estimate's total less its activations, as the dry run's JSON gives them.
+      plan_state = static_cast<double>(p.state.total() + p.activations) - static_cast<double>(p.activations);
       g.bars.push_back(std::move(bar));
     }
     const double ratio = plan_state > 0 ? state / plan_state : kNaN;
@@ -787,7 +689,7 @@ void memory_section(Page& page, const Run& run, const Estimate& est) {
     groups.push_back(std::move(g));
     rows.push_back({std::to_string(rank), mi != by_rank.end() ? mi->second->host : "", bytes(state),
                     bytes(plan_state), std::isfinite(ratio) ? fmt("%.3f", ratio) : "n/a",
-                    pi != planned.end() ? bytes(number(pi->second, "activations")) : "n/a",
+                    pi != planned.end() ? bytes(static_cast<double>(pi->second->activations)) : "n/a",
                     bytes(rss)});
   }
   chart::Frame f;
@@ -890,79 +792,67 @@ std::string micro_batch(const std::string& name) {
   return i == std::string::npos ? name : name.substr(i);
 }
 
-void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t wanted_step) {
-  page.open("pipeline", "Pipeline timeline");
-  int p = 0, m = 0, v = 1;  // p = 0: not known
+// The job's pipeline as the textbook bubble needs it: summary.json's mesh, else job.yaml's
+// (p = 0: not known).
+struct PipelineShape {
+  int p = 0, m = 0, v = 1;
   std::string kind = "1f1b";
-  const double summary_p = number(member(run.summary, "mesh"), "pipeline");
-  if (std::isfinite(summary_p)) p = static_cast<int>(summary_p);
+};
+
+PipelineShape pipeline_shape(const RunFolder& run, const Estimate& est) {
+  PipelineShape s;
+  if (run.summary && run.summary->mesh) {
+    const auto it = run.summary->mesh->find("pipeline");  // the mesh axis
+    if (it != run.summary->mesh->end()) s.p = static_cast<int>(it->second);
+  }
   if (est.resolved.IsMap()) {
     try {
-      p = est.resolved["mesh"]["pipeline"].as<int>(1);
-      m = est.resolved["pipeline"]["micro_batches"].as<int>(0);
-      kind = est.resolved["pipeline"]["schedule"].as<std::string>(kind);
-      v = est.resolved["pipeline"]["virtual_stages"].as<int>(kind == "zbv" ? 2 : 1);
+      s.p = est.resolved["mesh"]["pipeline"].as<int>(1);
+      s.m = est.resolved["pipeline"]["micro_batches"].as<int>(0);
+      s.kind = est.resolved["pipeline"]["schedule"].as<std::string>(s.kind);
+      s.v = est.resolved["pipeline"]["virtual_stages"].as<int>(s.kind == "zbv" ? 2 : 1);
     } catch (const YAML::Exception&) {
     }
   }
-  // The trainer's own measure per logged interval, when the records carry it.
-  auto bubble_curves = [&] {
-    std::vector<chart::Series> series;
-    const std::vector<double> b0 = column(run.metrics.train, "pipeline_bubble");
-    size_t ranks = 0;
-    for (const auto& kv : run.metrics.train)
-      ranks = std::max(ranks, member(kv.second, "ranks").size());
-    for (size_t r = 0; r < ranks; ++r) {
-      std::vector<double> y;
-      for (const auto& kv : run.metrics.train) {
-        const json& pr = member(kv.second, "ranks");
-        y.push_back(pr.is_array() && r < pr.size() ? 100 * number(pr[r], "pipeline_bubble") : kNaN);
-      }
-      if (any_finite(y))
-        series.push_back({"rank " + std::to_string(r), steps_of(run.metrics.train), y,
-                          chart::colour(r), true, false, false});
-    }
-    if (series.empty() && any_finite(b0)) {
-      std::vector<double> y = b0;
-      for (double& x : y) x *= 100;
-      series.push_back(
-          {"rank 0", steps_of(run.metrics.train), y, chart::colour(0), true, false, false});
-    }
-    if (!series.empty())
-      page.add(chart::line_chart(
-          frame_over_steps(
-              "Pipeline bubble per logged interval (the trainer's: time waiting / pipeline time)",
-              "bubble (%)", Unit::kPercent, kWide, true),
-          series, rules_of(run.metrics)));
-  };
+  return s;
+}
 
-  if (run.traces.empty()) {
-    page.missing_line(p == 1 ? "no pipeline in this job (mesh.pipeline is 1), and no trace"
-                             : "no trace: set log.trace to see the pipeline timeline");
-    bubble_curves();
-    page.close();
-    return;
+// The trainer's own measure per logged interval, when the records carry it.
+void bubble_curves(Page& page, const MetricsFile& metrics) {
+  std::vector<chart::Series> series;
+  const std::vector<double> b0 = column(metrics.train, &TrainRecord::pipeline_bubble);
+  size_t ranks = 0;
+  for (const auto& kv : metrics.train)
+    ranks = std::max(ranks, kv.second.ranks ? kv.second.ranks->size() : size_t{0});
+  for (size_t r = 0; r < ranks; ++r) {
+    std::vector<double> y;
+    for (const auto& kv : metrics.train) {
+      const auto& pr = kv.second.ranks;
+      y.push_back(pr && r < pr->size() ? 100 * num((*pr)[r].pipeline_bubble) : kNaN);
+    }
+    if (any_finite(y))
+      series.push_back({"rank " + std::to_string(r), steps_of(metrics.train), y, chart::colour(r),
+                        true, false, false});
   }
-  tetra::core::MergedTrace merged;
-  try {
-    merged = tetra::core::merge_traces(run.traces);
-  } catch (const std::exception& e) {
-    page.missing_line(std::string("the traces cannot be read: ") + e.what());
-    page.close();
-    return;
+  if (series.empty() && any_finite(b0)) {
+    std::vector<double> y = b0;
+    for (double& x : y) x *= 100;
+    series.push_back({"rank 0", steps_of(metrics.train), y, chart::colour(0), true, false, false});
   }
-  std::map<int, RankSpans> ranks = spans_by_rank(merged.doc);
-  std::vector<int> staged;
-  for (const auto& [pid, r] : ranks)
-    if (!r.stages.empty()) staged.push_back(pid);
-  if (staged.empty()) {
-    page.missing_line(
-        "the traces have no pipeline stage tracks" +
-        std::string(p == 1 ? ": there is no pipeline in this job (mesh.pipeline is 1)" : ""));
-    page.close();
-    return;
-  }
-  std::map<int, std::map<int64_t, std::pair<double, double>>> windows;
+  if (!series.empty())
+    page.add(chart::line_chart(
+        frame_over_steps(
+            "Pipeline bubble per logged interval (the trainer's: time waiting / pipeline time)",
+            "bubble (%)", Unit::kPercent, kWide, true),
+        series, rules_of(metrics)));
+}
+
+using Windows = std::map<int, std::map<int64_t, std::pair<double, double>>>;  // pid -> step -> span
+
+// The step the timeline shows (Note [Pipeline step]), with every staged rank's step
+// windows; none (and the section's missing line) when no step is whole on every rank.
+std::optional<int64_t> pick_step(Page& page, std::map<int, RankSpans>& ranks, const std::vector<int>& staged,
+                                 int64_t wanted_step, Windows& windows) {
   std::set<int64_t> common;
   for (size_t i = 0; i < staged.size(); ++i) {
     windows[staged[i]] = step_windows(ranks[staged[i]]);
@@ -981,8 +871,7 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
     page.missing_line(
         "no step is whole on every pipeline rank in the traces (no \"step N\" span of a "
         "\"step\" track common to them)");
-    page.close();
-    return;
+    return std::nullopt;
   }
   int64_t step = *common.rbegin();
   if (wanted_step > 0) {
@@ -993,6 +882,15 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
                         std::to_string(*common.rbegin()) + ")");
     step = wanted_step;
   }
+  return step;
+}
+
+// One step on every staged rank: the timeline, its table and what to read it against.
+void step_timeline(Page& page, const RunFolder& run, const PipelineShape& shape, const Estimate& est,
+                   const tetra::core::MergedTrace& merged, std::map<int, RankSpans>& ranks,
+                   std::vector<int> staged, int64_t step, Windows& windows) {
+  const int p = shape.p, m = shape.m, v = shape.v;
+  const std::string& kind = shape.kind;
   std::sort(staged.begin(), staged.end(), [&](int a, int b) {
     return std::make_pair(ranks[a].stages.front(), a) < std::make_pair(ranks[b].stages.front(), b);
   });
@@ -1081,19 +979,58 @@ void pipeline_section(Page& page, const Run& run, const Estimate& est, int64_t w
             "over the whole run and over each logged interval.");
   page.note("Traces " + merged.alignment + ": " + tetra::core::join(run.traces) + ".");
   for (const auto& w : merged.warnings) page.note("warning: " + w);
-  bubble_curves();
+}
+
+void pipeline_section(Page& page, const RunFolder& run, const Estimate& est, int64_t wanted_step) {
+  page.open("pipeline", "Pipeline timeline");
+  const PipelineShape shape = pipeline_shape(run, est);
+  const int p = shape.p;
+  if (run.traces.empty()) {
+    page.missing_line(p == 1 ? "no pipeline in this job (mesh.pipeline is 1), and no trace"
+                             : "no trace: set log.trace to see the pipeline timeline");
+    bubble_curves(page, run.metrics);
+    page.close();
+    return;
+  }
+  tetra::core::MergedTrace merged;
+  try {
+    merged = tetra::core::merge_traces(run.traces);
+  } catch (const std::exception& e) {
+    page.missing_line(std::string("the traces cannot be read: ") + e.what());
+    page.close();
+    return;
+  }
+  std::map<int, RankSpans> ranks = spans_by_rank(merged.doc);
+  std::vector<int> staged;
+  for (const auto& [pid, r] : ranks)
+    if (!r.stages.empty()) staged.push_back(pid);
+  if (staged.empty()) {
+    page.missing_line(
+        "the traces have no pipeline stage tracks" +
+        std::string(p == 1 ? ": there is no pipeline in this job (mesh.pipeline is 1)" : ""));
+    page.close();
+    return;
+  }
+  Windows windows;
+  const std::optional<int64_t> step = pick_step(page, ranks, staged, wanted_step, windows);
+  if (!step) {
+    page.close();
+    return;
+  }
+  step_timeline(page, run, shape, est, merged, ranks, staged, *step, windows);
+  bubble_curves(page, run.metrics);
   page.close();
 }
 
 // ---- the job ----------------------------------------------------------------------------
 
-void job_section(Page& page, const Run& run) {
+void job_section(Page& page, const RunFolder& run) {
   page.open("job", "Job spec");
   if (!run.has_job)
-    page.missing_line("no job.yaml in " + run.dir.string() +
+    page.missing_line("no job.yaml in " + run.dir +
                       " (the resolved job is written there by the trainer)");
   else
-    page.html += "<p class=\"note\">" + chart::escape(run.job_path.string()) + "</p>\n<pre>" +
+    page.html += "<p class=\"note\">" + chart::escape(run.job_path) + "</p>\n<pre>" +
                  chart::escape(run.job_yaml) + "</pre>\n";
   page.close();
 }
@@ -1168,7 +1105,7 @@ int report(const std::string& dir, std::string out, const std::string& png, int6
           "(apt-get install librsvg2-bin)");
   }
   if (out.empty()) out = (fs::path(dir) / "report.html").string();
-  const Run run = read_run(dir);
+  const RunFolder run = tetra::core::read_run_folder(dir);
   const double read_s = seconds_since(t_start);
   const Estimate est = estimate(run, with_estimate);
 
@@ -1178,11 +1115,11 @@ int report(const std::string& dir, std::string out, const std::string& png, int6
   loss_section(page, run.metrics);
   page.html += "<div class=\"grid\">\n";
   eval_section(page, run.metrics);
-  curve_section(page, run.metrics, "lr", "Learning rate", "lr", "learning rate",
+  curve_section(page, run.metrics, "lr", "Learning rate", &TrainRecord::lr, "learning rate",
                 "the train records carry no lr");
-  curve_section(page, run.metrics, "throughput", "Throughput", "samples_per_s", "samples/s",
+  curve_section(page, run.metrics, "throughput", "Throughput", &TrainRecord::samples_per_s, "samples/s",
                 "the train records carry no samples_per_s");
-  curve_section(page, run.metrics, "grad-norm", "Gradient norm (L2, before clipping)", "grad_norm",
+  curve_section(page, run.metrics, "grad-norm", "Gradient norm (L2, before clipping)", &TrainRecord::grad_norm,
                 "gradient norm",
                 "no grad_norm in the train records (the trainer logs it when "
                 "optimizer.clip_grad_norm is set)");

@@ -5,7 +5,6 @@
 #include <signal.h>
 
 #include <yaml-cpp/yaml.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -13,6 +12,7 @@
 #include <sstream>
 
 #include "core/job_spec.h"
+#include "core/run_folder.h"
 #include "hardware/host.h"
 #include "hardware/topology.h"
 
@@ -28,62 +28,60 @@ bool looks_out_of_memory(const Launched& e, const std::string& log) {
          log.find("DefaultCPUAllocator: can't allocate") != std::string::npos;
 }
 
-// What a trial's metrics say: its step past the warm-up and where it went.
+// What a trial's metrics say: its step past the warm-up and where it went. A trial stopped
+// at the budget may have left half a line, or no file: what is whole is read.
 void read_metrics(Candidate& c, const std::string& path, int warmup) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> recs;
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("samples_per_s") || j.contains("eval")) continue;
-    if (!j.contains("step") || j["step"].get<int64_t>() <= warmup) continue;
-    recs.push_back(std::move(j));
-  }
+  std::vector<TrainRecord> recs;
+  for (auto& [step, r] : core::read_metrics(path, BadLines::kSkip).train)
+    if (r.samples_per_s && step > warmup) recs.push_back(std::move(r));
   if (recs.empty()) return;
   const double batch = static_cast<double>(c.spec.data.batch_size);
   std::vector<double> steps;
   for (const auto& r : recs)
-    if (r["samples_per_s"].get<double>() > 0) steps.push_back(batch / r["samples_per_s"].get<double>());
+    if (*r.samples_per_s > 0) steps.push_back(batch / *r.samples_per_s);
   c.measured_s = median(steps);
   // Memory: the largest rank's, at the last record.
-  const nlohmann::json& last = recs.back();
-  if (last.contains("ranks")) {
-    for (const auto& row : last["ranks"]) {
-      c.measured_rss = std::max<int64_t>(c.measured_rss, row.value("peak_rss_bytes", int64_t{0}));
-      c.measured_state = std::max<int64_t>(c.measured_state, row.value("model_state_bytes", int64_t{0}));
+  const TrainRecord& last = recs.back();
+  if (last.ranks) {
+    for (const auto& row : *last.ranks) {
+      c.measured_rss = std::max<int64_t>(c.measured_rss, row.peak_rss_bytes.value_or(0));
+      c.measured_state = std::max<int64_t>(c.measured_state, row.model_state_bytes.value_or(0));
     }
   } else {
-    c.measured_rss = last.value("peak_rss_bytes", int64_t{0});
-    if (last.contains("model_state_bytes")) c.measured_state = last["model_state_bytes"].value("total", int64_t{0});
+    c.measured_rss = last.peak_rss_bytes.value_or(0);
+    if (last.model_state_bytes) c.measured_state = last.model_state_bytes->total.value_or(0);
   }
   // The phases of the rank with the most compute (a pipeline's slowest stage).
-  auto phases_of = [&](const nlohmann::json& r, size_t rank) -> const nlohmann::json& {
-    return r.contains("ranks") ? r["ranks"][rank]["step_ms"] : r["step_ms"];
+  using Ms = std::optional<double> StepMsRecord::*;
+  auto phases_of = [&](const TrainRecord& r, size_t rank) -> const std::optional<StepMsRecord>& {
+    return r.ranks ? (*r.ranks)[rank].step_ms : r.step_ms;
   };
-  const size_t ranks = last.contains("ranks") ? last["ranks"].size() : 1;
-  auto phase = [&](size_t rank, std::initializer_list<const char*> keys) {
+  const size_t ranks = last.ranks ? last.ranks->size() : 1;
+  auto phase = [&](size_t rank, std::initializer_list<Ms> parts) {
     std::vector<double> v;
     for (const auto& r : recs) {
-      if (r.contains("ranks") && r["ranks"].size() != ranks) continue;
-      const nlohmann::json& p = phases_of(r, rank);
+      if (r.ranks && r.ranks->size() != ranks) continue;
+      const std::optional<StepMsRecord>& p = phases_of(r, rank);
       double sum = 0;
-      for (const char* k : keys) sum += p.value(k, 0.0);
+      for (Ms k : parts) sum += p ? ((*p).*k).value_or(0.0) : 0.0;
       v.push_back(sum / 1e3);
     }
     return median(v);
   };
+  const std::initializer_list<Ms> compute = {&StepMsRecord::forward, &StepMsRecord::backward};
   size_t slow = 0;
   for (size_t k = 1; k < ranks; ++k)
-    if (phase(k, {"forward", "backward"}) > phase(slow, {"forward", "backward"})) slow = k;
-  c.measured_phases["compute"] = phase(slow, {"forward", "backward"});
-  c.measured_phases["optimizer"] = phase(slow, {"optimizer"});
-  c.measured_phases["loading"] = phase(slow, {"data"});
+    if (phase(k, compute) > phase(slow, compute)) slow = k;
+  c.measured_phases["compute"] = phase(slow, compute);
+  c.measured_phases["optimizer"] = phase(slow, {&StepMsRecord::optimizer});
+  c.measured_phases["loading"] = phase(slow, {&StepMsRecord::data});
   std::map<std::string, std::vector<double>> comm;
   std::vector<double> bubble;
   for (const auto& r : recs) {
-    if (r.contains("comm_ms"))
-      for (const auto& [axis, v] : r["comm_ms"].items()) comm[axis].push_back(v.get<double>() / 1e3);
-    if (r.contains("pipeline_bubble") && r["samples_per_s"].get<double>() > 0)
-      bubble.push_back(r["pipeline_bubble"].get<double>() * batch / r["samples_per_s"].get<double>());
+    if (r.comm_ms)
+      for (const auto& [axis, v] : *r.comm_ms) comm[axis].push_back(v / 1e3);
+    if (r.pipeline_bubble && *r.samples_per_s > 0)
+      bubble.push_back(*r.pipeline_bubble * batch / *r.samples_per_s);
   }
   // A pipeline's busy time on its axis is its waits for the other stages: the bubble's.
   for (const auto& [axis, v] : comm)
