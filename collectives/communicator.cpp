@@ -3,13 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include "collectives/running_op.h"
-#include "collectives/watchdog.h"
 
 namespace tetra::collectives {
 
@@ -285,7 +283,6 @@ Communicator::Communicator(int rank, int size, std::string name)
       recorder_(std::make_shared<FlightRecorder>("rank " + std::to_string(rank))) {
   run_.sends_started.assign(static_cast<size_t>(size), 0);
   run_.recvs_started.assign(static_cast<size_t>(size), 0);
-  watch(this);
   thread_ = std::thread([this] { progress_loop(); });
 }
 
@@ -301,11 +298,6 @@ void Communicator::set_identity(std::string identity, bool agreed) {
   g->size = size_;
   std::lock_guard<std::mutex> lock(mu_);
   group_ = std::move(g);
-}
-
-void Communicator::quiet() {
-  unwatch(this);  // after this the watchdog thread no longer reads health_
-  health_.stall_warning = Duration(0);
 }
 
 void Communicator::share_recorder(std::shared_ptr<FlightRecorder> recorder) {
@@ -352,7 +344,6 @@ MemberProgress Communicator::progress() const {
 }
 
 void Communicator::stop_progress_thread() {
-  unwatch(this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!thread_.joinable()) return;
@@ -363,7 +354,7 @@ void Communicator::stop_progress_thread() {
 }
 
 WorkPtr Communicator::enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout) {
-  if (timeout == kDefaultTimeout) timeout = health_.timeout;
+  if (timeout == kDefaultTimeout) timeout = default_timeout_;
   auto work = std::make_shared<Work>(name_ + ": " + what, waiters_);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -411,8 +402,9 @@ void Communicator::progress_loop() {
         error_text = item.work->what() + ": " + e.what();
         error = std::make_exception_ptr(PeerLostError(error_text));
       } catch (const TimeoutError& e) {
-        // Say who did not come, and leave the record of every rank's ops behind.
-        error_text = item.work->what() + ": " + e.what() + (health_.stall_warning.count() ? diagnose_record(item.record) : "");
+        // Leave the record of every rank's ops behind (a HealthWrapper has already said
+        // who did not come).
+        error_text = item.work->what() + ": " + e.what();
         const std::string dumped = FlightRecorder::dump("timeout: " + error_text);
         if (!dumped.empty()) error_text += "\n  flight recorder: " + dumped;
         error = std::make_exception_ptr(TimeoutError(error_text));
@@ -460,15 +452,15 @@ void Communicator::end(uint64_t record) {
   run_.current = 0;
 }
 
-std::string Communicator::diagnose_record(uint64_t record) const {
+bool Communicator::running_op(OpRecord& out) const {
+  uint64_t current = 0;
   std::shared_ptr<FlightRecorder> rec;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    current = run_.current;
     rec = recorder_;
   }
-  OpRecord r;
-  if (!record || !rec->snapshot_of(record, r)) return "";
-  return "\n  " + diagnose(r, group_members(*group()));
+  return current && rec->snapshot_of(current, out);
 }
 
 void Communicator::synchronize() {
@@ -480,51 +472,10 @@ void Communicator::synchronize() {
 
 // ---- the ops ------------------------------------------------------------------------
 
-// ---- issuing: records, sequence numbers, fingerprints ---------------------------------
-
-namespace {
-
-// Fingerprint rows (Note [Health checks]): kind, reduce op or root, dtype, sequence
-// number, numel, ndim, the first four sizes.
-constexpr int64_t kPrint = 10;
-const char* const kKinds[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "send", "recv"};
-
-int64_t kind_code(const std::string& kind) {
-  for (int64_t k = 1; k < 8; ++k)
-    if (kind == kKinds[k]) return k;
-  return 0;
-}
-
-std::string describe_print(const int64_t* p) {
-  std::ostringstream os;
-  const int64_t k = p[0] >= 1 && p[0] < 8 ? p[0] : 0;
-  os << kKinds[k];
-  if (k == 1 || k == 2) os << " " << to_string(static_cast<ReduceOp>(p[1]));
-  if (k == 4) os << " from " << p[1];
-  os << " #" << p[3];
-  if (k != 5) {
-    os << " " << (p[2] >= 0 ? c10::toString(static_cast<at::ScalarType>(p[2])) : "?");
-    if (p[5] <= 4) {
-      os << "[";
-      for (int64_t i = 0; i < p[5]; ++i) os << (i ? ", " : "") << p[6 + i];
-      os << "]";
-    } else {
-      os << " of " << p[4] << " elements";
-    }
-  }
-  return os.str();
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
-}
-
-}  // namespace
+// ---- issuing: records and sequence numbers ----------------------------------------
 
 WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration timeout) {
-  if (timeout == kDefaultTimeout) timeout = health_.timeout;  // Note [Health checks]
+  if (timeout == kDefaultTimeout) timeout = default_timeout_;  // Note [Health checks]
   OpRecord r;
   r.op = std::string(d.kind) == "split" ? "split" : d.op;  // the color differs by rank
   r.peer = d.peer;
@@ -540,17 +491,6 @@ WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration
   }
   r.group = group();
   r.queued_us = wall_us();
-  // The fingerprint is filled in once the sequence number is known, before the op can run.
-  auto print = std::make_shared<std::array<int64_t, kPrint>>();
-  // Where the group carries tensors (Note [Two planes]): beside a GPU's op, a GPU tensor.
-  if (health_.check && kind != "split") {
-    const at::Device device = this->device();
-    const int peer = d.peer, tag = d.tag;
-    fn = [this, print, device, peer, tag, fn = std::move(fn)](Deadline deadline) {
-      fingerprint(print->data(), peer, tag, device, deadline);
-      fn(deadline);
-    };
-  }
   if (kind != "split") fn = order_after_issuer(std::move(fn));
   WorkPtr work;
   {
@@ -562,66 +502,11 @@ WorkPtr Communicator::issue(OpDesc d, std::function<void(Deadline)> fn, Duration
       work->finish(std::make_exception_ptr(CommError(work->what() + ": the communicator is shut down")));
       return work;
     }
-    int64_t* p = print->data();
-    p[0] = kind_code(kind);
-    p[1] = d.arg;
-    p[2] = d.tensor ? static_cast<int64_t>(d.tensor->scalar_type()) : -1;
-    p[3] = r.seq;
-    p[4] = d.tensor ? static_cast<int64_t>(d.tensor->numel()) : 0;
-    p[5] = static_cast<int64_t>(r.shape.size());
-    for (size_t i = 0; i < r.shape.size() && i < 4; ++i) p[6 + i] = r.shape[i];
     const uint64_t id = recorder_->record(r);
     queue_.push_back({work, std::move(fn), timeout, id});
   }
   cv_.notify_one();
   return work;
-}
-
-// Runs on the progress thread before the op itself: the group agrees on what it runs.
-void Communicator::fingerprint(const int64_t* p, int peer, int tag, at::Device device, Deadline deadline) {
-  at::Tensor mine = at::empty({kPrint}, at::kLong);
-  std::memcpy(mine.data_ptr<int64_t>(), p, kPrint * sizeof(int64_t));
-  const int64_t code = p[0];
-  auto on_device = [&](const at::Tensor& t) { return t.device() == device ? t : t.to(device); };
-  if (code == kind_code("send")) {
-    backend_send(on_device(mine), peer, tag, deadline);
-    return;
-  }
-  if (code == kind_code("recv")) {
-    at::Tensor theirs = on_device(at::zeros({kPrint}, at::kLong));
-    backend_recv(theirs, peer, tag, deadline);
-    theirs = theirs.cpu();
-    const int64_t* q = theirs.data_ptr<int64_t>();
-    bool same = q[0] == kind_code("send");
-    for (int64_t i = 2; i < kPrint; ++i) same = same && q[i] == p[i];
-    if (!same) {
-      int64_t expected[kPrint];
-      std::memcpy(expected, p, sizeof(expected));
-      expected[0] = kind_code("send");
-      throw CommError("collectives.check: rank " + std::to_string(rank_) + " expects " +
-                      describe_print(expected) + " from rank " + std::to_string(peer) + ", which sent " +
-                      describe_print(q) + " (a send or recv skipped, or the sizes differ)");
-    }
-    return;
-  }
-  at::Tensor all = on_device(at::zeros({kPrint * size_}, at::kLong));
-  backend_allgather(on_device(mine), all, deadline);
-  all = all.cpu();
-  const int64_t* a = all.data_ptr<int64_t>();
-  // Ranks grouped by what they called, in the order of their lowest rank.
-  std::vector<std::pair<const int64_t*, std::vector<int>>> calls;
-  for (int k = 0; k < size_; ++k) {
-    const int64_t* row = a + k * kPrint;
-    auto it = std::find_if(calls.begin(), calls.end(),
-                           [&](const auto& c) { return std::equal(row, row + kPrint, c.first); });
-    if (it == calls.end()) calls.push_back({row, {k}});
-    else it->second.push_back(k);
-  }
-  if (calls.size() == 1) return;
-  std::string msg = "collectives.check: the ranks of " + name_ + " called different ops:";
-  for (size_t i = 0; i < calls.size(); ++i)
-    msg += std::string(i ? ";" : "") + " " + rank_list(calls[i].second) + " called " + describe_print(calls[i].first);
-  throw CommError(msg);
 }
 
 void Communicator::check_carried(const std::string& op, const char* which, const at::Tensor& t) const {
@@ -657,7 +542,7 @@ WorkPtr Communicator::allreduce(at::Tensor input, at::Tensor output, const Allre
   });
   ReduceOp r = opts.op;
   count(Traffic::kAllreduce, input);
-  return issue({"allreduce", op, -1, 0, static_cast<int64_t>(r), &input},
+  return issue({"allreduce", op, -1, 0, &input},
                [=](Deadline d) { backend_allreduce(input, output, r, d); }, opts.timeout);
 }
 
@@ -678,7 +563,7 @@ WorkPtr Communicator::reduce_scatter(at::Tensor input, at::Tensor output, const 
   });
   ReduceOp r = opts.op;
   count(Traffic::kReduceScatter, input);
-  return issue({"reduce_scatter", op, -1, 0, static_cast<int64_t>(r), &input},
+  return issue({"reduce_scatter", op, -1, 0, &input},
                [=](Deadline d) { backend_reduce_scatter(input, output, r, d); }, opts.timeout);
 }
 
@@ -697,7 +582,7 @@ WorkPtr Communicator::allgather(at::Tensor input, at::Tensor output, const Allga
                       std::to_string(output.numel()));
   });
   count(Traffic::kAllgather, output);
-  return issue({"allgather", op, -1, 0, 0, &input}, [=](Deadline d) { backend_allgather(input, output, d); },
+  return issue({"allgather", op, -1, 0, &input}, [=](Deadline d) { backend_allgather(input, output, d); },
                opts.timeout);
 }
 
@@ -710,7 +595,7 @@ WorkPtr Communicator::broadcast(at::Tensor tensor, const BroadcastOptions& opts)
   });
   int root = opts.root;
   count(Traffic::kBroadcast, tensor);
-  return issue({"broadcast", op, root, 0, root, &tensor}, [=](Deadline d) { backend_broadcast(tensor, root, d); },
+  return issue({"broadcast", op, root, 0, &tensor}, [=](Deadline d) { backend_broadcast(tensor, root, d); },
                opts.timeout);
 }
 
@@ -724,7 +609,7 @@ WorkPtr Communicator::send(at::Tensor tensor, int dst, const SendOptions& opts) 
   });
   int tag = opts.tag;
   count(Traffic::kSend, tensor);
-  return issue({"send", "send to " + std::to_string(dst) + " tag " + std::to_string(tag), dst, tag, 0, &tensor},
+  return issue({"send", "send to " + std::to_string(dst) + " tag " + std::to_string(tag), dst, tag, &tensor},
                [=](Deadline d) { backend_send(tensor, dst, tag, d); }, opts.timeout);
 }
 
@@ -738,12 +623,12 @@ WorkPtr Communicator::recv(at::Tensor tensor, int src, const RecvOptions& opts) 
   });
   int tag = opts.tag;
   count(Traffic::kRecv, tensor);
-  return issue({"recv", "recv from " + std::to_string(src) + " tag " + std::to_string(tag), src, tag, 0, &tensor},
+  return issue({"recv", "recv from " + std::to_string(src) + " tag " + std::to_string(tag), src, tag, &tensor},
                [=](Deadline d) { backend_recv(tensor, src, tag, d); }, opts.timeout);
 }
 
 WorkPtr Communicator::barrier(const BarrierOptions& opts) {
-  return issue({"barrier", "barrier", -1, 0, 0, nullptr}, [=](Deadline d) { backend_barrier(d); }, opts.timeout);
+  return issue({"barrier", "barrier", -1, 0, nullptr}, [=](Deadline d) { backend_barrier(d); }, opts.timeout);
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name,
@@ -755,7 +640,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
     std::lock_guard<std::mutex> lock(mu_);
     nth = ++splits_;
   }
-  auto work = issue({"split", "split color " + std::to_string(color), -1, 0, color, nullptr},
+  auto work = issue({"split", "split color " + std::to_string(color), -1, 0, nullptr},
                     [&, label](Deadline d) { out = backend_split(color, key, label, d); }, timeout);
   work->wait();
   if (out) {

@@ -147,7 +147,10 @@ struct Traffic {
 
 // Note [Health checks]
 // Process-wide settings every communicator takes when it is made (tetra::run sets them
-// from the job's collectives section before the world exists):
+// from the job's collectives section before the world exists). The checks themselves are
+// not the backend's: a factory hands out its backend inside a HealthWrapper
+// (collectives/health.h) when these ask for a check or for stall warnings, as c10d wraps a
+// backend in its ProcessGroupWrapper, so that a backend is only its transport.
 // - check: before each op the group agrees on (op, dtype, shape, sequence number) through
 //   the backend's own primitives, out of the op's sight: collectives allgather a small
 //   fingerprint, a send is preceded by its fingerprint, which the receiver compares with
@@ -156,9 +159,11 @@ struct Traffic {
 //   instead of a hang or silently wrong sums. Default: the environment variable
 //   TETRA_COLLECTIVES_CHECK (1/on), else off.
 // - stall_warning: an op that has run this long gets a warning naming who has not joined
-//   (collectives/watchdog.h), repeated at a growing interval until its timeout.
+//   (collectives/watchdog.h), repeated at a growing interval until its timeout, and an op
+//   that times out says the same in its error.
 // - timeout: the timeout of an op whose options leave it at kDefaultTimeout (the job's
-//   collectives.timeout_s), and of a split's set-up.
+//   collectives.timeout_s), and of a split's set-up. Every communicator takes this one,
+//   wrapped or not.
 struct HealthOptions {
   bool check = false;
   Duration stall_warning = std::chrono::seconds(60);
@@ -261,8 +266,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
   // Where this member is on this group now.
   MemberProgress progress() const;
-  // The health settings this communicator took when it was made.
-  const HealthOptions& health() const { return health_; }
+
+  // The backend under any wrapper (Note [Health checks]): itself for a backend. For code
+  // that needs its backend's own calls (mpi_split_shared, abort_local_group).
+  virtual Communicator& transport() { return *this; }
 
  protected:
   Communicator(int rank, int size, std::string name);
@@ -273,10 +280,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Records into `recorder` (another communicator's) instead of this one's own: a
   // composite (hierarchical) records with the rank it serves.
   void share_recorder(std::shared_ptr<FlightRecorder> recorder);
-  // No stall warnings or timeout diagnosis of its own: for a composite whose members are
-  // watched themselves. It leaves the watchdog first, which reads health() from its own
-  // thread (TSan found the write racing that read when this was a plain assignment).
-  void quiet();
+  // The op the progress thread runs now, as recorded (false when none is recorded): for
+  // a wrapper that runs its backend's primitives inside it.
+  bool running_op(OpRecord& out) const;
 
   // Blocking primitives, run on the progress thread, one at a time. Tensors are
   // validated (contiguous, supported dtype, sizes agree locally). For in-place
@@ -305,21 +311,22 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual std::function<void(Deadline)> order_after_issuer(std::function<void(Deadline)> run) { return run; }
 
  private:
-  // Issues an op: records it, and with the check on, prefixes the fingerprint exchange.
+  // The wrapper (Note [Health checks]) runs its backend's primitives and shares its
+  // waiters and stream ordering.
+  friend class HealthWrapper;
+
+  // Issues an op: records it with its sequence number and queues it.
   struct OpDesc {
     const char* kind;  // "allreduce", ...
     std::string op;    // "allreduce sum"
     int peer = -1;
     int tag = 0;
-    int64_t arg = 0;  // reduce op or root, for the fingerprint
     const at::Tensor* tensor = nullptr;
   };
   WorkPtr issue(OpDesc d, std::function<void(Deadline)> fn, Duration timeout);
   WorkPtr enqueue(std::string what, std::function<void(Deadline)> fn, Duration timeout);
   void begin(uint64_t record);  // the progress thread starts / ends a recorded op
   void end(uint64_t record);
-  std::string diagnose_record(uint64_t record) const;  // "\n  <who has not joined>"
-  void fingerprint(const int64_t* print, int peer, int tag, at::Device device, Deadline deadline);
   // Throws the CommError of Note [Two planes] when refuses(t) says why.
   void check_carried(const std::string& op, const char* which, const at::Tensor& t) const;
   void count(Traffic::Kind kind, const at::Tensor& t);
@@ -349,10 +356,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   bool stopping_ = false;
   std::exception_ptr broken_;  // the first failure; later ops fail fast with it
   std::shared_ptr<std::atomic<int>> waiters_ = std::make_shared<std::atomic<int>>(0);
-  // Flight recorder and health (Note [Flight recorder], Note [Health checks]).
+  // Flight recorder (Note [Flight recorder]) and the default op timeout (Note [Health checks]).
   std::shared_ptr<FlightRecorder> recorder_;
   mutable std::shared_ptr<const GroupInfo> group_;  // guarded by mu_ (set by the factory, else on first use)
-  HealthOptions health_ = health_options();
+  Duration default_timeout_ = health_options().timeout;
   int64_t collectives_ = 0, splits_ = 0;          // issued so far (issue order)
   std::map<std::pair<int, int>, int64_t> sends_, recvs_;  // issued per (peer, tag)
   struct Running {

@@ -27,6 +27,12 @@ const char* to_string(OpState s) {
   return "?";
 }
 
+std::string process_description() {
+  // Leaked: the monitor and watchdog threads may read it while the process exits.
+  static const std::string* d = new std::string("host " + hardware::hostname() + ", pid " + std::to_string(::getpid()));
+  return *d;
+}
+
 int64_t wall_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();

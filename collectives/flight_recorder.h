@@ -72,6 +72,8 @@ struct OpRecord {
 
 int64_t wall_us();  // microseconds since the epoch (system clock)
 std::string seconds_text(int64_t us);  // "0.3 s", "62 s"
+// "host h, pid p" for this process: where a member is, in reports and dumps.
+std::string process_description();
 
 class FlightRecorder : public std::enable_shared_from_this<FlightRecorder> {
  public:

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "collectives/error.h"
-#include "collectives/watchdog.h"
+#include "collectives/health.h"
 #include "core/torch_compat.h"
 
 namespace tetra::collectives {
@@ -331,7 +331,7 @@ CommunicatorPtr gloo_world(int rank, int size, const std::string& addr, int port
   try {
     auto world = std::make_shared<GlooCommunicator>(rank, size, "gloo world", store, options.timeout);
     world->name_group("gloo:" + addr + ":" + std::to_string(port));
-    return world;
+    return with_health(world);  // Note [Health wrapper]
   } catch (const std::exception& e) {
     std::string m = e.what();
     throw CommError(where + ": " + m.substr(0, m.find('\n')));

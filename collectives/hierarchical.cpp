@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "collectives/health.h"
+
 namespace tetra::collectives {
 namespace {
 
@@ -72,7 +74,6 @@ class HierarchicalCommunicator final : public Communicator {
     // It records with the rank it serves across processes; its stalls are its inner and
     // outer groups' (watched there, with peers this process cannot see from here).
     share_recorder(outer_->recorder());
-    quiet();
   }
   // Ops still queued use inner_ and outer_: drain them before the members go.
   ~HierarchicalCommunicator() override { stop_progress_thread(); }
@@ -369,7 +370,9 @@ CommunicatorPtr make_hierarchical(CommunicatorPtr inner, CommunicatorPtr outer, 
                       " (process " + std::to_string(d) +
                       "): an outer group must join the replicas with one index, and every process must "
                       "have the same number of replicas");
-  return std::make_shared<HierarchicalCommunicator>(std::move(inner), std::move(outer), std::move(name), options);
+  // The check alone around it (Note [Health wrapper]): its stalls are its members'.
+  return with_health(std::make_shared<HierarchicalCommunicator>(std::move(inner), std::move(outer), std::move(name), options),
+                     health_options(), /*watched=*/false);
 }
 
 }  // namespace tetra::collectives

@@ -12,6 +12,7 @@
 #include <thread>
 #include <tuple>
 
+#include "collectives/health.h"
 #include "collectives/running_op.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -469,13 +470,13 @@ std::vector<CommunicatorPtr> make_local_group(int n, const std::string& name) {
   for (int r = 0; r < n; ++r) {
     auto c = std::make_shared<LocalCommunicator>(r, n, name, shared);
     c->name_group(identity);
-    comms.push_back(std::move(c));
+    comms.push_back(with_health(std::move(c)));  // Note [Health wrapper]
   }
   return comms;
 }
 
 void abort_local_group(Communicator& comm, const std::string& reason) {
-  if (auto* local = dynamic_cast<LocalCommunicator*>(&comm)) local->shared().abort(comm.rank(), reason);
+  if (auto* local = dynamic_cast<LocalCommunicator*>(&comm.transport())) local->shared().abort(comm.rank(), reason);
 }
 
 void run_local_ranks(int n, const std::function<void(int rank, Communicator& comm)>& fn) {

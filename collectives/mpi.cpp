@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "collectives/error.h"
+#include "collectives/health.h"
 
 namespace tetra::collectives {
 
@@ -722,17 +723,17 @@ CommunicatorPtr mpi_world(const WorldOptions& options) {
   }
   auto world = MpiCommunicator::make(dup, "mpi world", options.timeout);
   world->name_group(job_identity());
-  rt.world = world;
+  rt.world = with_health(world);  // Note [Health wrapper]
   return rt.world;
 }
 
 CommunicatorPtr mpi_split_shared(Communicator& comm, Duration timeout) {
-  auto* m = dynamic_cast<MpiCommunicator*>(&comm);
+  auto* m = dynamic_cast<MpiCommunicator*>(&comm.transport());
   if (!m)
     throw CommError("mpi_split_shared: " + comm.name() + " is a " + comm.backend() +
                     " communicator, not an mpi one");
   comm.synchronize();
-  return m->split_shared(timeout);
+  return with_health(m->split_shared(timeout));
 }
 
 void register_mpi_backend(BackendRegistry& registry) {

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "collectives/error.h"
+#include "collectives/health.h"
 #include "collectives/mpi.h"
 
 namespace tetra::collectives {
@@ -251,7 +252,7 @@ CommunicatorPtr nccl_from(Communicator& bootstrap, int device, const WorldOption
   TETRA_NCCL(ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()));
   auto world = std::make_shared<NcclCommunicator>(bootstrap.rank(), bootstrap.size(), "nccl world", device, comm);
   world->name_group("nccl:" + bootstrap.group()->identity);
-  return world;
+  return with_health(world);  // Note [Health wrapper]
 }
 
 void register_nccl_backend(BackendRegistry& registry) {

@@ -7,11 +7,9 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
-#include <set>
 #include <sstream>
 #include <thread>
 
-#include "hardware/host.h"
 
 namespace tetra::collectives {
 
@@ -19,7 +17,7 @@ namespace {
 
 struct Watchdog {
   std::mutex mu;  // comms
-  std::set<Communicator*> comms;
+  std::map<Communicator*, Duration> comms;  // each with its stall warning
   std::once_flag started;
   std::mutex remote_mu;  // remote (never held while a source answers: it may wait for rank 0)
   std::weak_ptr<RemoteProgress> remote;  // Note [Remote progress]
@@ -43,17 +41,11 @@ void watch_loop();
 
 }  // namespace
 
-std::string process_description() {
-  // Leaked: the monitor and watchdog threads may read it while the process exits.
-  static const std::string* d = new std::string("host " + hardware::hostname() + ", pid " + std::to_string(::getpid()));
-  return *d;
-}
-
-void watch(Communicator* comm) {
+void watch(Communicator* comm, Duration stall_warning) {
   Watchdog& w = dog();
   std::call_once(w.started, [] { std::thread(watch_loop).detach(); });
   std::lock_guard<std::mutex> lock(w.mu);
-  w.comms.insert(comm);
+  w.comms[comm] = stall_warning;
 }
 
 void unwatch(Communicator* comm) {
@@ -67,7 +59,7 @@ std::vector<MemberProgress> local_progress() {
   std::lock_guard<std::mutex> lock(w.mu);
   std::vector<MemberProgress> out;
   out.reserve(w.comms.size());
-  for (Communicator* c : w.comms) out.push_back(c->progress());
+  for (const auto& [c, stall] : w.comms) out.push_back(c->progress());
   return out;
 }
 
@@ -213,8 +205,8 @@ void watch_loop() {
     {
       Watchdog& w = dog();
       std::lock_guard<std::mutex> lock(w.mu);
-      for (Communicator* c : w.comms)
-        if (c->health().stall_warning.count() > 0) seen.push_back({c, c->progress(), c->health().stall_warning});
+      for (const auto& [c, stall] : w.comms)
+        if (stall.count() > 0) seen.push_back({c, c->progress(), stall});
     }
     const int64_t now = wall_us();
     std::map<const void*, Stall> next;

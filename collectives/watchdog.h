@@ -23,9 +23,10 @@
 
 namespace tetra::collectives {
 
-// Communicators register themselves (construction and shutdown) so the watchdog and the
-// monitor can read their progress.
-void watch(Communicator* comm);
+// A HealthWrapper (collectives/health.h) registers its communicator while it lives, so the
+// watchdog and the monitor can read its progress; the watchdog warns of an op running
+// past `stall_warning` (0: never, but its progress is still read).
+void watch(Communicator* comm, Duration stall_warning);
 void unwatch(Communicator* comm);
 
 // Note [Remote progress]
@@ -58,9 +59,6 @@ std::vector<MemberProgress> local_progress();
 
 // Says who has not joined `op` (an op of `members`' group) and what they do instead.
 std::string diagnose(const OpRecord& op, const std::vector<MemberProgress>& members);
-
-// "host h, pid p" for this process.
-std::string process_description();
 
 // Installs the SIGUSR1 and fatal-signal handlers (idempotent; tetra::run calls it). Keeps
 // a handler the program installed before for the fatal signals by chaining to it.

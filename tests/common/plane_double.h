@@ -16,6 +16,7 @@
 
 #include "collectives/backends.h"
 #include "collectives/communicator.h"
+#include "collectives/health.h"
 #include "tests/common/pretend_device.h"
 
 namespace tetra::doubles {
@@ -26,7 +27,10 @@ class PlaneDouble final : public collectives::Communicator {
  public:
   static collectives::CommunicatorPtr wrap(collectives::CommunicatorPtr inner, Plane plane) {
     const std::string name = inner->name() + (plane == Plane::kDevice ? " (device plane)" : " (host plane)");
-    return std::shared_ptr<PlaneDouble>(new PlaneDouble(std::move(inner), plane, name));
+    // Checked as a backend's world is (Note [Health wrapper]); its stalls are the wrapped
+    // communicator's, watched there.
+    return collectives::with_health(std::shared_ptr<PlaneDouble>(new PlaneDouble(std::move(inner), plane, name)),
+                                    collectives::health_options(), /*watched=*/false);
   }
   ~PlaneDouble() override { stop_progress_thread(); }  // queued ops use inner_
 
@@ -75,7 +79,6 @@ class PlaneDouble final : public collectives::Communicator {
   PlaneDouble(collectives::CommunicatorPtr inner, Plane plane, const std::string& name)
       : Communicator(inner->rank(), inner->size(), name), inner_(std::move(inner)), plane_(plane) {
     set_identity(inner_->group()->identity + (plane == Plane::kDevice ? "/device" : "/host"), inner_->group()->agreed);
-    quiet();  // its stalls are the wrapped communicator's, watched there
   }
   static collectives::Duration left(collectives::Deadline d) {
     return std::max(std::chrono::ceil<collectives::Duration>(d - collectives::Clock::now()), collectives::Duration(0));
