@@ -1,5 +1,6 @@
 // The environment's knobs (Note [Knobs declared once]): each declared once and described,
-// and read the way the old readers read them.
+// read the way the old readers read them, and no production file that reads the
+// environment around them.
 #include "hardware/env.h"
 
 #include <gtest/gtest.h>
@@ -163,4 +164,36 @@ TEST(Env, HelpNamesEveryKnobWithItsKindAndDefault) {
     nl = help.find('\n', at);
     EXPECT_LE(nl - at, 100u) << help.substr(at, nl - at);
   }
+}
+
+// Every production read of the environment goes through env.h (Note [Knobs declared
+// once]). collectives/communicator.cpp is rewritten elsewhere and switches over there.
+TEST(Env, NoProductionFileReadsTheEnvironmentItself) {
+  const std::set<std::string> allowed = {"hardware/env.cpp", "collectives/communicator.cpp"};
+  const std::regex call(R"(\b(secure_getenv|getenv|setenv|unsetenv|putenv)\s*\()");
+  // The whole environment, handed on to a child (report's rsvg-convert) and read by no one.
+  const std::set<std::string> hands_on_environ = {"tools/report.cpp"};
+  const std::regex environ_use(R"(\benviron\b)");
+  std::set<std::string> still_reading;
+  const fs::path root = TETRA_SOURCE_DIR;
+  for (const char* dir : {"hardware", "collectives", "core", "data_parallel", "pipeline", "zero", "replicate",
+                          "tensor_parallel", "expert_parallel", "tools"}) {
+    if (!fs::exists(root / dir)) continue;
+    for (const auto& e : fs::recursive_directory_iterator(root / dir)) {
+      const std::string ext = e.path().extension().string();
+      if (!e.is_regular_file() || (ext != ".cpp" && ext != ".h")) continue;
+      const std::string rel = fs::relative(e.path(), root).generic_string();
+      const std::string text = slurp(e.path());
+      if (std::regex_search(text, environ_use) && !hands_on_environ.count(rel))
+        ADD_FAILURE() << rel << " reads `environ`: read declared knobs through hardware/env.h instead";
+      if (!std::regex_search(text, call)) continue;
+      if (allowed.count(rel))
+        still_reading.insert(rel);
+      else
+        ADD_FAILURE() << rel << " reads or sets the environment itself: declare the variable in hardware/env.cpp "
+                      << "and use env::text, flag, integer, get or set";
+    }
+  }
+  for (const std::string& a : allowed)
+    EXPECT_TRUE(still_reading.count(a)) << a << " no longer reads the environment itself: drop it from `allowed`";
 }
