@@ -2,8 +2,7 @@
 
 #include "collectives/build_config.h"
 #include "collectives/error.h"
-
-#include <cstdlib>
+#include "hardware/env.h"
 
 #if TETRA_HAVE_MPI
 #include "collectives/mpi.h"
@@ -72,7 +71,7 @@ std::string Planes::describe() const {
 
 std::string host_backend_for(const LaunchInfo& launch) {
   // srun with a PMI plugin, or TETRA_RANK's override inside an mpirun job, can start MPI too.
-  const bool mpi_env = std::getenv("OMPI_COMM_WORLD_RANK") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+  const bool mpi_env = env::is_set(env::kOmpiRank) || env::is_set(env::kPmixRank) || env::is_set(env::kPmiRank);
   const bool mpi = launch.launcher == "mpirun" || launch.launcher == "pmix" ||
                    ((launch.launcher == "slurm" || launch.launcher == "override") && mpi_env);
   return mpi || !TETRA_HAVE_GLOO ? "mpi" : "gloo";

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "collectives/running_op.h"
+#include "hardware/env.h"
 
 namespace tetra::collectives {
 
@@ -32,8 +33,7 @@ std::mutex& health_mu() {
 HealthOptions& health_slot() {
   static HealthOptions h = [] {
     HealthOptions o;
-    if (const char* v = std::getenv("TETRA_COLLECTIVES_CHECK"))
-      o.check = std::strcmp(v, "1") == 0 || std::strcmp(v, "on") == 0 || std::strcmp(v, "true") == 0;
+    o.check = env::flag(env::kCollectivesCheck);
     return o;
   }();
   return h;

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "hardware/env.h"
 #include "hardware/host.h"
 
 namespace tetra::collectives {
@@ -51,10 +52,7 @@ std::string shape_text(const std::string& dtype, const std::vector<int64_t>& sha
 struct Registry {
   std::mutex mu;
   std::vector<std::weak_ptr<FlightRecorder>> recorders;
-  std::string dir = [] {
-    const char* d = std::getenv("TETRA_FLIGHT_RECORDER_DIR");
-    return std::string(d ? d : "");
-  }();
+  std::string dir = env::text(env::kFlightRecorderDir);
 };
 
 Registry& registry() {
@@ -83,12 +81,7 @@ std::string seconds_text(int64_t us) {
 }
 
 size_t FlightRecorder::default_capacity() {
-  if (const char* v = std::getenv("TETRA_FLIGHT_RECORDER_ENTRIES")) {
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    if (end && *end == '\0' && n > 0) return static_cast<size_t>(n);
-  }
-  return 4096;
+  return static_cast<size_t>(env::integer(env::kFlightRecorderEntries, /*min=*/1));
 }
 
 FlightRecorder::FlightRecorder(std::string owner, size_t capacity)

@@ -17,6 +17,7 @@
 #include "collectives/error.h"
 #include "collectives/health.h"
 #include "core/torch_compat.h"
+#include "hardware/env.h"
 
 namespace tetra::collectives {
 
@@ -79,15 +80,15 @@ class GlooCommunicator final : public Communicator {
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     // GLOO_SOCKET_IFNAME=eth0[,eth1] picks the interfaces, as torch.distributed does;
     // else the address this host's name resolves to (loopback when it resolves to none).
-    const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME");
-    std::stringstream names(ifnames ? ifnames : "");
+    const std::string ifnames = env::text(env::kGlooSocketIfname);
+    std::stringstream names(ifnames);
     for (std::string ifname; std::getline(names, ifname, ',');) {
       if (ifname.empty()) continue;
       try {
         opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
       } catch (const std::exception& e) {
         std::string m = e.what();
-        throw ConfigError("GLOO_SOCKET_IFNAME=" + std::string(ifnames) + ": no usable interface '" + ifname +
+        throw ConfigError("GLOO_SOCKET_IFNAME=" + ifnames + ": no usable interface '" + ifname +
                           "' on this host (" + m.substr(0, m.find('\n')) + ")");
       }
     }

@@ -5,27 +5,31 @@
 #include <sstream>
 
 #include "collectives/error.h"
-
-extern char** environ;
+#include "hardware/env.h"
 
 namespace tetra::collectives {
 
 namespace {
 
+// The launch's variables by name: the declared ones this process has (detect_launch()), or
+// a test's. Read by knob, so that a name read here is a name declared (Note [Knobs
+// declared once]).
 using Env = std::map<std::string, std::string>;
+using env::Knob;
 
-const std::string* get(const Env& env, const char* name) {
-  auto it = env.find(name);
-  return it == env.end() || it->second.empty() ? nullptr : &it->second;
+// nullptr when unset or empty.
+const std::string* get(const Env& vars, const Knob& knob) {
+  auto it = vars.find(knob.name);
+  return it == vars.end() || it->second.empty() ? nullptr : &it->second;
 }
 
-int parse_int(const Env& env, const char* name, int fallback, int min) {
-  const std::string* v = get(env, name);
+int parse_int(const Env& vars, const Knob& knob, int fallback, int min) {
+  const std::string* v = get(vars, knob);
   if (!v) return fallback;
   char* end = nullptr;
   long n = std::strtol(v->c_str(), &end, 10);
   if (!end || *end != '\0' || n < min || n > 1 << 24)
-    throw ConfigError(std::string("launch: ") + name + "=" + *v + " is not " +
+    throw ConfigError(std::string("launch: ") + knob.name + "=" + *v + " is not " +
                       (min == 0 ? "a non-negative" : "a positive") + " integer");
   return static_cast<int>(n);
 }
@@ -124,56 +128,53 @@ std::vector<int> expand_tasks_per_node(const std::string& counts) {
 }
 
 LaunchInfo detect_launch() {
-  Env env;
-  for (char** e = environ; e && *e; ++e) {
-    std::string kv = *e;
-    auto eq = kv.find('=');
-    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return detect_launch(env);
+  Env vars;
+  for (const Knob* k : env::knobs())
+    if (std::optional<std::string> v = env::get(*k)) vars[k->name] = std::move(*v);
+  return detect_launch(vars);
 }
 
 namespace {
 
 // A task of an srun step (Note [Slurm]).
-void slurm_step(const Env& env, LaunchInfo& l) {
+void slurm_step(const Env& vars, LaunchInfo& l) {
   l.launcher = "slurm";
-  const char* size = get(env, "SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
-  if (!get(env, size)) throw ConfigError("launch: SLURM_PROCID is set without SLURM_STEP_NUM_TASKS or SLURM_NTASKS");
-  l.rank = parse_int(env, "SLURM_PROCID", 0, 0);
-  l.world_size = parse_int(env, size, 0, 1);
-  l.local_rank = parse_int(env, "SLURM_LOCALID", 0, 0);
-  l.evidence = "SLURM_PROCID=" + *get(env, "SLURM_PROCID") + " " + size + "=" + *get(env, size);
-  if (get(env, "PMIX_RANK")) l.evidence += " PMIX_RANK=" + *get(env, "PMIX_RANK");
-  const char* per_node = get(env, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
-                         : get(env, "SLURM_NTASKS_PER_NODE")   ? "SLURM_NTASKS_PER_NODE"
-                                                               : "SLURM_TASKS_PER_NODE";
-  if (auto v = get(env, per_node)) {
+  const Knob& size = get(vars, env::kSlurmStepNumTasks) ? env::kSlurmStepNumTasks : env::kSlurmNTasks;
+  if (!get(vars, size)) throw ConfigError("launch: SLURM_PROCID is set without SLURM_STEP_NUM_TASKS or SLURM_NTASKS");
+  l.rank = parse_int(vars, env::kSlurmProcId, 0, 0);
+  l.world_size = parse_int(vars, size, 0, 1);
+  l.local_rank = parse_int(vars, env::kSlurmLocalId, 0, 0);
+  l.evidence = "SLURM_PROCID=" + *get(vars, env::kSlurmProcId) + " " + size.name + "=" + *get(vars, size);
+  if (get(vars, env::kPmixRank)) l.evidence += " PMIX_RANK=" + *get(vars, env::kPmixRank);
+  const Knob& per_node = get(vars, env::kSlurmStepTasksPerNode) ? env::kSlurmStepTasksPerNode
+                         : get(vars, env::kSlurmNTasksPerNode)  ? env::kSlurmNTasksPerNode
+                                                                 : env::kSlurmTasksPerNode;
+  if (auto v = get(vars, per_node)) {
     const std::vector<int> counts = expand_tasks_per_node(*v);
-    const int node = parse_int(env, "SLURM_NODEID", 0, 0);
+    const int node = parse_int(vars, env::kSlurmNodeId, 0, 0);
     l.local_world_size = counts[static_cast<size_t>(node) < counts.size() ? static_cast<size_t>(node) : 0];
   }
-  l.hosts = parse_int(env, get(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES", 0, 0);
+  l.hosts = parse_int(vars, get(vars, env::kSlurmStepNumNodes) ? env::kSlurmStepNumNodes : env::kSlurmNNodes, 0, 0);
   // gloo's rendezvous
-  const char* nodes = get(env, "SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
+  const Knob& nodes = get(vars, env::kSlurmStepNodeList) ? env::kSlurmStepNodeList : env::kSlurmJobNodeList;
   std::string addr_from, port_from;
-  if (auto a = get(env, "MASTER_ADDR")) {
+  if (auto a = get(vars, env::kMasterAddr)) {
     l.master_addr = *a;
     addr_from = "MASTER_ADDR";
-  } else if (auto list = get(env, nodes)) {
+  } else if (auto list = get(vars, nodes)) {
     l.master_addr = expand_hostlist(*list).front();
-    addr_from = std::string("the first node of ") + nodes;
+    addr_from = std::string("the first node of ") + nodes.name;
   }
-  if (get(env, "MASTER_PORT")) {
-    l.master_port = parse_int(env, "MASTER_PORT", 0, 1);
+  if (get(vars, env::kMasterPort)) {
+    l.master_port = parse_int(vars, env::kMasterPort, 0, 1);
     port_from = "MASTER_PORT";
-  } else if (get(env, "SLURM_JOB_ID")) {
+  } else if (get(vars, env::kSlurmJobId)) {
     // Job ids run past parse_int's bound on busy clusters (up to 2^26 and more).
-    const std::string& job_text = *get(env, "SLURM_JOB_ID");
+    const std::string& job_text = *get(vars, env::kSlurmJobId);
     if (job_text.find_first_not_of("0123456789") != std::string::npos || job_text.size() > 19)
       throw ConfigError("launch: SLURM_JOB_ID=" + job_text + " is not a job id");
     const uint64_t job = std::stoull(job_text);
-    const int step = parse_int(env, "SLURM_STEP_ID", 0, 0);
+    const int step = parse_int(vars, env::kSlurmStepId, 0, 0);
     l.master_port = slurm_port(job, static_cast<uint64_t>(step));
     port_from = "a port from SLURM_JOB_ID " + std::to_string(job) + " step " + std::to_string(step);
   }
@@ -182,45 +183,44 @@ void slurm_step(const Env& env, LaunchInfo& l) {
 
 }  // namespace
 
-LaunchInfo detect_launch(const Env& env) {
+LaunchInfo detect_launch(const Env& vars) {
   LaunchInfo l;
-  auto take = [&](const char* launcher, const char* rank, const char* size, const char* local_rank,
-                  const char* local_size) {
+  auto take = [&](const char* launcher, const Knob& rank, const Knob* size, const Knob* local_rank,
+                  const Knob* local_size) {
     l.launcher = launcher;
-    l.rank = parse_int(env, rank, 0, 0);
-    l.world_size = size ? parse_int(env, size, 0, 1) : 0;
-    l.local_rank = local_rank ? parse_int(env, local_rank, 0, 0) : 0;
-    l.local_world_size = local_size ? parse_int(env, local_size, 1, 1) : 1;
+    l.rank = parse_int(vars, rank, 0, 0);
+    l.world_size = size ? parse_int(vars, *size, 0, 1) : 0;
+    l.local_rank = local_rank ? parse_int(vars, *local_rank, 0, 0) : 0;
+    l.local_world_size = local_size ? parse_int(vars, *local_size, 1, 1) : 1;
     std::ostringstream ev;
-    ev << rank << "=" << *get(env, rank);
-    if (size && get(env, size)) ev << " " << size << "=" << *get(env, size);
+    ev << rank.name << "=" << *get(vars, rank);
+    if (size && get(vars, *size)) ev << " " << size->name << "=" << *get(vars, *size);
     l.evidence = ev.str();
   };
-  if (get(env, "TETRA_RANK") || get(env, "TETRA_WORLD_SIZE")) {
-    if (!get(env, "TETRA_RANK") || !get(env, "TETRA_WORLD_SIZE"))
+  if (get(vars, env::kRank) || get(vars, env::kWorldSize)) {
+    if (!get(vars, env::kRank) || !get(vars, env::kWorldSize))
       throw ConfigError("launch: set both TETRA_RANK and TETRA_WORLD_SIZE, or neither");
-    take("override", "TETRA_RANK", "TETRA_WORLD_SIZE", "TETRA_LOCAL_RANK", "TETRA_LOCAL_WORLD_SIZE");
-  } else if (get(env, "RANK") && get(env, "WORLD_SIZE")) {
-    take("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
-    if (auto a = get(env, "MASTER_ADDR")) l.master_addr = *a;
-    l.master_port = parse_int(env, "MASTER_PORT", 0, 0);
-    if (auto a = get(env, "TORCHELASTIC_USE_AGENT_STORE"); a && *a == "True") {
+    take("override", env::kRank, &env::kWorldSize, &env::kLocalRank, &env::kLocalWorldSize);
+  } else if (get(vars, env::kTorchRank) && get(vars, env::kTorchWorldSize)) {
+    take("torchrun", env::kTorchRank, &env::kTorchWorldSize, &env::kTorchLocalRank, &env::kTorchLocalWorldSize);
+    if (auto a = get(vars, env::kMasterAddr)) l.master_addr = *a;
+    l.master_port = parse_int(vars, env::kMasterPort, 0, 0);
+    if (auto a = get(vars, env::kTorchelasticUseAgentStore); a && *a == "True") {
       l.agent_store = true;
-      l.restart = parse_int(env, "TORCHELASTIC_RESTART_COUNT", 0, 0);
+      l.restart = parse_int(vars, env::kTorchelasticRestartCount, 0, 0);
     }
-  } else if (get(env, "OMPI_COMM_WORLD_RANK")) {
-    take("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (auto m = get(env, "OMPI_MCA_rmaps_base_mapping_policy")) l.map_by = *m;
-    if (auto b = get(env, "OMPI_MCA_hwloc_base_binding_policy")) l.bind_to = *b;
-  } else if (get(env, "SLURM_PROCID") && get(env, "SLURM_STEP_ID") &&
-             (!get(env, "PMIX_RANK") || *get(env, "PMIX_RANK") == *get(env, "SLURM_PROCID"))) {
-    slurm_step(env, l);
-  } else if (get(env, "PMIX_RANK")) {
-    take("pmix", "PMIX_RANK", nullptr, nullptr, nullptr);
-  } else if (get(env, "SLURM_PROCID") && get(env, "SLURM_NTASKS")) {
+  } else if (get(vars, env::kOmpiRank)) {
+    take("mpirun", env::kOmpiRank, &env::kOmpiSize, &env::kOmpiLocalRank, &env::kOmpiLocalSize);
+    if (auto m = get(vars, env::kOmpiMappingPolicy)) l.map_by = *m;
+    if (auto b = get(vars, env::kOmpiBindingPolicy)) l.bind_to = *b;
+  } else if (get(vars, env::kSlurmProcId) && get(vars, env::kSlurmStepId) &&
+             (!get(vars, env::kPmixRank) || *get(vars, env::kPmixRank) == *get(vars, env::kSlurmProcId))) {
+    slurm_step(vars, l);
+  } else if (get(vars, env::kPmixRank)) {
+    take("pmix", env::kPmixRank, nullptr, nullptr, nullptr);
+  } else if (get(vars, env::kSlurmProcId) && get(vars, env::kSlurmNTasks)) {
     // The batch script of an allocation, not a task of a step (Note [Slurm]).
-    l.evidence = "a Slurm batch step: SLURM_NTASKS=" + *get(env, "SLURM_NTASKS") + ", no SLURM_STEP_ID";
+    l.evidence = "a Slurm batch step: SLURM_NTASKS=" + *get(vars, env::kSlurmNTasks) + ", no SLURM_STEP_ID";
   }
   if (l.world_size > 0 && l.rank >= l.world_size)
     throw ConfigError("launch: rank " + std::to_string(l.rank) + " is not below the world size " +

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "collectives/auth.h"
+#include "hardware/env.h"
 #include "hardware/host.h"
 
 namespace tetra::collectives::monitor {
@@ -31,10 +32,7 @@ bool world_shares_one_network(Communicator& world, Duration timeout) {
 namespace {
 
 // The job's secret from the environment (Note [Job secret]); empty when unset.
-std::string secret_from_environment() {
-  const char* v = std::getenv("TETRA_JOB_SECRET");
-  return v ? std::string(v) : std::string();
-}
+std::string secret_from_environment() { return env::text(env::kJobSecret); }
 
 }  // namespace
 

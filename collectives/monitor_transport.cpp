@@ -15,6 +15,7 @@
 #include <cstring>
 #include <thread>
 
+#include "hardware/env.h"
 #include "hardware/host.h"
 
 namespace tetra::collectives::monitor {
@@ -137,8 +138,8 @@ int try_connect(const std::string& host, const std::string& port, Duration patie
 // not resolve, or resolves to another address, still reaches it.
 std::string advertised_address(int port) {
   std::vector<std::string> names;
-  if (const char* host = std::getenv("TETRA_MONITOR_ADDR"); host && *host) {
-    names.emplace_back(host);
+  if (std::string host = env::text(env::kMonitorAddr); !host.empty()) {
+    names.push_back(std::move(host));
   } else {
     names.push_back(hardware::network_name());
     for (const std::string& a : hardware::ipv4_addresses()) names.push_back(a);
@@ -186,12 +187,12 @@ Listener listen_for_ranks(bool one_network) {
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  const char* host_env = std::getenv("TETRA_MONITOR_ADDR");
+  const std::optional<std::string> host_env = env::get(env::kMonitorAddr);
   in_addr given{};
-  const bool numeric = host_env && ::inet_pton(AF_INET, host_env, &given) == 1;
+  const bool numeric = host_env && ::inet_pton(AF_INET, host_env->c_str(), &given) == 1;
   addr.sin_addr.s_addr = numeric ? given.s_addr : htonl(one_network ? INADDR_LOOPBACK : INADDR_ANY);
-  const char* port_env = std::getenv("TETRA_MONITOR_PORT");
-  addr.sin_port = htons(static_cast<uint16_t>(port_env ? std::atoi(port_env) : 0));
+  const std::optional<std::string> port_env = env::get(env::kMonitorPort);
+  addr.sin_port = htons(static_cast<uint16_t>(port_env ? std::atoi(port_env->c_str()) : 0));
   int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   if (bound != 0 && numeric && errno == EADDRNOTAVAIL) {  // an address others reach this host at (NAT)
     addr.sin_addr.s_addr = htonl(INADDR_ANY);
@@ -200,7 +201,7 @@ Listener listen_for_ranks(bool one_network) {
   if (bound != 0 || ::listen(fd, 1024) != 0) {
     const std::string e = std::strerror(errno);
     ::close(fd);
-    throw CommError("monitor: cannot listen on port " + std::string(port_env ? port_env : "(any)") + ": " + e +
+    throw CommError("monitor: cannot listen on port " + port_env.value_or("(any)") + ": " + e +
                     " (TETRA_MONITOR_PORT picks another)");
   }
   socklen_t len = sizeof(addr);

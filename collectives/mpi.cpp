@@ -30,6 +30,7 @@
 
 #include "collectives/error.h"
 #include "collectives/health.h"
+#include "hardware/env.h"
 
 namespace tetra::collectives {
 
@@ -75,15 +76,15 @@ struct PollPolicy {
 const PollPolicy& poll_policy() {
   static const PollPolicy policy = [] {
     PollPolicy p;
-    if (const char* env = std::getenv("TETRA_MPI_POLL")) {
+    if (const std::optional<std::string> given = env::get(env::kMpiPoll)) {
       long long a = 0, b = 0, c = 0, d = 0;
-      if (std::sscanf(env, "%lld,%lld,%lld,%lld", &a, &b, &c, &d) == 4 && a >= 0 && b >= a && c > 0) {
+      if (std::sscanf(given->c_str(), "%lld,%lld,%lld,%lld", &a, &b, &c, &d) == 4 && a >= 0 && b >= a && c > 0) {
         p = {a, b, c, d};
       } else {
         std::fprintf(stderr,
                      "tetra: TETRA_MPI_POLL=%s is not spin,yield,sleep,background_spin microseconds "
                      "(0 <= spin <= yield, sleep > 0); keeping %lld,%lld,%lld,%lld\n",
-                     env, static_cast<long long>(p.spin_us), static_cast<long long>(p.yield_us),
+                     given->c_str(), static_cast<long long>(p.spin_us), static_cast<long long>(p.yield_us),
                      static_cast<long long>(p.sleep_us), static_cast<long long>(p.background_spin_us));
       }
     }
@@ -217,7 +218,7 @@ void Runtime::init_locked() {
   if (!already) {
     // libnbc's default iallreduce on < 4 ranks (and in place) is a binomial
     // reduce + bcast at about half the tuned blocking speed; its ring matches it.
-    setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
+    env::set(env::kOmpiIallreduceAlgorithm, "1", /*overwrite=*/false);
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw_mpi(rc, "MPI_Init_thread", __FILE__, __LINE__);
     owns_mpi = true;
@@ -699,8 +700,8 @@ std::string mpi_library_version() {
 // The same on every rank of this mpirun job, without communicating: the launcher's name
 // for the job (PMIx namespace, Open MPI's job id), else the world's shape.
 std::string job_identity() {
-  for (const char* v : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"})
-    if (const char* x = std::getenv(v)) return std::string("mpi:") + v + "=" + x;
+  for (const env::Knob* v : {&env::kPmixNamespace, &env::kOmpiJobId, &env::kSlurmJobId, &env::kOmpiSize})
+    if (const std::optional<std::string> x = env::get(*v)) return std::string("mpi:") + v->name + "=" + *x;
   return "mpi:world";
 }
 
@@ -744,10 +745,10 @@ void register_mpi_backend(BackendRegistry& registry) {
   e.create = [](const LaunchInfo& launch, const WorldOptions& options, const CommunicatorPtr&) {
     // A task srun started without a PMI plugin: Open MPI's MPI_Init would print a page
     // about building it with PMI support and abort. Say what to do instead.
-    if (launch.launcher == "slurm" && !std::getenv("PMIX_RANK") && !std::getenv("PMI_RANK"))
+    if (launch.launcher == "slurm" && !env::is_set(env::kPmixRank) && !env::is_set(env::kPmiRank))
       throw ConfigError(
           "the mpi backend under srun needs the PMIx plugin, which this step was started without (SLURM_MPI_TYPE=" +
-          std::string(std::getenv("SLURM_MPI_TYPE") ? std::getenv("SLURM_MPI_TYPE") : "unset") +
+          env::get(env::kSlurmMpiType).value_or("unset") +
           "): run `srun --mpi=pmix ...` (or set MpiDefault=pmix in slurm.conf), or use collectives.backend: gloo, "
           "which needs no PMI");
     return mpi_world(options);

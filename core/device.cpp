@@ -5,9 +5,8 @@
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 
-#include <cstdlib>
-
 #include "core/plan.h"
+#include "hardware/env.h"
 
 namespace tetra::core {
 
@@ -17,9 +16,9 @@ std::string device_problem(const JobSpec& spec) {
     return "train.device: cuda, but this tetra is built against a LibTorch without CUDA (a CPU build); "
            "set train.device=cpu, or build tetra against PyTorch's CUDA LibTorch";
   if (torch::cuda::device_count() == 0) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    const std::optional<std::string> visible = env::get(env::kCudaVisibleDevices);  // "" hides every GPU
     return std::string("train.device: cuda, but no GPU is visible to this process") +
-           (visible ? " (CUDA_VISIBLE_DEVICES=\"" + std::string(visible) + "\")" : std::string("")) +
+           (visible ? " (CUDA_VISIBLE_DEVICES=\"" + *visible + "\")" : std::string("")) +
            "; set train.device=cpu, or run it where a GPU is";
   }
   // Replica threads reduce through the local backend, whose thread ranks read each other's

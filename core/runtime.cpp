@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "hardware/env.h"
 #include "hardware/host.h"
 
 namespace tetra::core {
@@ -35,22 +36,14 @@ Fn find_symbol(const char* name) {
   return reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
 }
 
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return 0;
-  char* end = nullptr;
-  long n = std::strtol(v, &end, 10);
-  return (end && *end == '\0' && n > 0) ? static_cast<int>(n) : 0;
-}
-
 }  // namespace
 
 void prepare_process(int argc, char** argv) {
   (void)argc;
   // Note [Thread pools and spinning]: libgomp has already read its environment.
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("TETRA_NO_REEXEC") == nullptr) {
-    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-    setenv("TETRA_NO_REEXEC", "1", 1);  // never loop, whatever happens below
+  if (!env::is_set(env::kOmpWaitPolicy) && !env::is_set(env::kNoReexec)) {
+    env::set(env::kOmpWaitPolicy, env::kOmpWaitPolicy.fallback);
+    env::set(env::kNoReexec, "1");  // never loop, whatever happens below
     execv("/proc/self/exe", argv);
     // execv only returns on failure: carry on with the spinning default.
   }
@@ -59,24 +52,22 @@ void prepare_process(int argc, char** argv) {
 
 void tune_allocator() {
   // TETRA_MALLOC_DEFAULTS=1 keeps glibc's defaults (to measure what the tuning buys).
-  if (const char* keep = std::getenv("TETRA_MALLOC_DEFAULTS"); keep && std::strcmp(keep, "1") == 0) return;
+  if (env::flag(env::kMallocDefaults)) return;
   // 32 MiB is glibc's ceiling for the mmap threshold on 64-bit (HEAP_MAX_SIZE / 2).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
-  const char* mmap = std::getenv("TETRA_MALLOC_MMAP");
-  const bool map_each = mmap && std::strcmp(mmap, "1") == 0;
+  const bool map_each = env::flag(env::kMallocMmap);
   // What malloc still serves above 32 MiB (not tensors: those are big blocks) stays off mmap.
   if (!map_each) mallopt(M_MMAP_MAX, 0);
   install_big_block_cache(/*cache=*/!map_each);  // Note [Big blocks]
 }
 
 int local_ranks_from_env() {
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
-                           "SLURM_NTASKS_PER_NODE", "PMIX_LOCAL_SIZE"}) {
-    int n = env_int(name);
-    if (n > 0) return n;
-  }
+  // The first set to a positive number; one set to anything else is passed over.
+  for (const env::Knob* k : {&env::kOmpiLocalSize, &env::kTorchLocalWorldSize, &env::kMpiLocalNRanks,
+                             &env::kSlurmNTasksPerNode, &env::kPmixLocalSize})
+    if (const std::optional<int64_t> n = env::integer_value(*k, /*min=*/1)) return static_cast<int>(*n);
   return 1;
 }
 
@@ -94,10 +85,10 @@ int set_threads(int threads, int ranks_per_process) {
   using BlisSetFn = void (*)(int64_t);  // dim_t
   if (auto fn = find_symbol<BlisSetFn>("bli_thread_set_num_threads")) {
     fn(threads);
-  } else if (!std::getenv("BLIS_NUM_THREADS")) {
+  } else if (!env::is_set(env::kBlisNumThreads)) {
     // BLIS behind Debian's libblas.so.3 hides its API and reads this once, at its first call
     // (a process's later set_threads cannot change it; BLIS alone runs one thread otherwise).
-    setenv("BLIS_NUM_THREADS", std::to_string(threads).c_str(), 1);
+    env::set(env::kBlisNumThreads, std::to_string(threads));
   }
   return threads;
 }

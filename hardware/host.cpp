@@ -14,6 +14,8 @@
 #include <fstream>
 #include <thread>
 
+#include "hardware/env.h"
+
 namespace tetra::hardware {
 
 std::string boot_id() {
@@ -33,7 +35,7 @@ std::string network_namespace_id() {
 }
 
 std::string hostname() {
-  if (const char* name = std::getenv("TETRA_HOSTNAME"); name && *name) return name;
+  if (std::string name = env::text(env::kHostname); !name.empty()) return name;
   return network_name();
 }
 

@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "hardware/env.h"
 #include "hardware/host.h"
 #include "hardware/topology_fields.h"
 
@@ -612,8 +613,8 @@ void discover_gpus(HostTopology& host) {
 // libraries stay loaded (unloading libcudart is not safe once anything initialised it).
 void discover_cuda_versions(HostTopology& host) {
   std::vector<std::string> runtimes = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"};
-  for (const char* env : {"CUDA_HOME", "CUDA_PATH"})
-    if (const char* dir = std::getenv(env); dir && *dir) runtimes.push_back(std::string(dir) + "/lib64/libcudart.so");
+  for (const env::Knob* home : {&env::kCudaHome, &env::kCudaPath})
+    if (const std::string dir = env::text(*home); !dir.empty()) runtimes.push_back(dir + "/lib64/libcudart.so");
   runtimes.push_back("/usr/local/cuda/lib64/libcudart.so");
   for (const auto& name : runtimes) {
     void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);

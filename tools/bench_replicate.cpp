@@ -33,6 +33,7 @@
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
+#include "hardware/env.h"
 #include "hardware/host.h"
 #include "pipeline/pipeline.h"
 #include "replicate/replicate.h"
@@ -123,8 +124,8 @@ int main(int argc, char** argv) {
       const std::string cmd = me + " --worker " + quote(root + "/configs/" + job) + " --steps " + std::to_string(steps) + sets;
       return measure(np > 0 ? mpirun + std::to_string(np) + " " + cmd : cmd);
     };
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    env::set(env::kOmpiAllowRunAsRoot, "1");
+    env::set(env::kOmpiAllowRunAsRootConfirm, "1");
 
     struct Mode {
       std::string name, job, sets;

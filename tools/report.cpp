@@ -61,6 +61,7 @@
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/trace_merge.h"
+#include "hardware/env.h"
 #include "pipeline/schedule.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
@@ -1057,8 +1058,7 @@ footer{color:#777;font-size:12px;margin:8px 0 16px}
 // ---- --png ------------------------------------------------------------------------------
 
 std::string on_path(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "";
+  const std::string dirs = tetra::env::text(tetra::env::kPath);
   size_t at = 0;
   while (at <= dirs.size()) {
     const size_t colon = std::min(dirs.find(':', at), dirs.size());

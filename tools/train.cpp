@@ -3,6 +3,7 @@
 //   train JOB.yaml [--set key=value]... [--check | --print-config | --dry-run]
 //   train --schema        the JSON Schema of job files
 //   train --list-keys     every key and choice, for shell completion (tools/completion/train.bash)
+//   train --help-env      the environment variables tetra reads (hardware/env.cpp)
 //
 // Exit status (collectives/error.h, README "Exit status"): 0 done; 1 the run failed (the
 // message says why); 2 the job, a file it names or the command line is wrong (every
@@ -38,6 +39,7 @@
 #include "core/runtime.h"
 #include "core/trace_merge.h"
 #include "core/trainer.h"
+#include "hardware/env.h"
 #include "hardware/host.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
@@ -119,6 +121,7 @@ int train_main(int argc, char** argv) {
   std::string job;
   std::vector<std::string> sets;
   bool check = false, print_config = false, dry_run = false, json = false, schema = false, list_keys = false;
+  bool help_env = false;
   int np = 0, ranks_per_host = 0;
   std::string calibration;
   bool time_layers = false;
@@ -190,6 +193,9 @@ int train_main(int argc, char** argv) {
                "print the JSON Schema of job files (for editors: the YAML language server's "
                "`# yaml-language-server: $schema=FILE`) and exit; needs no job")
       ->group("For editors and shells");
+  app.add_flag("--help-env", help_env,
+               "print the environment variables tetra reads, its own and other tools', with their types, defaults "
+               "and what they do, and exit");
   app.set_version_flag("--version", [] {
     std::string v = std::string("train (tetra ") + TETRA_VERSION;
     if (*TETRA_GIT_COMMIT) v += std::string(", commit ") + TETRA_GIT_COMMIT;
@@ -224,6 +230,10 @@ int train_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+  if (help_env) {  // Note [Knobs declared once]
+    std::printf("%s", tetra::env::help_text().c_str());
+    return 0;
   }
   // The plan's options without --dry-run: a user who typed --np wanted that many
   // processes, which only a launcher starts.

@@ -18,6 +18,7 @@
 
 #include "collectives/build_config.h"
 #include "core/safetensors.h"
+#include "hardware/env.h"
 #include "tests/tools/spawn.h"
 
 namespace fs = std::filesystem;
@@ -1364,6 +1365,20 @@ TEST(TrainCli, VersionComesFromTheBuild) {
   EXPECT_NE(v.out.find("LibTorch "), std::string::npos) << v.out;
   EXPECT_NE(v.out.find("  mpi: Open MPI"), std::string::npos) << v.out;
   EXPECT_NE(v.out.find("  gloo: "), std::string::npos) << v.out;
+}
+
+// `train --help-env` prints every declared environment variable (Note [Knobs declared
+// once]), needs no job, and `--help` points at it.
+TEST(TrainCli, HelpEnvListsEveryDeclaredVariable) {
+  const Outcome h = run({"--help-env"});
+  ASSERT_EQ(h.status, 0) << h.out;
+  EXPECT_EQ(h.out, tetra::env::help_text());
+  for (const tetra::env::Knob* k : tetra::env::knobs())
+    EXPECT_NE(h.out.find(std::string("\n  ") + k->name + "  "), std::string::npos) << k->name << " missing:\n" << h.out;
+  EXPECT_LT(h.out.find("TETRA_JOB_SECRET"), h.out.find("OMPI_COMM_WORLD_RANK")) << "tetra's own come first";
+  const Outcome help = run({"--help"});
+  ASSERT_EQ(help.status, 0) << help.out;
+  EXPECT_NE(help.out.find("--help-env"), std::string::npos) << help.out;
 }
 
 // tools/completion/train.bash in a real bash: after --set the keys come from this

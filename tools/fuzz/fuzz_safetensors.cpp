@@ -40,6 +40,7 @@
 #include "collectives/local.h"
 #include "core/checkpoint.h"
 #include "core/safetensors.h"
+#include "hardware/env.h"
 
 namespace fs = std::filesystem;
 using namespace tetra::core;
@@ -142,8 +143,8 @@ void write_seeds(const fs::path& dir) {
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   at::set_num_threads(1);
-  if (const char* seeds = std::getenv("TETRA_FUZZ_WRITE_SEEDS")) {
-    write_seeds(seeds);
+  if (const std::optional<std::string> seeds = tetra::env::get(tetra::env::kFuzzWriteSeeds)) {
+    write_seeds(*seeds);
     std::exit(0);
   }
   (void)work_dir();

@@ -14,6 +14,7 @@
 #include "collectives/local.h"
 #include "core/models.h"
 #include "core/optim.h"
+#include "hardware/env.h"
 #include "hardware/host.h"
 #include "pipeline/pipeline.h"
 
@@ -158,8 +159,7 @@ Calibration this_machine(ModelPlan& job, const LayerTimes& layers, bool spans_ho
 Calibration calibration_of(const DryRunOptions& how, ModelPlan& job, int64_t micro, bool spans_hosts,
                            std::optional<LayerTimes>& layers) {
   std::string file = how.calibration;
-  if (file.empty())
-    if (const char* env = std::getenv("TETRA_CALIBRATION"); env && *env) file = env;
+  if (file.empty()) file = env::text(env::kCalibration);
   // A job on cuda runs on GPUs this dry run does not time (it builds nothing on a device):
   // this host's CPU says nothing of them, so without a file measured on them it is priced
   // on the GPU-cluster defaults, and says so.

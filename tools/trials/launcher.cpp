@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "collectives/build_config.h"
+#include "hardware/env.h"
 
 namespace tetra::trials {
 
@@ -37,7 +38,7 @@ std::vector<std::string> launcher_words(int np, std::string l) {
     return words(l);
   }
   if (np == 1) return {};
-  if (const char* slurm = std::getenv("SLURM_JOB_ID"); slurm && *slurm)
+  if (!env::text(env::kSlurmJobId).empty())
     return {"srun", "--mpi=pmix", "-n", std::to_string(np)};
   std::vector<std::string> w = {*TETRA_MPIEXEC ? TETRA_MPIEXEC : "mpirun", "-np", std::to_string(np), "--oversubscribe", "--bind-to", "none"};
   if (::geteuid() == 0) w.push_back("--allow-run-as-root");
