@@ -191,6 +191,8 @@ using SectionParser =
     std::function<std::shared_ptr<const PluginConfig>(Section& section, const JobSpec& job)>;
 
 // Section names -> parsers. Duplicate names are rejected; a missing name lists the known.
+// A plugin adds its section through core::register_section (core/fields.h), which writes
+// the parser around the plugin's keys and rules.
 class SectionRegistry {
  public:
   // `axis`: the mesh axis the plugin's strategy owns ("" for none).

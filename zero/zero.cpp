@@ -972,14 +972,10 @@ const auto kFields = [](auto& v, Options& o) { zero_fields(v, o); };
 YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_zero(core::SectionRegistry& registry) {
-  registry.add("zero", [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-    auto o = std::make_shared<Options>();
-    core::fields::Reader r(s);
-    zero_fields(r, *o);
-    s.finish();
-    if (o->stage == 0) return nullptr;  // off: the data_parallel plugin allreduces
-    return o;
-  });
+  core::register_section<Options>(registry, "zero", kFields, "",
+                                  [](core::Section&, const core::JobSpec&, const Options& o, bool) {
+                                    return o.stage != 0;  // 0, off: the data_parallel plugin allreduces
+                                  });
 }
 
 }  // namespace tetra::zero
