@@ -108,11 +108,6 @@ class Trace {
   std::vector<nlohmann::json> events_;
 };
 
-// "1.5 GiB", "312 MiB"
-std::string human_bytes(int64_t bytes);
-// Three significant digits ("1.67 MiB", "854 KiB", "512 B"): for tables whose rows differ
-// by a few KiB.
-std::string human_bytes3(int64_t bytes);
 // "1h02m", "3m05s", "42s"
 std::string human_duration(double seconds);
 

@@ -39,6 +39,7 @@
 #include "core/trace_merge.h"
 #include "core/trainer.h"
 #include "hardware/host.h"
+#include "hardware/topology.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
 #include "tetra/tune.h"
@@ -48,6 +49,8 @@ namespace {
 
 using namespace tetra;
 using namespace tetra::core;
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 // Every rank finds the same mistake in the job; rank 0 says it. The others wait a
 // moment before exiting, since a launcher tears the whole job down at the first
@@ -73,11 +76,13 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
       std::printf("  accuracy     %.2f%% final, %.2f%% best\n", 100 * *r.final_eval->accuracy,
                   100 * r.best_accuracy.value_or(*r.final_eval->accuracy));
   }
-  std::printf("  peak memory  %s\n", human_bytes(hardware::peak_rss_bytes()).c_str());
+  std::printf("  peak memory  %s\n", format_bytes(hardware::peak_rss_bytes(), ByteDigits::kWhole).c_str());
   std::printf("  model state  %s on rank 0: parameters %s, gradients %s, optimizer %s, buffers %s\n",
-              human_bytes(r.memory.total()).c_str(), human_bytes(r.memory.parameters).c_str(),
-              human_bytes(r.memory.gradients).c_str(), human_bytes(r.memory.optimizer).c_str(),
-              human_bytes(r.memory.buffers).c_str());
+              format_bytes(r.memory.total(), ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.parameters, ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.gradients, ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.optimizer, ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.buffers, ByteDigits::kWhole).c_str());
   if (!r.checkpoint.empty()) std::printf("  checkpoint   %s\n", r.checkpoint.c_str());
   if (!spec.checkpoint.safetensors.empty())
     std::printf("  weights      %s (safetensors)\n", spec.checkpoint.safetensors.c_str());
@@ -338,8 +343,9 @@ int train_main(int argc, char** argv) {
                   static_cast<long long>(model.parameters()),
                   spec.checkpoint.dir.empty()
                       ? ""
-                      : ("; a checkpoint about " + human_bytes(checkpoint_bytes(spec, model.parameters())) +
-                         " in " + spec.checkpoint.dir)
+                      : ("; a checkpoint about " +
+                         format_bytes(checkpoint_bytes(spec, model.parameters()), ByteDigits::kWhole) + " in " +
+                         spec.checkpoint.dir)
                             .c_str());
       return 0;
     }

@@ -14,8 +14,12 @@
 #include "core/fields.h"
 #include "core/models.h"
 #include "core/report.h"
+#include "hardware/topology.h"
 
 namespace tetra::zero {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -937,8 +941,9 @@ std::string Options::plan(const core::PlanInput& input) const {
   // line is what sharding saves, at a glance.
   const core::ModelStateBytes whole = state_bytes({psi / pp}, n, Parts{}, core::optimizer_slots(input.spec.optimizer), 4, 1, 0);
   os << "  model state per rank: in the estimate below; without ZeRO each rank would hold parameters "
-     << core::human_bytes(whole.parameters) << " + gradients " << core::human_bytes(whole.gradients)
-     << " + optimizer state " << core::human_bytes(whole.optimizer) << (pp > 1 ? " (a stage's share)" : "") << "\n";
+     << format_bytes(whole.parameters, ByteDigits::kWhole) << " + gradients "
+     << format_bytes(whole.gradients, ByteDigits::kWhole) << " + optimizer state "
+     << format_bytes(whole.optimizer, ByteDigits::kWhole) << (pp > 1 ? " (a stage's share)" : "") << "\n";
   os << "  communication buffers: " << (parts.gradients ? "a unit (gradients on their way)" : "2 chunks of a unit")
      << (parts.parameters ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
   return os.str();
