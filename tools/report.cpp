@@ -27,8 +27,6 @@
 // Exit status: 0 written; 2 the input is wrong (RUN_DIR missing, no metrics, a line
 // that is not JSON: named as file:line; --step not in the traces; no rsvg-convert for
 // --png); 1 anything else (the page cannot be written).
-#include "core/report.h"
-
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -59,6 +57,7 @@
 #include "core/job_spec.h"
 #include "core/run_folder.h"
 #include "core/safetensors.h"
+#include "core/telemetry.h"
 #include "core/text.h"
 #include "core/trace_merge.h"
 #include "hardware/topology.h"

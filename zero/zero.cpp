@@ -13,7 +13,7 @@
 #include "core/bucketer.h"
 #include "core/fields.h"
 #include "core/models.h"
-#include "core/report.h"
+#include "core/telemetry.h"
 #include "hardware/topology.h"
 
 namespace tetra::zero {

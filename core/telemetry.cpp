@@ -1,4 +1,4 @@
-#include "core/report.h"
+#include "core/telemetry.h"
 
 #include <unistd.h>
 

@@ -1,4 +1,5 @@
-// What a run reports: metrics as JSON lines, a progress display, a Chrome trace.
+// What a run reports as it runs (its telemetry): metrics as JSON lines, a progress display,
+// a Chrome trace. (Not the `report` tool, tools/report.cpp, which reads a run folder after.)
 #pragma once
 
 #include <nlohmann/json.hpp>
