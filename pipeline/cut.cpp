@@ -13,6 +13,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/init.h"
 #include "core/models.h"
 #include "core/optim.h"
 #include "core/random.h"

@@ -30,6 +30,7 @@
 #include "collectives/backends.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "hardware/topology.h"

@@ -23,6 +23,7 @@
 #include "collectives/backends.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/models.h"
 #include "core/runtime.h"
 #include "core/trainer.h"

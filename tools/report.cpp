@@ -54,6 +54,7 @@
 
 #include "collectives/error.h"
 #include "tools/chart/chart.h"
+#include "core/job_file.h"
 #include "core/job_spec.h"
 #include "core/run_folder.h"
 #include "core/safetensors.h"

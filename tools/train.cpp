@@ -30,6 +30,7 @@
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "collectives/mpi.h"
+#include "core/job_file.h"
 #include "core/resume.h"
 #include "core/job_spec.h"
 #include "core/model_plan.h"
