@@ -26,7 +26,9 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -199,3 +201,39 @@ std::vector<std::string> keys(S spec, Declare&& declare) {
 }
 
 }  // namespace tetra::core::fields
+
+namespace tetra::core {
+
+// What a plugin's section decides beyond its keys. `SectionStart` sets the defaults the job
+// decides, before the keys are read (pipeline.stages from the mesh); `SectionDecide` checks
+// the rules that span the keys or the job (errors through the section) and says whether the
+// strategy is on. `given`: whether the job has the section at all.
+template <class Options>
+using SectionStart = std::function<void(Options& options, const JobSpec& job)>;
+template <class Options>
+using SectionDecide = std::function<bool(Section& section, const JobSpec& job, const Options& options, bool given)>;
+
+// Registers a plugin's section with the parser every plugin's is: `Options{}`, then `start`,
+// then the keys `declare` declares (Note [Fields declared once]) through the Reader, then
+// Section::finish (unknown keys are errors), then `decide`; nullptr (the strategy is off)
+// where `decide` says so. Written once so that a plugin says only what is its own.
+// `axis`: the mesh axis the strategy owns ("" for none), as SectionRegistry::add.
+template <class Options, class Declare>
+void register_section(SectionRegistry& registry, const std::string& name, Declare declare, const std::string& axis = "",
+                      SectionDecide<Options> decide = {}, SectionStart<Options> start = {}) {
+  registry.add(
+      name,
+      [declare, decide, start](Section& s, const JobSpec& job) -> std::shared_ptr<const PluginConfig> {
+        auto o = std::make_shared<Options>();
+        const bool given = !s.keys().empty();
+        if (start) start(*o, job);
+        fields::Reader r(s);
+        declare(r, *o);
+        s.finish();
+        if (decide && !decide(s, job, *o, given)) return nullptr;
+        return o;
+      },
+      axis);
+}
+
+}  // namespace tetra::core

@@ -7,10 +7,10 @@
 #include <cmath>
 #include <cstdio>
 #include <set>
+#include <sstream>
 
 #include "collectives/error.h"
 #include "core/device.h"
-#include "core/models.h"
 #include "core/random.h"
 
 namespace tetra::core {
@@ -221,6 +221,21 @@ void Materializer::create(const NamedParam& p) const {
 void Materializer::create_all(torch::nn::Module& model) const {
   for (const auto& p : model.named_parameters()) create({p.key(), p.value()});
   for (const auto& b : model.named_buffers()) create({b.key(), b.value()});
+}
+
+std::string layer_text(const torch::nn::Module& layer) {
+  std::ostringstream os;
+  layer.pretty_print(os);
+  std::string text = os.str();
+  const std::string anonymous = "(anonymous namespace)::";
+  for (size_t at; (at = text.find(anonymous)) != std::string::npos;) text.erase(at, anonymous.size());
+  // The type is what comes before the first '(' (its options follow).
+  const size_t open = text.find('(');
+  std::string type = text.substr(0, open);
+  const std::string rest = open == std::string::npos ? "" : text.substr(open);
+  if (type.rfind("::") != std::string::npos) type = type.substr(type.rfind("::") + 2);
+  if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
+  return type + rest;
 }
 
 int64_t created_bytes(const torch::nn::Module& model) {

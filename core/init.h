@@ -153,6 +153,12 @@ class Materializer {
 // once: what a rank has created of its model.
 int64_t created_bytes(const torch::nn::Module& model);
 
+// A layer's pretty print without the namespaces and the Impl of its type:
+// "Linear(in_features=784, ...)", "GptBlock(d_model=128, ...)", "Residual" for a program's
+// own "(anonymous namespace)::ResidualImpl". Here, with the module helpers, since the
+// Materializer names a layer in its errors; models.h's describe() and the tables use it too.
+std::string layer_text(const torch::nn::Module& layer);
+
 // For running one layer of a model built as shapes (probing its output, timing it): while
 // it lives, every meta parameter and buffer of `module` has real storage (zeros: the
 // values do not matter to a probe's shapes or to a layer's time); afterwards they are

@@ -177,6 +177,14 @@ struct CollectivesSpec {
   double peer_silence_s = 20;
 };
 
+// A rule the job breaks: `key` is the setting to change, as a job-file key
+// ("data.batch_size", "pipeline.micro_batches"), so the YAML path can point at its line
+// and the C++ builder at its call.
+struct PlanIssue {
+  std::string key;
+  std::string message;
+};
+
 // What a plugin's section parses into. Plugins subclass it with their typed options.
 struct PluginConfig {
   virtual ~PluginConfig() = default;
@@ -191,6 +199,8 @@ using SectionParser =
     std::function<std::shared_ptr<const PluginConfig>(Section& section, const JobSpec& job)>;
 
 // Section names -> parsers. Duplicate names are rejected; a missing name lists the known.
+// A plugin adds its section through core::register_section (core/fields.h), which writes
+// the parser around the plugin's keys and rules.
 class SectionRegistry {
  public:
   // `axis`: the mesh axis the plugin's strategy owns ("" for none).
@@ -257,17 +267,26 @@ struct JobWorld {
 };
 JobWorld launch_world();
 
-// Parses a job file, applies the `--set` overrides, validates every section and the
-// cross-field rules. Throws tetra::ConfigError carrying every diagnostic at once.
-ParsedJob parse_job_file(const std::string& path, const std::vector<std::string>& overrides,
-                         const SectionRegistry& plugins, const JobWorld& world = launch_world());
-// `origin_of_line`, for a document a program wrote: names the call that wrote each line,
-// which the diagnostics then carry instead of name:line:col (the C++ Plan builder).
-ParsedJob parse_job_string(const std::string& yaml, const std::string& name,
-                           const std::vector<std::string>& overrides,
-                           const SectionRegistry& plugins,
-                           const std::function<std::string(int line)>& origin_of_line = {},
-                           const JobWorld& world = launch_world());
+// The rules across the sections, checked once every section is sound, each broken one
+// reported at the line of its key: the plan's (Plan::issues, core/plan.h). The spec does
+// not name the plan, which is built from a spec; core/job_file.h passes them.
+using JobRules = std::function<std::vector<PlanIssue>(const JobSpec& spec)>;
+
+// A job's text: a file, or a document a program wrote.
+struct JobText {
+  std::string path;  // the job file; "" for the document below
+  std::string yaml;  // the document, named `name` in messages
+  std::string name;
+  // For a document a program wrote: names the call that wrote each line, which the
+  // diagnostics then carry instead of name:line:col (the C++ Plan builder).
+  std::function<std::string(int line)> origin_of_line;
+};
+
+// Reads a job: applies the `--set` overrides, validates every section, then `rules`.
+// Throws tetra::ConfigError carrying every diagnostic at once. Programs call
+// parse_job_file and parse_job_string (core/job_file.h), which pass the plan's rules.
+ParsedJob read_job(const JobText& text, const std::vector<std::string>& overrides, const SectionRegistry& plugins,
+                   const JobRules& rules, const JobWorld& world);
 
 // A core section as the keys its parser reads, leaving out those at their defaults (the
 // keys a type does not read are never written): what the C++ Plan builder writes before it
@@ -286,12 +305,5 @@ YAML::Node to_yaml(const CollectivesSpec& spec);
 
 // The resolved config as YAML text, sections in a fixed order.
 std::string resolved_yaml(const YAML::Node& resolved);
-
-// The JSON Schema (draft-07) of a job file, made from what the parsers read (Note
-// [Schema] in core/config.h): the job is parsed with every word of every choice in turn
-// (model.type: mlp, cnn, gpt; ...), until no choice has a word left, and each key read
-// becomes a property with its type, bounds, words and default; a mapping takes no other
-// keys. `train --schema` prints it, for editors (the YAML language server).
-nlohmann::json job_schema(const SectionRegistry& plugins);
 
 }  // namespace tetra::core

@@ -738,21 +738,6 @@ std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe
   return out;
 }
 
-std::string layer_text(const torch::nn::Module& layer) {
-  std::ostringstream os;
-  layer.pretty_print(os);
-  std::string text = os.str();
-  const std::string anonymous = "(anonymous namespace)::";
-  for (size_t at; (at = text.find(anonymous)) != std::string::npos;) text.erase(at, anonymous.size());
-  // The type is what comes before the first '(' (its options follow).
-  const size_t open = text.find('(');
-  std::string type = text.substr(0, open);
-  const std::string rest = open == std::string::npos ? "" : text.substr(open);
-  if (type.rfind("::") != std::string::npos) type = type.substr(type.rfind("::") + 2);
-  if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
-  return type + rest;
-}
-
 std::string describe(const torch::nn::Sequential& model) {
   std::ostringstream os;
   const size_t n = model->size();

@@ -114,11 +114,6 @@ std::vector<double> forward_flops(torch::nn::Sequential& model, const torch::Ten
 // The same from a probe already taken (probe_layers), running nothing.
 std::vector<double> forward_flops(torch::nn::Sequential& model, const LayerProbe& probe);
 
-// A layer's pretty print without the namespaces and the Impl of its type:
-// "Linear(in_features=784, ...)", "GptBlock(d_model=128, ...)", "Residual" for a program's
-// own "(anonymous namespace)::ResidualImpl".
-std::string layer_text(const torch::nn::Module& layer);
-
 // "Sequential(Flatten, Linear(784->1024), ReLU, ...)" one layer a line, with params.
 std::string describe(const torch::nn::Sequential& model);
 

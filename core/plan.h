@@ -70,14 +70,6 @@ struct PlanStep {
   std::string note;          // why it is left out, or what it takes over
 };
 
-// A rule the job breaks: `key` is the setting to change, as a job-file key
-// ("data.batch_size", "pipeline.micro_batches"), so the YAML path can point at its line
-// and the C++ builder at its call.
-struct PlanIssue {
-  std::string key;
-  std::string message;
-};
-
 class Plan {
  public:
   // Throws tetra::ConfigError carrying every issue (see issues()).

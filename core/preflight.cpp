@@ -13,9 +13,12 @@
 #include "collectives/error.h"
 #include "core/checkpoint.h"
 #include "core/device.h"
-#include "core/report.h"
+#include "hardware/topology.h"
 
 namespace tetra::core {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -142,9 +145,10 @@ std::string space_problem(const JobSpec& spec, int64_t parameters) {
   const int64_t free_bytes = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
   const int64_t need = checkpoint_bytes(spec, parameters);
   if (free_bytes >= need) return "";
-  return "checkpoint.dir: one checkpoint needs about " + human_bytes(need) + " (" + std::to_string(parameters) +
-         " parameters: fp32 weights and " + spec.optimizer.type + "'s state) and " + base.string() + " has " +
-         human_bytes(free_bytes) + " free: the run would fail at its first save (free space there, or set " +
+  return "checkpoint.dir: one checkpoint needs about " + format_bytes(need, ByteDigits::kWhole) + " (" +
+         std::to_string(parameters) + " parameters: fp32 weights and " + spec.optimizer.type + "'s state) and " +
+         base.string() + " has " + format_bytes(free_bytes, ByteDigits::kWhole) +
+         " free: the run would fail at its first save (free space there, or set " +
          "checkpoint.dir to a larger disk, or \"\" for none)";
 }
 

@@ -22,7 +22,7 @@
 #include "collectives/communicator.h"
 #include "core/data.h"
 #include "core/random.h"
-#include "core/report.h"
+#include "core/telemetry.h"
 
 namespace tetra::core {
 

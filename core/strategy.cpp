@@ -8,8 +8,12 @@
 
 #include "collectives/error.h"
 #include "core/models.h"
+#include "hardware/topology.h"
 
 namespace tetra::core {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -199,14 +203,18 @@ std::string estimate_table(const Plan& plan, const std::vector<RankEstimate>& ra
       std::snprintf(line, sizeof line, " %-6d", coord("tensor"));
       out += line;
     }
-    std::snprintf(line, sizeof line, " %10s %10s %10s %10s %11s %10s", human_bytes3(r.state.parameters).c_str(),
-                  human_bytes3(r.state.gradients).c_str(),
-                  human_bytes3(r.state.optimizer).c_str(), human_bytes3(r.state.buffers).c_str(),
-                  human_bytes3(r.activations).c_str(), human_bytes3(r.state.total() + r.activations).c_str());
+    std::snprintf(line, sizeof line, " %10s %10s %10s %10s %11s %10s",
+                  format_bytes(r.state.parameters, ByteDigits::kThree).c_str(),
+                  format_bytes(r.state.gradients, ByteDigits::kThree).c_str(),
+                  format_bytes(r.state.optimizer, ByteDigits::kThree).c_str(),
+                  format_bytes(r.state.buffers, ByteDigits::kThree).c_str(),
+                  format_bytes(r.activations, ByteDigits::kThree).c_str(),
+                  format_bytes(r.state.total() + r.activations, ByteDigits::kThree).c_str());
     out += line;
     for (const auto& a : axes) {
       auto it = r.traffic.find(a);
-      std::snprintf(line, sizeof line, " %14s", human_bytes3(it == r.traffic.end() ? 0 : it->second.sent).c_str());
+      const int64_t sent = it == r.traffic.end() ? 0 : it->second.sent;
+      std::snprintf(line, sizeof line, " %14s", format_bytes(sent, ByteDigits::kThree).c_str());
       out += line;
     }
     out += "\n";

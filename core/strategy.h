@@ -49,9 +49,9 @@
 #include "core/plan.h"
 #include "core/strategy_config.h"
 #include "core/random.h"
-#include "core/report.h"
 #include "core/safetensors.h"
 #include "core/step.h"
+#include "core/telemetry.h"
 
 namespace tetra::core {
 

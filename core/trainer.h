@@ -26,9 +26,9 @@
 #include "core/model_state.h"
 #include "core/plan.h"
 #include "core/records.h"
-#include "core/report.h"
 #include "core/step.h"
 #include "core/strategy.h"
+#include "core/telemetry.h"
 #include "collectives/communicator.h"
 
 namespace tetra::core {

@@ -224,17 +224,8 @@ core::StrategyRole Options::role(const core::JobSpec&) const {
 }
 
 void register_data_parallel(core::SectionRegistry& registry) {
-  registry.add(
-      "data_parallel",
-      [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-        auto o = std::make_shared<Options>();
-        core::fields::Reader r(s);
-        data_parallel_fields(r, *o);
-        s.finish();
-        (void)job;
-        return o;  // the plan leaves it out when the data group has one rank
-      },
-      "data");
+  // Always on here: the plan leaves it out when the data group has one rank.
+  core::register_section<Options>(registry, "data_parallel", kFields, "data");
 }
 
 }  // namespace tetra::data_parallel

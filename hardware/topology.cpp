@@ -165,19 +165,35 @@ std::vector<int> parse_cpu_list(const std::string& list) {
   return out;
 }
 
-std::string format_bytes(int64_t bytes) {
+std::string format_bytes(int64_t bytes, ByteDigits digits) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  // The units each style uses: kWhole never writes B ("0 KiB") nor beyond GiB ("2048.0 GiB").
+  const int lowest = digits == ByteDigits::kWhole ? 1 : 0;
+  const int highest = digits == ByteDigits::kWhole ? 3 : digits == ByteDigits::kThree ? 4 : 5;
   double v = static_cast<double>(bytes);
   int u = 0;
-  while (v >= 1024.0 && u < 5) {
-    v /= 1024.0;
+  while (u < highest && (u < lowest || v >= 1024.0)) {
+    v /= 1024.0;  // a power of two: exact, as dividing by the unit at once
     ++u;
   }
   char buf[32];
-  if (u == 0 || v == static_cast<double>(static_cast<int64_t>(v)))
-    std::snprintf(buf, sizeof(buf), "%lld %s", static_cast<long long>(v), units[u]);
-  else
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, units[u]);
+  switch (digits) {
+    case ByteDigits::kExact:
+      if (u == 0 || v == static_cast<double>(static_cast<int64_t>(v)))
+        std::snprintf(buf, sizeof(buf), "%lld %s", static_cast<long long>(v), units[u]);
+      else
+        std::snprintf(buf, sizeof(buf), "%.1f %s", v, units[u]);
+      break;
+    case ByteDigits::kWhole:
+      std::snprintf(buf, sizeof(buf), u == 3 ? "%.1f %s" : "%.0f %s", v, units[u]);
+      break;
+    case ByteDigits::kThree:
+      if (u == 0)
+        std::snprintf(buf, sizeof(buf), "%lld B", static_cast<long long>(bytes));
+      else
+        std::snprintf(buf, sizeof(buf), v >= 100 ? "%.0f %s" : v >= 10 ? "%.1f %s" : "%.2f %s", v, units[u]);
+      break;
+  }
   return buf;
 }
 

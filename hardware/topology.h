@@ -180,7 +180,14 @@ std::string format_ranks(const Topology& topology);
 // CPU lists in the kernel's format: {0,1,2,5} <-> "0-2,5".
 std::string format_cpu_list(const std::vector<int>& cpus);
 std::vector<int> parse_cpu_list(const std::string& list);
-// 1536 -> "1.5 KiB", 34359738368 -> "32 GiB".
-std::string format_bytes(int64_t bytes);
+// How format_bytes writes a size. Each output reads its own way and tests and tools read
+// the text, so the styles stay as their callers had them; the unit arithmetic is written once.
+enum class ByteDigits {
+  kExact,  // "512 B", "1.5 KiB", "32 GiB": whole where the size is, else a tenth (hardware sizes)
+  kWhole,  // "854 KiB", "312 MiB", "1.5 GiB": whole KiB and MiB, a tenth of a GiB, never B (messages)
+  kThree,  // "512 B", "854 KiB", "1.67 MiB": three significant digits (tables whose rows differ by a few KiB)
+};
+// 1536 -> "1.5 KiB", 34359738368 -> "32 GiB" (kExact); the one formatter of sizes in bytes.
+std::string format_bytes(int64_t bytes, ByteDigits digits = ByteDigits::kExact);
 
 }  // namespace tetra::hardware

@@ -13,14 +13,18 @@
 #include <tuple>
 #include <utility>
 
+#include "core/init.h"
 #include "core/models.h"
 #include "core/optim.h"
 #include "core/random.h"
-#include "core/report.h"
 #include "core/runtime.h"
 #include "core/torch_compat.h"
+#include "hardware/topology.h"
 
 namespace tetra::pipeline {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -181,11 +185,14 @@ std::vector<core::PlanIssue> memory_issues(const Options& opt, const Partition& 
     if (static_cast<double>(b.total()) <= mem.cap()) continue;
     std::ostringstream os;
     os << "stage " << k << " (rank " << sched.rank_of(k) << ", layers " << part.first(k) << "-" << part.end(k) - 1
-       << ") needs " << core::human_bytes(b.total()) << " (" << b.total() << " bytes: parameters, gradients and optimizer state "
-       << core::human_bytes(b.state) << ", activations " << core::human_bytes(b.activations) << " for " << b.in_flight
+       << ") needs " << format_bytes(b.total(), ByteDigits::kWhole) << " (" << b.total()
+       << " bytes: parameters, gradients and optimizer state " << format_bytes(b.state, ByteDigits::kWhole)
+       << ", activations " << format_bytes(b.activations, ByteDigits::kWhole) << " for " << b.in_flight
        << " micro-batches in flight" << (b.weight_pending ? " and " + std::to_string(b.weight_pending) + " waiting for W" : "")
        << "), over pipeline.memory_gb " << opt.memory_gb << " per rank"
-       << (opt.virtual_stages > 1 ? " (" + core::human_bytes(static_cast<int64_t>(mem.cap())) + " per chunk)" : "");
+       << (opt.virtual_stages > 1
+               ? " (" + format_bytes(static_cast<int64_t>(mem.cap()), ByteDigits::kWhole) + " per chunk)"
+               : "");
     if (opt.balance == Balance::kByTime)
       os << "; no cut of the " << costs.size() << " layers into " << part.stages()
          << " stages fits, and this one needs least; ";

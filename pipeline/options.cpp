@@ -91,23 +91,17 @@ core::StrategyRole Options::role(const core::JobSpec& job) const {
 }
 
 void register_pipeline(core::SectionRegistry& registry) {
-  registry.add(
-      "pipeline",
-      [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-        auto o = std::make_shared<Options>();
-        const bool given = !s.keys().empty();
-        o->stages = job.mesh.size("pipeline");
-        const int P = o->stages;
-        core::fields::Reader r(s);
-        pipeline_fields(r, *o);
-        s.finish();
-        if (!given && P == 1) return nullptr;  // off: no pipeline
-        const std::string problem = schedule_problem(to_string(o->schedule), P, o->micro_batches, o->virtual_stages);
+  core::register_section<Options>(
+      registry, "pipeline", kFields, "pipeline",
+      [](core::Section& s, const core::JobSpec&, const Options& o, bool given) {
+        const int P = o.stages;
+        if (!given && P == 1) return false;  // off: no pipeline
+        const std::string problem = schedule_problem(to_string(o.schedule), P, o.micro_batches, o.virtual_stages);
         if (!problem.empty())
           s.error(problem.find("virtual") != std::string::npos ? "virtual_stages" : "micro_batches", problem);
-        return o;
+        return true;
       },
-      "pipeline");
+      [](Options& o, const core::JobSpec& job) { o.stages = job.mesh.size("pipeline"); });
 }
 
 }  // namespace tetra::pipeline

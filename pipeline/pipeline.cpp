@@ -9,11 +9,14 @@
 #include <sstream>
 
 #include "collectives/error.h"
-#include "core/report.h"
 #include "core/safetensors.h"
+#include "hardware/topology.h"
 #include "pipeline/executor.h"
 
 namespace tetra::pipeline {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -236,13 +239,14 @@ std::string Options::plan(const core::PlanInput& input) const {
     const bool over = memory_gb > 0 && static_cast<double>(bytes.total()) > mem.cap();
     std::snprintf(line, sizeof(line), "  %-5d %-4d %-32s %10lld %8.3f %8.3f %11s %9d %11s %11s%s\n", k, r, label.c_str(),
                   static_cast<long long>(sc[k].params), sc[k].forward_s * 1e3, sc[k].backward_s * 1e3,
-                  core::human_bytes(sc[k].activation_bytes).c_str(), in_flight, core::human_bytes(act).c_str(),
-                  core::human_bytes(bytes.total()).c_str(), over ? "  over the cap" : "");
+                  format_bytes(sc[k].activation_bytes, ByteDigits::kWhole).c_str(), in_flight,
+                  format_bytes(act, ByteDigits::kWhole).c_str(),
+                  format_bytes(bytes.total(), ByteDigits::kWhole).c_str(), over ? "  over the cap" : "");
     os << line;
   }
   if (memory_gb > 0)
     os << "  pipeline.memory_gb " << memory_gb << " per rank"
-       << (v > 1 ? " (" + core::human_bytes(static_cast<int64_t>(mem.cap())) + " per chunk)" : "")
+       << (v > 1 ? " (" + format_bytes(static_cast<int64_t>(mem.cap()), ByteDigits::kWhole) + " per chunk)" : "")
        << ": memory = parameters, gradients and optimizer state (fp32, replicated) + activations"
        << (s.split_backward() ? " + the inputs W keeps for the micro-batches between their B and W" : "") << "\n";
   if (!costs.empty() && costs.front().scaled)

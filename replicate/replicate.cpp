@@ -65,19 +65,13 @@ const auto kFields = [](auto& v, Options& o) { replicate_fields(v, o); };
 YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_replicate(core::SectionRegistry& registry) {
-  registry.add(
-      "replicate",
-      [](core::Section& s, const core::JobSpec&) -> std::shared_ptr<const core::PluginConfig> {
-        auto o = std::make_shared<Options>();
-        const bool given = !s.keys().empty();
-        o->replicas = 1;  // absent: one rank per process (the struct's 2 is for the C++ builder)
-        core::fields::Reader r(s);
-        replicate_fields(r, *o);
-        s.finish();
-        if (!given || o->replicas == 1) return nullptr;  // off: one rank per process
-        return o;
+  core::register_section<Options>(
+      registry, "replicate", kFields, "replica",
+      [](core::Section&, const core::JobSpec&, const Options& o, bool given) {
+        return given && o.replicas != 1;  // else off: one rank per process
       },
-      "replica");
+      // absent: one rank per process (the struct's 2 is for the C++ builder)
+      [](Options& o, const core::JobSpec&) { o.replicas = 1; });
 }
 
 // ---- placement ---------------------------------------------------------------------------

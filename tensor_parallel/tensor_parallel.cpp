@@ -274,22 +274,14 @@ std::vector<core::PlanIssue> Options::issues(const core::JobSpec& job) const {
 YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_tensor_parallel(core::SectionRegistry& registry) {
-  registry.add(
-      "tensor",
-      [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-        auto o = std::make_shared<Options>();
-        core::fields::Reader r(s);
-        tensor_fields(r, *o);
-        s.finish();
-        if (job.mesh.size("tensor") <= 1) {
-          if (o->sequence_parallel)
-            s.error("sequence_parallel", "splits the sequence over the tensor group, and "
-                                         "mesh.tensor is 1 (no group); set mesh.tensor > 1 or remove the key");
-          return nullptr;  // off: every rank holds whole layers
-        }
-        return o;
-      },
-      "tensor");
+  core::register_section<Options>(
+      registry, "tensor", kFields, "tensor", [](core::Section& s, const core::JobSpec& job, const Options& o, bool) {
+        if (job.mesh.size("tensor") > 1) return true;
+        if (o.sequence_parallel)
+          s.error("sequence_parallel", "splits the sequence over the tensor group, and "
+                                       "mesh.tensor is 1 (no group); set mesh.tensor > 1 or remove the key");
+        return false;  // off: every rank holds whole layers
+      });
 }
 
 }  // namespace tetra::tensor_parallel

@@ -40,11 +40,11 @@
 
 #include "collectives/backends.h"
 #include "collectives/error.h"
-#include "collectives/fusion.h"
 #include "collectives/launch.h"
 #include "collectives/local.h"
 #include "collectives/mpi.h"
 #include "collectives/topology_gather.h"
+#include "tools/bench/fused_allreduce.h"
 #include "tools/planner/cost_model.h"
 #include "core/runtime.h"
 #include "hardware/host.h"
@@ -279,7 +279,7 @@ int run_rank(const Args& a, Communicator& comm, bool print) {
     std::vector<at::Tensor> ts;
     for (int i = 0; i < a.fused; ++i)
       ts.push_back(at::full({count}, comm.rank() + 1, at::TensorOptions().dtype(dt).device(comm.device())));
-    FusedAllreduce fused;
+    tetra::bench::FusedAllreduce fused;
     double sep = time_loop([&] { for (auto& t : ts) comm.allreduce(t)->wait(); }, a.warmup, a.iters, sync);
     double one = time_loop([&] { fused.run(comm, ts); }, a.warmup, a.iters, sync);
     // Issued all at once and waited together: what the bucketer does.

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/data.h"
+#include "core/job_file.h"
 #include "core/job_spec.h"
 #include "core/models.h"
 #include "core/random.h"

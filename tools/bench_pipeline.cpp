@@ -30,12 +30,16 @@
 #include "collectives/backends.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
+#include "hardware/topology.h"
 #include "pipeline/pipeline.h"
 
 using namespace tetra;
 using namespace tetra::core;
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -256,9 +260,11 @@ int main(int argc, char** argv) {
         auto [m0, m1] = both(static_cast<double>(r.step_bytes));
         auto [r0, r1] = both(static_cast<double>(r.peak_rss));
         if (rank0)
-          std::printf("%-11s %-11s %11s %11s %11s %11s\n", k.name, ck, human_bytes(static_cast<int64_t>(m0)).c_str(),
-                      human_bytes(static_cast<int64_t>(m1)).c_str(), human_bytes(static_cast<int64_t>(r0)).c_str(),
-                      human_bytes(static_cast<int64_t>(r1)).c_str());
+          std::printf("%-11s %-11s %11s %11s %11s %11s\n", k.name, ck,
+                      format_bytes(static_cast<int64_t>(m0), ByteDigits::kWhole).c_str(),
+                      format_bytes(static_cast<int64_t>(m1), ByteDigits::kWhole).c_str(),
+                      format_bytes(static_cast<int64_t>(r0), ByteDigits::kWhole).c_str(),
+                      format_bytes(static_cast<int64_t>(r1), ByteDigits::kWhole).c_str());
       }
     return 0;
   } catch (const ConfigError& e) {

@@ -29,6 +29,7 @@
 #include "collectives/backends.h"
 #include "collectives/build_config.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/plan.h"
 #include "core/runtime.h"
 #include "core/trainer.h"

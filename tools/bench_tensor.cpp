@@ -26,6 +26,7 @@
 #include "collectives/backends.h"
 #include "collectives/communicator.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/mesh.h"
 #include "core/models.h"
 #include "core/runtime.h"

@@ -26,6 +26,7 @@
 #include "collectives/communicator.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/models.h"
 #include "core/runtime.h"
 #include "core/trainer.h"

@@ -23,15 +23,18 @@
 #include "collectives/backends.h"
 #include "collectives/error.h"
 #include "collectives/launch.h"
+#include "core/job_file.h"
 #include "core/models.h"
-#include "core/report.h"
 #include "core/runtime.h"
 #include "core/trainer.h"
 #include "data_parallel/data_parallel.h"
+#include "hardware/topology.h"
 #include "zero/zero.h"
 
 using namespace tetra;
 using namespace tetra::core;
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -153,9 +156,11 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < m.memory.size(); ++i) {
           const auto& b = m.memory[i];
           const int64_t state = b.parameters + b.gradients + b.optimizer;
-          std::printf(" r%zu %s (%s+%s+%s+%s, %.3f of formula)", i, human_bytes(b.total()).c_str(),
-                      human_bytes(b.parameters).c_str(), human_bytes(b.gradients).c_str(),
-                      human_bytes(b.optimizer).c_str(), human_bytes(b.buffers).c_str(),
+          std::printf(" r%zu %s (%s+%s+%s+%s, %.3f of formula)", i, format_bytes(b.total(), ByteDigits::kWhole).c_str(),
+                      format_bytes(b.parameters, ByteDigits::kWhole).c_str(),
+                      format_bytes(b.gradients, ByteDigits::kWhole).c_str(),
+                      format_bytes(b.optimizer, ByteDigits::kWhole).c_str(),
+                      format_bytes(b.buffers, ByteDigits::kWhole).c_str(),
                       static_cast<double>(state) / formula[stage]);
         }
         std::printf("\n");

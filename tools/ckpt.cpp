@@ -32,10 +32,10 @@
 #include "collectives/error.h"
 #include "core/checkpoint.h"
 #include "core/model_io.h"
-#include "core/report.h"
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/trainer.h"
+#include "hardware/topology.h"
 
 namespace {
 
@@ -46,9 +46,10 @@ using tetra::core::range_str;
 using tetra::core::shape_str;
 
 
-// "312 B" below a KiB, where human_bytes would say "0 KiB".
+// "312 B" below a KiB, where the kWhole style would say "0 KiB".
 std::string size_text(int64_t bytes) {
-  return bytes < 1024 ? std::to_string(bytes) + " B" : tetra::core::human_bytes(bytes);
+  using tetra::hardware::ByteDigits;
+  return bytes < 1024 ? std::to_string(bytes) + " B" : tetra::hardware::format_bytes(bytes, ByteDigits::kWhole);
 }
 
 int64_t tensor_bytes(const CheckpointReader& r, const std::string& name) {

@@ -27,8 +27,6 @@
 // Exit status: 0 written; 2 the input is wrong (RUN_DIR missing, no metrics, a line
 // that is not JSON: named as file:line; --step not in the traces; no rsvg-convert for
 // --png); 1 anything else (the page cannot be written).
-#include "core/report.h"
-
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -56,12 +54,15 @@
 
 #include "collectives/error.h"
 #include "tools/chart/chart.h"
+#include "core/job_file.h"
 #include "core/job_spec.h"
 #include "core/run_folder.h"
 #include "core/safetensors.h"
+#include "core/telemetry.h"
 #include "core/text.h"
 #include "core/trace_merge.h"
 #include "hardware/env.h"
+#include "hardware/topology.h"
 #include "pipeline/schedule.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
@@ -1141,13 +1142,14 @@ int report(const std::string& dir, std::string out, const std::string& png, int6
   const double render_s = seconds_since(t_render);
   tetra::core::write_file_atomic(out, html);
 
-  std::string line = "report: wrote " + out + " (" +
-                     tetra::core::human_bytes3(static_cast<int64_t>(html.size())) + ")";
+  using tetra::hardware::ByteDigits;
+  std::string line =
+      "report: wrote " + out + " (" + tetra::hardware::format_bytes(static_cast<int64_t>(html.size()), ByteDigits::kThree) + ")";
   if (!png.empty()) {
     write_png(rsvg, name + " — tetra report", page.charts, png);
     std::error_code ec;
     line += " and " + png + " (" +
-            tetra::core::human_bytes3(static_cast<int64_t>(fs::file_size(png, ec))) + ")";
+            tetra::hardware::format_bytes(static_cast<int64_t>(fs::file_size(png, ec)), ByteDigits::kThree) + ")";
   }
   line += ": " + tetra::core::join(page.drawn, ", ");
   if (!page.missing.empty()) line += "; missing: " + tetra::core::join(page.missing, ", ");

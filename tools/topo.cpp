@@ -33,6 +33,7 @@
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "collectives/topology_gather.h"
+#include "core/job_file.h"
 #include "core/mesh.h"
 #include "core/runtime.h"
 #include "hardware/topology.h"

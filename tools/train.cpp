@@ -31,16 +31,18 @@
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "collectives/mpi.h"
+#include "core/job_file.h"
 #include "core/resume.h"
 #include "core/job_spec.h"
 #include "core/model_plan.h"
 #include "core/preflight.h"
-#include "core/report.h"
 #include "core/runtime.h"
+#include "core/telemetry.h"
 #include "core/trace_merge.h"
 #include "core/trainer.h"
 #include "hardware/env.h"
 #include "hardware/host.h"
+#include "hardware/topology.h"
 #include "tetra/run.h"
 #include "tetra/tetra.h"
 #include "tetra/tune.h"
@@ -50,6 +52,8 @@ namespace {
 
 using namespace tetra;
 using namespace tetra::core;
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 // Every rank finds the same mistake in the job; rank 0 says it. The others wait a
 // moment before exiting, since a launcher tears the whole job down at the first
@@ -75,11 +79,13 @@ void print_summary(const JobSpec& spec, const TrainResult& r) {
       std::printf("  accuracy     %.2f%% final, %.2f%% best\n", 100 * *r.final_eval->accuracy,
                   100 * r.best_accuracy.value_or(*r.final_eval->accuracy));
   }
-  std::printf("  peak memory  %s\n", human_bytes(hardware::peak_rss_bytes()).c_str());
+  std::printf("  peak memory  %s\n", format_bytes(hardware::peak_rss_bytes(), ByteDigits::kWhole).c_str());
   std::printf("  model state  %s on rank 0: parameters %s, gradients %s, optimizer %s, buffers %s\n",
-              human_bytes(r.memory.total()).c_str(), human_bytes(r.memory.parameters).c_str(),
-              human_bytes(r.memory.gradients).c_str(), human_bytes(r.memory.optimizer).c_str(),
-              human_bytes(r.memory.buffers).c_str());
+              format_bytes(r.memory.total(), ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.parameters, ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.gradients, ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.optimizer, ByteDigits::kWhole).c_str(),
+              format_bytes(r.memory.buffers, ByteDigits::kWhole).c_str());
   if (!r.checkpoint.empty()) std::printf("  checkpoint   %s\n", r.checkpoint.c_str());
   if (!spec.checkpoint.safetensors.empty())
     std::printf("  weights      %s (safetensors)\n", spec.checkpoint.safetensors.c_str());
@@ -348,8 +354,9 @@ int train_main(int argc, char** argv) {
                   static_cast<long long>(model.parameters()),
                   spec.checkpoint.dir.empty()
                       ? ""
-                      : ("; a checkpoint about " + human_bytes(checkpoint_bytes(spec, model.parameters())) +
-                         " in " + spec.checkpoint.dir)
+                      : ("; a checkpoint about " +
+                         format_bytes(checkpoint_bytes(spec, model.parameters()), ByteDigits::kWhole) + " in " +
+                         spec.checkpoint.dir)
                             .c_str());
       return 0;
     }

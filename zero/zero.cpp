@@ -13,9 +13,13 @@
 #include "core/bucketer.h"
 #include "core/fields.h"
 #include "core/models.h"
-#include "core/report.h"
+#include "core/telemetry.h"
+#include "hardware/topology.h"
 
 namespace tetra::zero {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -937,8 +941,9 @@ std::string Options::plan(const core::PlanInput& input) const {
   // line is what sharding saves, at a glance.
   const core::ModelStateBytes whole = state_bytes({psi / pp}, n, Parts{}, core::optimizer_slots(input.spec.optimizer), 4, 1, 0);
   os << "  model state per rank: in the estimate below; without ZeRO each rank would hold parameters "
-     << core::human_bytes(whole.parameters) << " + gradients " << core::human_bytes(whole.gradients)
-     << " + optimizer state " << core::human_bytes(whole.optimizer) << (pp > 1 ? " (a stage's share)" : "") << "\n";
+     << format_bytes(whole.parameters, ByteDigits::kWhole) << " + gradients "
+     << format_bytes(whole.gradients, ByteDigits::kWhole) << " + optimizer state "
+     << format_bytes(whole.optimizer, ByteDigits::kWhole) << (pp > 1 ? " (a stage's share)" : "") << "\n";
   os << "  communication buffers: " << (parts.gradients ? "a unit (gradients on their way)" : "2 chunks of a unit")
      << (parts.parameters ? ", and the layers gathered at the moment (1 + prefetch)" : "") << "\n";
   return os.str();
@@ -972,14 +977,10 @@ const auto kFields = [](auto& v, Options& o) { zero_fields(v, o); };
 YAML::Node Options::to_yaml() const { return core::fields::write(*this, Options{}, kFields); }
 
 void register_zero(core::SectionRegistry& registry) {
-  registry.add("zero", [](core::Section& s, const core::JobSpec& job) -> std::shared_ptr<const core::PluginConfig> {
-    auto o = std::make_shared<Options>();
-    core::fields::Reader r(s);
-    zero_fields(r, *o);
-    s.finish();
-    if (o->stage == 0) return nullptr;  // off: the data_parallel plugin allreduces
-    return o;
-  });
+  core::register_section<Options>(registry, "zero", kFields, "",
+                                  [](core::Section&, const core::JobSpec&, const Options& o, bool) {
+                                    return o.stage != 0;  // 0, off: the data_parallel plugin allreduces
+                                  });
 }
 
 }  // namespace tetra::zero

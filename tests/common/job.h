@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "core/job_file.h"
 #include "core/job_spec.h"
 
 namespace tetra::numerics {

@@ -10,6 +10,7 @@
 
 #include "core/config.h"
 #include "collectives/error.h"
+#include "core/job_file.h"
 #include "core/job_spec.h"
 
 namespace tetra::core {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/job_file.h"
 #include "core/job_spec.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "collectives/error.h"
+#include "core/job_file.h"
 #include "core/job_spec.h"
 #include "core/mesh.h"
 

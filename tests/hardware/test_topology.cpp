@@ -171,6 +171,21 @@ TEST(Topology, FormatBytes) {
   EXPECT_EQ(hw::format_bytes(int64_t{32} << 30), "32 GiB");
 }
 
+// The styles the other outputs write (messages and progress lines; the plan's tables), kept
+// as they were when each had its own function.
+TEST(Topology, FormatBytesStyles) {
+  using hw::ByteDigits;
+  EXPECT_EQ(hw::format_bytes(512, ByteDigits::kWhole), "0 KiB");
+  EXPECT_EQ(hw::format_bytes(1751122, ByteDigits::kWhole), "2 MiB");
+  EXPECT_EQ(hw::format_bytes(int64_t{3} << 29, ByteDigits::kWhole), "1.5 GiB");
+  EXPECT_EQ(hw::format_bytes(int64_t{2} << 40, ByteDigits::kWhole), "2048.0 GiB");
+  EXPECT_EQ(hw::format_bytes(512, ByteDigits::kThree), "512 B");
+  EXPECT_EQ(hw::format_bytes(12800, ByteDigits::kThree), "12.5 KiB");
+  EXPECT_EQ(hw::format_bytes(1751122, ByteDigits::kThree), "1.67 MiB");
+  EXPECT_EQ(hw::format_bytes(874496, ByteDigits::kThree), "854 KiB");
+  EXPECT_EQ(hw::format_bytes(int64_t{2} << 40, ByteDigits::kThree), "2.00 TiB");
+}
+
 TEST(Topology, JsonRoundTripIsExact) {
   hw::Topology t = hw::local_topology(0, 0);
   ASSERT_EQ(t.hosts.size(), 1u);

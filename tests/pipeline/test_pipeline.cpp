@@ -17,6 +17,7 @@
 
 #include "collectives/error.h"
 #include "collectives/local.h"
+#include "core/job_file.h"
 #include "core/models.h"
 #include "core/runtime.h"
 #include "core/model_plan.h"

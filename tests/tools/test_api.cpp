@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/job_file.h"
 #include "core/preflight.h"
 #include "tests/common/numerics.h"
 #include "tools/examples/custom_model/own_model.h"

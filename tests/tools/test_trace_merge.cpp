@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "core/report.h"
+#include "core/telemetry.h"
 #include "tests/tools/spawn.h"
 
 namespace fs = std::filesystem;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "collectives/build_config.h"
+#include "core/job_file.h"
 #include "core/model_plan.h"
 #include "spawn.h"
 #include "tetra/run.h"

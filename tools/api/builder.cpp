@@ -1,5 +1,6 @@
 #include "tetra/builder.h"
 
+#include "core/job_file.h"
 #include "tetra/tetra.h"
 
 namespace tetra {

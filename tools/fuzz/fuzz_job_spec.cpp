@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "collectives/error.h"
+#include "core/job_file.h"
 #include "core/job_spec.h"
 #include "tetra/tetra.h"
 

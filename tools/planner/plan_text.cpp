@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <string>
 
-#include "core/report.h"
+#include "core/telemetry.h"
 #include "hardware/host.h"
 
 namespace tetra::planner {

@@ -14,7 +14,7 @@
 
 #include "collectives/error.h"
 #include "collectives/launch.h"
-#include "core/report.h"
+#include "hardware/topology.h"
 #include "tools/planner/pricing.h"
 #include "tools/planner/tune_steps.h"
 
@@ -66,6 +66,9 @@ namespace tetra::planner {
 
 using namespace tetra::core;
 using namespace tetra::planner::tuning;
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace {
 
@@ -248,7 +251,8 @@ void say_priced(Search& s, int refined, size_t refined_structures) {
                     : s.calibration.empty()              ? "the test's"
                                                          : s.calibration;
   say(s.o.progress, "[tune %s] priced %d (%d refinements of the best %zu); %d valid, %d within %s a process\n",
-      s.clock().c_str(), valid + turned, refined, refined_structures, valid, kept, human_bytes(s.r.memory_limit).c_str());
+      s.clock().c_str(), valid + turned, refined, refined_structures, valid, kept,
+      format_bytes(s.r.memory_limit, ByteDigits::kWhole).c_str());
 }
 
 // Step 2: the cost model's prices, then the memory's pruning.
@@ -303,7 +307,7 @@ void measure(Search& s) {
     if (c.trial == Candidate::Trial::kOk) c.rounds = {c.measured_s};
     if (c.trial == Candidate::Trial::kOk)
       say(o.progress, "[tune %s]   measured %s ms a step, peak RSS %s\n", s.clock().c_str(), ms(c.measured_s).c_str(),
-          human_bytes(c.measured_rss).c_str());
+          format_bytes(c.measured_rss, ByteDigits::kWhole).c_str());
     else
       say(o.progress, "[tune %s]   %s: %s\n", s.clock().c_str(), to_string(c.trial).c_str(), c.failure.c_str());
     if (c.trial == Candidate::Trial::kTimedOut) {
@@ -393,7 +397,7 @@ void choose(Search& s) {
   r.phase_ratios = phase_ratios(cs);
   r.seconds = s.elapsed();
   if (r.chosen < 0)
-    throw ConfigError(s.o.job + ": no candidate fits " + human_bytes(r.memory_limit) +
+    throw ConfigError(s.o.job + ": no candidate fits " + format_bytes(r.memory_limit, ByteDigits::kWhole) +
                       " a process (--memory-gb) or passes the model's rules; the first turned down: " +
                       [&] {
                         for (const Candidate& c : cs)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "collectives/error.h"
+#include "core/job_file.h"
 #include "core/plan.h"
 #include "core/preflight.h"
 #include "core/strategy_config.h"

@@ -9,12 +9,15 @@
 #include <limits>
 #include <set>
 
-#include "core/report.h"
 #include "core/text.h"
+#include "hardware/topology.h"
 
 namespace tetra::planner {
 
 using namespace tetra::core;
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace tuning {
 
@@ -97,7 +100,8 @@ std::string ratios_text(const std::map<std::string, double>& r) {
 void prune_by_memory(std::vector<Candidate>& candidates, int64_t limit_bytes) {
   for (Candidate& c : candidates)
     if (c.priced && c.invalid.empty() && limit_bytes > 0 && c.predicted_bytes > limit_bytes)
-      c.pruned = human_bytes(c.predicted_bytes) + " > " + human_bytes(limit_bytes);
+      c.pruned =
+          format_bytes(c.predicted_bytes, ByteDigits::kWhole) + " > " + format_bytes(limit_bytes, ByteDigits::kWhole);
 }
 
 double corrected_step(const Candidate& c, const std::map<std::string, double>& ratios) {

@@ -9,12 +9,15 @@
 
 #include "collectives/build_config.h"
 #include "core/job_spec.h"
-#include "core/report.h"
 #include "core/text.h"
+#include "hardware/topology.h"
 
 namespace tetra::planner {
 
 using namespace tetra::core;
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace tuning {
 
@@ -46,7 +49,7 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
   h += "# Chosen by `" + command_line(o) + "` (tetra " + TETRA_VERSION +
        (*TETRA_GIT_COMMIT ? std::string(", commit ") + TETRA_GIT_COMMIT : std::string()) + ", " + when + "):\n";
   h += fmt("#   %zu candidates, %d priced valid by the cost model, %d within %s a process; ", r.candidates.size(), priced,
-           fits, human_bytes(r.memory_limit).c_str());
+           fits, format_bytes(r.memory_limit, ByteDigits::kWhole).c_str());
   h += o.dry_run ? std::string("on paper (--dry-run): no trial run") :
                    fmt("%d measured in trials of %d steps after %d of warm-up%s", r.trials_run, o.trial_steps,
                        o.warmup_steps, launcher.empty() ? "" : (" under `" + launcher + "`").c_str());
@@ -57,15 +60,17 @@ std::string written_job(const TuneResult& r, const TuneOptions& o, const std::st
     std::string rounds = std::to_string(std::max<size_t>(1, c.rounds.size())) + " round" + (c.rounds.size() > 1 ? "s" : "");
     if (c.rounds.size() > 1) rounds += fmt(", %.0f%% apart", 100 * spread_of(c.rounds));
     h += "#   measured " + ms(c.measured_s) + " ms a step (the mean of " + rounds + "; predicted " + ms(c.predicted_s) + "), peak RSS " +
-         human_bytes(c.measured_rss) + " on its largest rank (model state " + human_bytes(c.measured_state) +
-         "; predicted state and activations " + human_bytes(c.predicted_bytes) + ")\n";
+         format_bytes(c.measured_rss, ByteDigits::kWhole) + " on its largest rank (model state " +
+         format_bytes(c.measured_state, ByteDigits::kWhole) + "; predicted state and activations " +
+         format_bytes(c.predicted_bytes, ByteDigits::kWhole) + ")\n";
     for (const Candidate& x : r.candidates)
       if (x.as_given && x.trial == Candidate::Trial::kOk && &x != &c)
         h += "#   the job as given measured " + ms(x.measured_s) + " ms a step: this one trains " +
              fmt("%.2f", x.measured_s / c.measured_s) + "x as fast\n";
   } else {
     h += "#   not measured (" + std::string(o.dry_run ? "--dry-run: on paper" : "no trial finished") +
-         "): predicted " + ms(c.predicted_s) + " ms a step, " + human_bytes(c.predicted_bytes) + " on its largest rank\n";
+         "): predicted " + ms(c.predicted_s) + " ms a step, " + format_bytes(c.predicted_bytes, ByteDigits::kWhole) +
+         " on its largest rank\n";
   }
   if (r.trials_run >= 3)
     h += "#   predicted against measured step over the trials: rank correlation " + fmt("%.2f", r.correlation) + "\n";
@@ -116,8 +121,9 @@ std::string TuneResult::table() const {
     out += fmt("  %-4d %-*s %9s %9s %6s %-14s %9s %9s %9s  %s%s\n", i, width, c.label.c_str(), ms(c.predicted_s).c_str(),
                ok ? ms(c.measured_s).c_str() : "-", ok ? fmt("%.2f", c.measured_s / c.predicted_s).c_str() : "-",
                spread.c_str(),
-               human_bytes(c.predicted_bytes).c_str(), c.measured_rss ? human_bytes(c.measured_rss).c_str() : "-",
-               c.measured_state ? human_bytes(c.measured_state).c_str() : "-",
+               format_bytes(c.predicted_bytes, ByteDigits::kWhole).c_str(),
+               c.measured_rss ? format_bytes(c.measured_rss, ByteDigits::kWhole).c_str() : "-",
+               c.measured_state ? format_bytes(c.measured_state, ByteDigits::kWhole).c_str() : "-",
                c.trial == Candidate::Trial::kNotRun ? "on paper" : to_string(c.trial).c_str(),
                i == chosen ? "  <- chosen" : c.failure.empty() ? "" : ("  (" + c.failure + ")").c_str());
   }

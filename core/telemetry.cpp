@@ -1,4 +1,4 @@
-#include "core/report.h"
+#include "core/telemetry.h"
 
 #include <unistd.h>
 
@@ -10,8 +10,12 @@
 #include "collectives/error.h"
 #include "collectives/launch.h"
 #include "core/safetensors.h"
+#include "hardware/topology.h"
 
 namespace tetra::core {
+
+using hardware::ByteDigits;
+using hardware::format_bytes;
 
 namespace fs = std::filesystem;
 
@@ -51,7 +55,7 @@ std::string Progress::format(const Status& s) const {
                 "step %*lld/%lld  epoch %lld/%lld  loss %.4f  lr %.3g  %.0f samples/s  ETA %s  mem %s",
                 w, static_cast<long long>(s.step), static_cast<long long>(s.total),
                 static_cast<long long>(s.epoch), static_cast<long long>(s.epochs), s.loss, s.lr,
-                s.samples_per_s, human_duration(eta).c_str(), human_bytes(s.peak_rss).c_str());
+                s.samples_per_s, human_duration(eta).c_str(), format_bytes(s.peak_rss, ByteDigits::kWhole).c_str());
   return buf;
 }
 
@@ -141,31 +145,6 @@ void Trace::write(const std::string& path) const {
   for (const auto& e : events_) events.push_back(e);
   nlohmann::json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
   write_file_atomic(path, doc.dump() + "\n");
-}
-
-std::string human_bytes(int64_t bytes) {
-  char buf[32];
-  double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof(buf), "%.1f GiB", b / (1024.0 * 1024 * 1024));
-  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof(buf), "%.0f MiB", b / (1024.0 * 1024));
-  else std::snprintf(buf, sizeof(buf), "%.0f KiB", b / 1024.0);
-  return buf;
-}
-
-std::string human_bytes3(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double b = static_cast<double>(bytes);
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  char buf[32];
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
-  else
-    std::snprintf(buf, sizeof buf, b >= 100 ? "%.0f %s" : b >= 10 ? "%.1f %s" : "%.2f %s", b, units[u]);
-  return buf;
 }
 
 std::string human_duration(double seconds) {

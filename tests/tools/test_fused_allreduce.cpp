@@ -1,13 +1,15 @@
-// Fused allreduce: many tensors through one collective give what separate calls give.
+// bench-collectives' fused allreduce (tools/bench/fused_allreduce.h): many tensors through
+// one collective give what separate calls give, so what --fused times is the same work.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
 #include "collectives/error.h"
-#include "collectives/fusion.h"
 #include "collectives/local.h"
+#include "tools/bench/fused_allreduce.h"
 
 using namespace tetra::collectives;
+using tetra::bench::FusedAllreduce;
 
 TEST(Fusion, ManyTensorsInOneCallMatchSeparateCalls) {
   run_local_ranks(3, [](int rank, Communicator& comm) {

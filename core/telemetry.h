@@ -1,4 +1,5 @@
-// What a run reports: metrics as JSON lines, a progress display, a Chrome trace.
+// What a run reports as it runs (its telemetry): metrics as JSON lines, a progress display,
+// a Chrome trace. (Not the `report` tool, tools/report.cpp, which reads a run folder after.)
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -108,11 +109,6 @@ class Trace {
   std::vector<nlohmann::json> events_;
 };
 
-// "1.5 GiB", "312 MiB"
-std::string human_bytes(int64_t bytes);
-// Three significant digits ("1.67 MiB", "854 KiB", "512 B"): for tables whose rows differ
-// by a few KiB.
-std::string human_bytes3(int64_t bytes);
 // "1h02m", "3m05s", "42s"
 std::string human_duration(double seconds);
 
