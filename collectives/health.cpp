@@ -96,9 +96,11 @@ void HealthWrapper::fingerprint(const Print& print, Deadline deadline) {
   p[1] = print.arg;
   p[2] = print.tensor ? static_cast<int64_t>(print.tensor->scalar_type()) : -1;
   p[3] = r.seq;
-  p[4] = print.tensor ? static_cast<int64_t>(print.tensor->numel()) : 0;
-  p[5] = static_cast<int64_t>(r.shape.size());
-  for (size_t i = 0; i < r.shape.size() && i < 4; ++i) p[6 + i] = r.shape[i];
+  if (print.tensor) {
+    p[4] = static_cast<int64_t>(print.tensor->numel());
+    p[5] = print.tensor->dim();
+    for (int64_t i = 0; i < p[5] && i < 4; ++i) p[6 + i] = print.tensor->size(i);
+  }
   if (print.kind == kRecv) return agree_recv(p, print.peer, print.tag, deadline);
   if (print.kind != kSend) return agree_collective(p, deadline);
   // Where the group carries tensors (Note [Two planes]): beside a GPU's op, a GPU tensor.

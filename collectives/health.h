@@ -35,7 +35,6 @@ class HealthWrapper final : public Communicator {
   std::string refuses(const at::Tensor& t) const override { return backend_->refuses(t); }
   at::Device device() const override { return backend_->device(); }
   Communicator& transport() override { return backend_->transport(); }
-  const HealthOptions& options() const { return options_; }
 
  protected:
   void backend_allreduce(const at::Tensor& input, const at::Tensor& output, ReduceOp op, Deadline deadline) override;
