@@ -96,7 +96,47 @@ HostMap gather_hosts(Communicator& comm, Duration timeout) {
   return m;
 }
 
+HostMap consecutive_hosts(int ranks, int ranks_per_host) {
+  const int per = std::max(1, ranks_per_host);
+  HostMap m;
+  for (int r = 0; r < ranks; ++r) {
+    const int h = r / per;
+    if (h == static_cast<int>(m.hosts.size())) {
+      m.hosts.push_back("host " + std::to_string(h));
+      m.machine_of.push_back(h);
+    }
+    m.host_of.push_back(h);
+  }
+  return m;
+}
+
 int HostMap::ranks_on(int h) const { return static_cast<int>(std::count(host_of.begin(), host_of.end(), h)); }
+
+int HostMap::most_on_one_host() const {
+  int most = 0;
+  for (int h = 0; h < static_cast<int>(hosts.size()); ++h) most = std::max(most, ranks_on(h));
+  return most;
+}
+
+HostMap HostMap::of(const std::vector<int>& ranks) const {
+  HostMap m;
+  std::vector<int> host_index(hosts.size(), -1);  // a host of this map -> its number in m
+  std::vector<int> machines;                      // m's machines, as this map numbers them
+  for (int r : ranks) {
+    const size_t h = static_cast<size_t>(host_of.at(static_cast<size_t>(r)));
+    if (host_index[h] < 0) {
+      host_index[h] = static_cast<int>(m.hosts.size());
+      m.hosts.push_back(hosts[h]);
+      // Machines numbered again too, in order of their first host.
+      const int machine = h < machine_of.size() ? machine_of[h] : -1 - static_cast<int>(h);
+      const auto it = std::find(machines.begin(), machines.end(), machine);
+      m.machine_of.push_back(static_cast<int>(it - machines.begin()));
+      if (it == machines.end()) machines.push_back(machine);
+    }
+    m.host_of.push_back(host_index[h]);
+  }
+  return m;
+}
 
 int HostMap::ranks_per_host() const {
   if (hosts.empty()) return 0;

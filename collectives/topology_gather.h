@@ -25,6 +25,13 @@ hardware::Topology gather_topology(Communicator& comm, const LaunchInfo& launch,
                                    const hardware::HostTopology& host,
                                    Duration timeout = kDefaultTimeout);
 
+// Note [One host map]
+// Which host each rank is on: the one notion of placement that the run and the dry run
+// share. The run gathers it (gather_hosts); the dry run, before any rank exists, takes
+// consecutive_hosts (blocks of consecutive ranks, as launchers place them). The mesh reads
+// every axis's placement from it alike (core/mesh.h: MeshLayout::axis_spans for the dry
+// run's table and cost model, hierarchical_fits for the strategies' choice at attach).
+//
 // Where the ranks of a communicator run, by hostname: what needs only the hosts (the
 // banner, hierarchical allreduce), not their hardware. One allgather of 64-byte names
 // and 40-byte boot ids.
@@ -38,6 +45,12 @@ struct HostMap {
   int ranks_on(int h) const;
   // The same number of ranks on every host: that number; 0 when they differ.
   int ranks_per_host() const;
+  // The most ranks on one host (0 without ranks).
+  int most_on_one_host() const;
+  // The map of some of these ranks, in the order given (a mesh axis's group): rank i of
+  // the result is ranks[i]; hosts numbered again in order of their lowest rank there, as
+  // gather_hosts over that group numbers them.
+  HostMap of(const std::vector<int>& ranks) const;
   // Hosts on host h's machine (1 unless hosts share a kernel).
   int hosts_sharing_machine(int h) const;
   // "tetra-host1: ranks 0-1, tetra-host2: ranks 2-3" (runs of ranks; the first `max`
@@ -45,5 +58,9 @@ struct HostMap {
   std::string describe(size_t max = 4) const;
 };
 HostMap gather_hosts(Communicator& comm, Duration timeout = kDefaultTimeout);
+// `ranks` ranks on hosts of `ranks_per_host` consecutive ranks each (the last may hold
+// fewer), named "host 0", "host 1", ..., each its own machine: where mpirun --map-by slot,
+// srun's block distribution and torchrun place them, and what a dry run plans with.
+HostMap consecutive_hosts(int ranks, int ranks_per_host);
 
 }  // namespace tetra::collectives

@@ -123,9 +123,8 @@ std::string MeshLayout::table() const {
   return os.str();
 }
 
-std::vector<AxisSpan> MeshLayout::axis_spans(int ranks_per_host) const {
+std::vector<AxisSpan> MeshLayout::axis_spans(const collectives::HostMap& hosts) const {
   std::vector<AxisSpan> out;
-  const int per = std::max(1, ranks_per_host);
   for (const MeshAxis& a : spec_.axes) {
     if (a.size == 1) continue;
     // Every group of the axis: how many hosts it spans, and its most ranks on one host.
@@ -133,31 +132,22 @@ std::vector<AxisSpan> MeshLayout::axis_spans(int ranks_per_host) const {
     std::vector<bool> seen(static_cast<size_t>(spec_.world_size()), false);
     for (int r = 0; r < spec_.world_size(); ++r) {
       if (seen[static_cast<size_t>(r)]) continue;
-      std::vector<int> hosts;
-      for (int g : group(r, a.name)) {
-        seen[static_cast<size_t>(g)] = true;
-        hosts.push_back(g / per);
-      }
-      std::sort(hosts.begin(), hosts.end());
-      int distinct = 0;
-      for (size_t i = 0; i < hosts.size();) {
-        size_t j = i;
-        while (j < hosts.size() && hosts[j] == hosts[i]) ++j;
-        span.most_per_host = std::max(span.most_per_host, static_cast<int>(j - i));
-        ++distinct;
-        i = j;
-      }
-      span.most_hosts = std::max(span.most_hosts, distinct);
-      span.fewest_hosts = std::min(span.fewest_hosts, distinct);
+      const std::vector<int> members = group(r, a.name);
+      for (int g : members) seen[static_cast<size_t>(g)] = true;
+      const collectives::HostMap on = hosts.of(members);
+      const int spanned = static_cast<int>(on.hosts.size());
+      span.most_per_host = std::max(span.most_per_host, on.most_on_one_host());
+      span.most_hosts = std::max(span.most_hosts, spanned);
+      span.fewest_hosts = std::min(span.fewest_hosts, spanned);
     }
     out.push_back(span);
   }
   return out;
 }
 
-std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
+std::vector<std::string> MeshLayout::host_placement(const collectives::HostMap& hosts) const {
   std::vector<std::string> out;
-  for (const AxisSpan& a : axis_spans(ranks_per_host)) {
+  for (const AxisSpan& a : axis_spans(hosts)) {
     std::ostringstream os;
     os << std::left << std::setw(9) << a.axis << " x" << std::setw(3) << a.size << " ";
     if (a.most_hosts == 1)
@@ -167,7 +157,7 @@ std::vector<std::string> MeshLayout::host_placement(int ranks_per_host) const {
          << " hosts (" << (a.most_per_host == 1 ? "1 rank" : "up to " + std::to_string(a.most_per_host) + " ranks")
          << " of each group per host)";
     if (a.axis == "tensor" && a.most_hosts > 1)
-      os << "; warning: mesh.tensor " << a.size << " is more than the " << ranks_per_host
+      os << "; warning: mesh.tensor " << a.size << " is more than the " << hosts.most_on_one_host()
          << " ranks of a host, so every block's activation sums (4 per block per micro-batch) cross the hosts' "
             "link; use a tensor degree of at most the ranks per host";
     out.push_back(os.str());
@@ -246,11 +236,14 @@ collectives::CommunicatorPtr Mesh::host(const std::string& name) const {
 
 collectives::HostMap Mesh::hosts(const std::string& name) const { return collectives::gather_hosts(*host(name)); }
 
+bool hierarchical_fits(const collectives::HostMap& group_hosts) {
+  return group_hosts.hosts.size() > 1 && group_hosts.ranks_per_host() > 1;
+}
+
 collectives::CommunicatorPtr Mesh::hierarchical(const std::string& name, const collectives::HostMap& hosts,
                                                 collectives::Duration timeout) const {
   const collectives::CommunicatorPtr group = axis(name);
-  const int per_host = hosts.ranks_per_host();
-  if (hosts.hosts.size() < 2 || per_host < 2)
+  if (!hierarchical_fits(hosts))
     throw ConfigError("a hierarchical " + name + " group needs the same number (> 1) of its ranks on each of "
                       "more than one host; it runs " + hosts.describe());
   const int host = hosts.host_of[static_cast<size_t>(group->rank())];

@@ -45,7 +45,7 @@ MeshSpec make_mesh_spec(const std::vector<MeshAxis>& axes);
 // "mesh pipeline=2 x data=2 = 4 ranks, but the world has 3 (mpirun -np 3)".
 void check_mesh_fits(const MeshSpec& spec, int world_size, const std::string& world_origin = "");
 
-// Where the groups of one axis fall on hosts of `ranks_per_host` consecutive ranks.
+// Where the groups of one axis fall on the hosts (MeshLayout::axis_spans).
 struct AxisSpan {
   std::string axis;
   int size = 1;
@@ -66,20 +66,27 @@ class MeshLayout {
   std::vector<int> group(int rank, const std::string& axis) const;
   // "rank 3: pipeline 1, data 1" lines.
   std::string table() const;
-  // Where each axis's groups fall when `ranks_per_host` consecutive ranks share a host
-  // (as mpirun --map-by slot, srun's block distribution and torchrun place them), one
-  // line per axis of more than one rank:
+  // Where each axis's groups fall on `hosts`, the host of each of the world's ranks (Note
+  // [One host map]; a dry run's: collectives::consecutive_hosts), one line per axis of more
+  // than one rank:
   //   "data      x2  inside a host (every group on one host)"
   //   "pipeline  x2  across 2 hosts (1 rank of each group per host)"
-  std::vector<std::string> host_placement(int ranks_per_host) const;
-  // The same as numbers, one per axis of more than one rank (the cost model's links).
-  std::vector<AxisSpan> axis_spans(int ranks_per_host) const;
+  std::vector<std::string> host_placement(const collectives::HostMap& hosts) const;
+  // The same as numbers, one per axis of more than one rank (the cost model's links): each
+  // group's hosts are hosts.of(the group), as the group's own gather_hosts would find them.
+  std::vector<AxisSpan> axis_spans(const collectives::HostMap& hosts) const;
 
  private:
   int axis_index(const std::string& axis) const;
   MeshSpec spec_;
   std::vector<int> strides_;
 };
+
+// Whether a group whose ranks run on `group_hosts` (its HostMap: Mesh::hosts, or
+// HostMap::of) can reduce hierarchically: the same number (> 1) of its ranks on each of
+// more than one host. What data_parallel's hierarchical setting and Mesh::hierarchical
+// decide by.
+bool hierarchical_fits(const collectives::HostMap& group_hosts);
 
 class Mesh {
  public:
@@ -114,9 +121,8 @@ class Mesh {
   // The group along `axis` as one hierarchical communicator (collectives/hierarchical.h):
   // every collective reduce-scatters inside each host, crosses the hosts once per
   // host-rank and allgathers inside, whatever the size (split_min_bytes 0). Collective
-  // over the group; `hosts` is what hosts(axis) returned, and must hold the same number
-  // (> 1) of the group's ranks on each of more than one host (a tetra::ConfigError
-  // otherwise, naming the placement).
+  // over the group; `hosts` is what hosts(axis) returned, and must fit
+  // (hierarchical_fits; a tetra::ConfigError otherwise, naming the placement).
   collectives::CommunicatorPtr hierarchical(const std::string& axis, const collectives::HostMap& hosts,
                                             collectives::Duration timeout) const;
 

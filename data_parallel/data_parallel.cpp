@@ -110,7 +110,7 @@ class DataParallel final : public core::Strategy {
   // (auto: when it spans hosts with several of its ranks on each). Every rank decides alike:
   // the host map is the same on all.
   static bool hierarchical(Hierarchy mode, const collectives::HostMap& hosts) {
-    const bool fits = hosts.hosts.size() > 1 && hosts.ranks_per_host() > 1;
+    const bool fits = core::hierarchical_fits(hosts);
     if (mode == Hierarchy::kOn && !fits)
       throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on each of more "
                         "than one host; the data group runs " + hosts.describe());

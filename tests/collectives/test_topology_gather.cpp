@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "collectives/local.h"
@@ -61,6 +62,34 @@ TEST(TopologyGather, HostsKnowTheirMachine) {
     EXPECT_EQ(m.hosts_sharing_machine(0), 1);
   }
   EXPECT_EQ(hardware::boot_id().size(), 36u);  // a UUID, on Linux
+}
+
+// Note [One host map]: the dry run's hosts (blocks of consecutive ranks) and a group's
+// own map, taken from the world's as gather_hosts over the group numbers it.
+TEST(HostMap, ConsecutiveBlocksAndAGroupsOwnMap) {
+  const HostMap world = consecutive_hosts(7, 3);  // 0-2, 3-5, 6
+  EXPECT_EQ(world.hosts, (std::vector<std::string>{"host 0", "host 1", "host 2"}));
+  EXPECT_EQ(world.host_of, (std::vector<int>{0, 0, 0, 1, 1, 1, 2}));
+  EXPECT_EQ(world.machine_of, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(world.ranks_per_host(), 0);  // the last host has fewer
+  EXPECT_EQ(world.most_on_one_host(), 3);
+  EXPECT_EQ(consecutive_hosts(4, 2).ranks_per_host(), 2);
+  EXPECT_EQ(consecutive_hosts(3, 8).hosts.size(), 1u);
+
+  const HostMap group = world.of({6, 1, 4, 0});  // in the group's own order
+  EXPECT_EQ(group.hosts, (std::vector<std::string>{"host 2", "host 0", "host 1"}));
+  EXPECT_EQ(group.host_of, (std::vector<int>{0, 1, 2, 1}));
+  EXPECT_EQ(group.machine_of, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(group.most_on_one_host(), 2);
+
+  HostMap shared;  // hosts a and c on one kernel
+  shared.hosts = {"a", "b", "c"};
+  shared.host_of = {0, 1, 2, 0};
+  shared.machine_of = {0, 1, 0};
+  const HostMap part = shared.of({2, 1, 0});
+  EXPECT_EQ(part.hosts, (std::vector<std::string>{"c", "b", "a"}));
+  EXPECT_EQ(part.machine_of, (std::vector<int>{0, 1, 0}));
+  EXPECT_EQ(part.hosts_sharing_machine(0), 2);
 }
 
 TEST(TopologyGather, LauncherLocalRankWinsWhenItsWorldIsTheCommunicator) {

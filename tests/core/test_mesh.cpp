@@ -46,6 +46,34 @@ TEST(Mesh, DataIsInnermostOnConsecutiveRanks) {
   EXPECT_NE(m.table().find("rank 5: pipeline 1, data 2"), std::string::npos) << m.table();
 }
 
+// Note [One host map]: a dry run's hosts (blocks of consecutive ranks) and any other map
+// (a gathered one that deals ranks out round-robin) go through the same spans.
+TEST(Mesh, AxisSpansReadTheHostMap) {
+  const MeshLayout layout(make_mesh_spec({{"pipeline", 2}, {"data", 2}}));  // data: 0-1, 2-3
+  const auto blocks = layout.axis_spans(tetra::collectives::consecutive_hosts(4, 2));
+  ASSERT_EQ(blocks.size(), 2u);
+  EXPECT_EQ(blocks[0].axis, "pipeline");
+  EXPECT_EQ(blocks[0].most_hosts, 2);
+  EXPECT_EQ(blocks[0].most_per_host, 1);
+  EXPECT_EQ(blocks[1].axis, "data");
+  EXPECT_EQ(blocks[1].most_hosts, 1);
+  EXPECT_EQ(blocks[1].most_per_host, 2);
+
+  tetra::collectives::HostMap dealt;  // ranks 0, 2 on host a; 1, 3 on host b
+  dealt.hosts = {"a", "b"};
+  dealt.host_of = {0, 1, 0, 1};
+  dealt.machine_of = {0, 1};
+  const auto spans = layout.axis_spans(dealt);
+  EXPECT_EQ(spans[0].most_hosts, 1);  // pipeline 0-2 and 1-3: each on one host
+  EXPECT_EQ(spans[1].most_hosts, 2);  // data 0-1 and 2-3: each across both
+  EXPECT_EQ(spans[1].fewest_hosts, 2);
+  EXPECT_EQ(layout.host_placement(dealt)[1], "data      x2   across 2 hosts (1 rank of each group per host)");
+  // The data groups' own maps: one rank on each of two hosts, nothing to reduce inside.
+  EXPECT_FALSE(hierarchical_fits(dealt.of(layout.group(0, "data"))));
+  EXPECT_TRUE(hierarchical_fits(tetra::collectives::consecutive_hosts(4, 2)));
+  EXPECT_FALSE(hierarchical_fits(tetra::collectives::consecutive_hosts(5, 2)));  // 2, 2, 1
+}
+
 TEST(Mesh, ParsedFromTheJobSpec) {
   SectionRegistry owners;  // stand-ins for the plugins that own the axes
   owners.add("data_parallel", [](Section&, const JobSpec&) { return nullptr; }, "data");

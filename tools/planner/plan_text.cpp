@@ -46,7 +46,7 @@ nlohmann::json PlanReport::json() const {
                                 {"what", s.active ? s.role.why : s.note}});
   j["estimate"] = estimate_json(estimates);  // per rank: memory, and bytes per axis per step
   j["hosts"] = {{"count", hosts()}, {"processes_per_host", per_host},
-                {"placement", MeshLayout(plan.processes()).host_placement(per_host)}};
+                {"placement", MeshLayout(plan.processes()).host_placement(host_map)}};
   j["cost"] = prediction_json(prediction, calibration);
   if (!rounds_samples_per_s.empty()) j["cost"]["rounds_samples_per_s"] = rounds_samples_per_s;
   if (!rounds_samples_per_s.empty())
@@ -91,7 +91,8 @@ std::string PlanReport::text() const {
   if (hosts > 1) {
     out += "hosts      " + std::to_string(hosts) + " x " + std::to_string(per_host) +
           " processes (consecutive ranks share a host, as mpirun --map-by slot and srun place them)\n";
-    for (const std::string& line : MeshLayout(plan.processes()).host_placement(per_host)) out += "  " + line + "\n";
+    for (const std::string& line : MeshLayout(plan.processes()).host_placement(host_map))
+      out += "  " + line + "\n";
   }
   out += "ranks      " + std::to_string(ranks.size()) + " (" + std::to_string(plan.process_count()) + " process" +
          (plan.process_count() == 1 ? "" : "es") +

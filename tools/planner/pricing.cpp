@@ -26,9 +26,8 @@ namespace {
 
 // Rank -> (pipeline, data, replica) and where it runs, for --dry-run with a world size.
 // Every process is taken to run on this host (the one --dry-run runs on) unless a
-// launcher says how many share it.
-std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes) {
-  // local_processes consecutive processes share a host.
+// launcher says how many share it: `hosts`, local_processes consecutive ones a host.
+std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes, const collectives::HostMap& hosts) {
   const MeshLayout layout(plan.processes());
   const int R = plan.replicas();
   std::vector<replicate::Placement> where =
@@ -43,18 +42,19 @@ std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes) {
   for (int p = 0; p < plan.process_count(); ++p)
     for (int r = 0; r < R; ++r) {
       const replicate::Placement& w = where[static_cast<size_t>(r)];
-      rows.push_back({p * R + r, p, r, p / std::max(1, local_processes), layout.coords(p), w.threads,
+      rows.push_back({p * R + r, p, r, hosts.host_of.at(static_cast<size_t>(p)), layout.coords(p), w.threads,
                       w.cpus.empty() ? "" : hardware::format_cpu_list(w.cpus), w.why});
     }
   return rows;
 }
 
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
-// traffic per step from the per-rank estimate, and where each axis's groups lie when
-// `per_host` consecutive processes share a host. With `timed`, a stage's compute is its
+// traffic per step from the per-rank estimate, and where each axis's groups lie on `hosts`
+// (each process's host). With `timed`, a stage's compute is its
 // layers' measured seconds for the step's rows and its optimizer update is timed too,
 // both shared out when the host's ranks outnumber its cores (Note [Ranks sharing cores]).
-StepPrediction predict(const Plan& plan, ModelPlan& job, const std::vector<RankEstimate>& estimates, int per_host,
+StepPrediction predict(const Plan& plan, ModelPlan& job, const std::vector<RankEstimate>& estimates,
+                       const collectives::HostMap& hosts,
                        const Calibration& cal, const LayerTimes* timed, int threads) {
   const int R = plan.replicas();
   const std::vector<double> fwd = forward_flops(job.model(), job.probe());
@@ -89,8 +89,8 @@ StepPrediction predict(const Plan& plan, ModelPlan& job, const std::vector<RankE
   const double bubble = estimates.empty() ? -1 : estimates.front().pipeline_bubble;
   std::vector<AxisLinks> links;
   bool data_seen = false;
-  const int host_ranks = std::min(per_host, plan.process_count()) * R;
-  for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(per_host)) {
+  const int host_ranks = hosts.most_on_one_host() * R;
+  for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(hosts)) {
     AxisLinks l{a.axis, a.size, a.most_hosts, a.most_per_host, false};
     if (a.axis == "data") {
       data_seen = true;
@@ -174,7 +174,8 @@ PlanReport plan_report(const JobSpec& spec, const ModelSource& options, const Dr
   int local = np > 0 ? np : launch.multi_process() ? std::max(1, launch.local_world_size) : plan.process_count();
   if (how.ranks_per_host > 0) local = std::min(how.ranks_per_host, plan.process_count());
   r.per_host = local;
-  r.ranks = rank_rows(plan, local);
+  r.host_map = collectives::consecutive_hosts(plan.process_count(), local);
+  r.ranks = rank_rows(plan, local, r.host_map);
   // Each rank's threads as the launch will give them (its ranks share the host's cores),
   // which the layers are timed at.
   if (!r.ranks.empty()) r.threads = set_threads(r.ranks.front().threads, plan.replicas());
@@ -183,14 +184,14 @@ PlanReport plan_report(const JobSpec& spec, const ModelSource& options, const Dr
   r.calibration = calibration_of(how, job, plan.micro_batch_size(), r.hosts() > 1, layers);
   // Worked out once (a probe forward of the model): the table, the JSON and the cost model.
   r.estimates = job.estimate();
-  r.prediction = predict(plan, job, r.estimates, local, r.calibration, layers ? &*layers : nullptr, r.threads);
+  r.prediction = predict(plan, job, r.estimates, r.host_map, r.calibration, layers ? &*layers : nullptr, r.threads);
   if (layers) {
     // Note [Figures with their spread]: the compute timed twice more, a prediction each;
     // the median round is the answer, the others its spread.
     std::vector<StepPrediction> rounds = {r.prediction};
     for (int i = 1; i < how.timing_rounds; ++i) {
       const LayerTimes again = time_layers(job, layers->micro);
-      rounds.push_back(predict(plan, job, r.estimates, local, r.calibration, &again, r.threads));
+      rounds.push_back(predict(plan, job, r.estimates, r.host_map, r.calibration, &again, r.threads));
     }
     std::sort(rounds.begin(), rounds.end(),
               [](const StepPrediction& a, const StepPrediction& b) { return a.samples_per_s < b.samples_per_s; });
@@ -238,7 +239,8 @@ PlanReport JobPricer::price(const JobSpec& spec) {
   plan.check_world(np, "--np " + std::to_string(np));
   const int local = m.how.ranks_per_host > 0 ? std::min(m.how.ranks_per_host, plan.process_count()) : np;
   r.per_host = local;
-  r.ranks = rank_rows(plan, local);
+  r.host_map = collectives::consecutive_hosts(plan.process_count(), local);
+  r.ranks = rank_rows(plan, local, r.host_map);
   r.threads = set_threads(r.ranks.front().threads, plan.replicas());
   const int tensor = spec.mesh.size("tensor");
   std::unique_ptr<ModelPlan>& built = m.models[tensor];
@@ -264,7 +266,7 @@ PlanReport JobPricer::price(const JobSpec& spec) {
   }
   r.calibration = *m.calibration;
   r.estimates = estimate_ranks(in);
-  r.prediction = predict(plan, job, r.estimates, local, r.calibration, timed, r.threads);
+  r.prediction = predict(plan, job, r.estimates, r.host_map, r.calibration, timed, r.threads);
   r.parameters = job.parameters();
   return r;
 }

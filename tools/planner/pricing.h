@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "collectives/topology_gather.h"
 #include "core/data.h"
 #include "core/job_spec.h"
 #include "core/plan.h"
@@ -87,6 +88,7 @@ struct PlanReport {
   int64_t steps = 0;
   int threads = 1;              // intra-op threads per rank
   int per_host = 1;             // processes per host
+  collectives::HostMap host_map;  // each process's host: per_host consecutive ones a host (Note [One host map])
   std::vector<RankPlace> ranks;
   std::vector<core::RankEstimate> estimates;  // per process rank: memory, traffic
   Calibration calibration;
