@@ -742,6 +742,9 @@ TEST(TrainCli, DryRunPredictsAStepOnTheCalibrationsLinks) {
   const nlohmann::json hier = plan({"--ranks-per-host", "2"});
   const nlohmann::json flat = plan({"--ranks-per-host", "2", "--set", "data_parallel.hierarchical=off"});
   const nlohmann::json inside = plan({"--ranks-per-host", "4"});
+  // 3 ranks on one host and 1 on the other: the run's data group reduces flat (Note [One
+  // host map]: hierarchical_fits on the group's map), and so does the prediction.
+  const nlohmann::json uneven = plan({"--ranks-per-host", "3"});
   // 16 samples per rank, forward 2 x (100 x 256 + 256 x 10) FLOPs each, backward twice that.
   const double flops = 3 * 2.0 * (100 * 256 + 256 * 10) * 16;
   EXPECT_NEAR(hier["compute_s"].get<double>(), flops / 10e9, 1e-12);
@@ -753,6 +756,7 @@ TEST(TrainCli, DryRunPredictsAStepOnTheCalibrationsLinks) {
   EXPECT_EQ(data_how(hier), "hierarchical (2 hosts x 2) across hosts");
   EXPECT_EQ(data_how(flat), "ring of 4 across hosts");
   EXPECT_EQ(data_how(inside), "ring of 4 inside a host");
+  EXPECT_EQ(data_how(uneven), "ring of 4 across hosts");
   EXPECT_LT(hier["step_s"].get<double>(), flat["step_s"].get<double>());
   EXPECT_LT(inside["step_s"].get<double>(), hier["step_s"].get<double>());
   EXPECT_GT(inside["efficiency"].get<double>(), 0);

@@ -162,6 +162,31 @@ TEST(Tune, EnumerationCoversEveryValidLayoutAndNoInvalidOne) {
   }
 }
 
+// data_parallel.hierarchical on stops a run whose data groups do not fit their hosts
+// (Note [One host map]): the tuner offers "on" only where every data group has the same
+// number (> 1) of its ranks on each of several hosts.
+TEST(Tune, NoHierarchyThatTheHostsDoNotFit) {
+  const fs::path dir = fresh_dir("tune", "hierarchy");
+  const fs::path job = gpt_job(dir);
+  auto on_layouts = [&](int ranks_per_host) {
+    TuneOptions o;
+    o.job = job.string();
+    o.np = 4;
+    o.ranks_per_host = ranks_per_host;
+    std::set<Layout> found;
+    for (const Candidate& c : enumerate_candidates(o)) {
+      const auto h = c.keys.find("data_parallel.hierarchical");
+      if (h != c.keys.end() && h->second == "on") found.insert(layout_of(c.spec));
+    }
+    return found;
+  };
+  // Hosts of 2: data 4 fits (2 + 2); data 2 x pipeline 2 keeps each data group on one host.
+  for (const Layout& l : on_layouts(2)) EXPECT_EQ(std::get<0>(l), 4);
+  EXPECT_EQ(on_layouts(2).count({4, 1, 1, 1}), 1u);
+  // Hosts of 3 and 1: no data group fits.
+  EXPECT_TRUE(on_layouts(3).empty());
+}
+
 TEST(Tune, CandidatesPassTrainCheckAsFiles) {
   // One structure of each layout of 4 processes, written out and checked by `train --check`.
   const fs::path dir = fresh_dir("tune", "check_files");

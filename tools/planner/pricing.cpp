@@ -48,6 +48,29 @@ std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes, const co
   return rows;
 }
 
+}  // namespace
+
+DataGroupFit data_group_fit(const Plan& plan, const collectives::HostMap& hosts) {
+  DataGroupFit out;
+  const MeshLayout layout(plan.processes());
+  std::vector<bool> seen(static_cast<size_t>(plan.process_count()), false);
+  for (int p = 0; p < plan.process_count(); ++p) {
+    if (seen[static_cast<size_t>(p)]) continue;
+    const std::vector<int> members = layout.group(p, "data");
+    for (int m : members) seen[static_cast<size_t>(m)] = true;
+    const collectives::HostMap group = hosts.of(members);
+    if (hierarchical_fits(group))
+      ++out.fit;
+    else if (group.hosts.size() > 1)
+      ++out.unfit_across;
+    else
+      ++out.one_host;
+  }
+  return out;
+}
+
+namespace {
+
 // The cost model's view of the plan (Note [Cost model]): each pipeline stage's FLOPs and
 // traffic per step from the per-rank estimate, and where each axis's groups lie on `hosts`
 // (each process's host). With `timed`, a stage's compute is its
@@ -83,14 +106,18 @@ StepPrediction predict(const Plan& plan, ModelPlan& job, const std::vector<RankE
     w.traffic = r.traffic;
     w.chained = r.chained;
   }
-  // Replicas compose the data group hierarchically (collectives/hierarchical.h).
-  const bool hierarchical = R > 1 || (!estimates.empty() && estimates.front().hierarchical_data);
+  // Replicas compose the data group hierarchically (collectives/hierarchical.h); otherwise
+  // data_parallel.hierarchical does where the run would: not where a data group spans hosts
+  // that it does not fit (data_group_fit).
+  const MeshLayout layout(plan.processes());
+  const bool hierarchical =
+      R > 1 || (!estimates.empty() && estimates.front().hierarchical_data && data_group_fit(plan, hosts).unfit_across == 0);
   const int virtual_stages = estimates.empty() ? 1 : estimates.front().virtual_stages;
   const double bubble = estimates.empty() ? -1 : estimates.front().pipeline_bubble;
   std::vector<AxisLinks> links;
   bool data_seen = false;
   const int host_ranks = hosts.most_on_one_host() * R;
-  for (const AxisSpan& a : MeshLayout(plan.processes()).axis_spans(hosts)) {
+  for (const AxisSpan& a : layout.axis_spans(hosts)) {
     AxisLinks l{a.axis, a.size, a.most_hosts, a.most_per_host, false};
     if (a.axis == "data") {
       data_seen = true;

@@ -63,6 +63,19 @@ struct DryRunOptions {
 };
 std::string dry_run(const core::JobSpec& spec, const ModelSource& options, const DryRunOptions& how);
 
+// How the data groups of `plan` (process groups, one host per process in `hosts`) lie for
+// a hierarchical allreduce, by core::hierarchical_fits on each group's own map, as each
+// group decides at attach: data_parallel.hierarchical auto reduces hierarchically in the
+// groups that fit and flat in the others; on stops the run with a ConfigError unless
+// every group fits. The cost model prices by it, and the tuner offers no "on" that would
+// stop.
+struct DataGroupFit {
+  int fit = 0;           // the same number (> 1) of its ranks on each of several hosts
+  int unfit_across = 0;  // across hosts, unevenly or one rank a host
+  int one_host = 0;      // inside one host
+};
+DataGroupFit data_group_fit(const core::Plan& plan, const collectives::HostMap& hosts);
+
 // Where one rank of the plan runs: its process, replica thread and host (processes
 // numbered host by host), its coordinate on each axis of the process mesh, its threads
 // and the CPUs it is pinned to ("" = not pinned, and why).

@@ -20,6 +20,7 @@
 #include "core/model_plan.h"
 #include "hardware/host.h"
 #include "tools/planner/plugins.h"
+#include "tools/planner/pricing.h"
 
 namespace tetra::planner {
 
@@ -79,6 +80,15 @@ void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, Model
   const Plan plan(parsed.spec);
   plan.check_world(o.np, "--np " + std::to_string(o.np));
   rules.check(parsed.spec, plan);
+  // "on" where a data group does not fit its hosts stops the run at attach.
+  const auto h = c.keys.find("data_parallel.hierarchical");
+  if (h != c.keys.end() && h->second == "on") {
+    const int per_host = o.ranks_per_host > 0 ? std::min(o.ranks_per_host, o.np) : o.np;
+    const DataGroupFit fit = data_group_fit(plan, collectives::consecutive_hosts(plan.process_count(), per_host));
+    if (fit.unfit_across + fit.one_host > 0)
+      throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on each of more "
+                        "than one host");
+  }
   c.yaml = resolved_yaml(parsed.resolved);
   c.spec = std::move(parsed.spec);
 }
