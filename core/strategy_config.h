@@ -59,6 +59,9 @@ struct RankEstimate {
   // What the cost model reads of the plan beside bytes (set by the strategies' estimate,
   // so that no tool looks into a plugin's options):
   bool hierarchical_data = false;  // the data axis may reduce inside each host first
+  // ... and must: the run stops at attach where a data group does not fit its hosts
+  // (data_parallel.hierarchical on; core::hierarchical_fits).
+  bool hierarchical_data_required = false;
   int virtual_stages = 1;          // pipeline chunks per rank
   // The pipeline schedule's idle fraction of a step, as its simulator finds it with a
   // backward of two forwards (B = W = one under the zero-bubble schedules); -1: no pipeline.

@@ -173,6 +173,7 @@ std::unique_ptr<core::Strategy> Options::build() const { return std::make_unique
 // parallelism adds no buffer of its own to the model state.
 void Options::estimate(const core::PlanInput& input, core::RankEstimate& rank) const {
   rank.hierarchical_data = hierarchical != Hierarchy::kOff;
+  rank.hierarchical_data_required = hierarchical == Hierarchy::kOn;
   const int n = input.plan.data_ranks();
   if (n == 1) return;
   const core::GradientBuckets layout =

@@ -764,6 +764,17 @@ TEST(TrainCli, DryRunPredictsAStepOnTheCalibrationsLinks) {
   Outcome text = run({job.string(), "--dry-run", "--np", "4", "--ranks-per-host", "2", "--calibration", cal.string()});
   EXPECT_NE(text.out.find("cost model (Note [Cost model]; calibration " + cal.string()), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("predicted:"), std::string::npos) << text.out;
+  // hierarchical on where the hosts do not fit it: the run's ConfigError at attach, said
+  // by the plan as a warning (the launch may place the ranks otherwise).
+  const std::string stops = "warning: data_parallel.hierarchical on needs the same number (> 1) of data ranks on each "
+                            "of more than one host, and a data group runs host 0: ranks 0-2, host 1: rank 3: the run "
+                            "stops at attach; set it to auto";
+  for (const char* per_host : {"2", "3"}) {
+    Outcome on = run({job.string(), "--dry-run", "--np", "4", "--ranks-per-host", per_host, "--calibration",
+                      cal.string(), "--set", "data_parallel.hierarchical=on"});
+    EXPECT_EQ(on.status, 0) << on.out;
+    EXPECT_EQ(on.out.find(stops) != std::string::npos, std::string(per_host) == "3") << on.out;
+  }
   Outcome missing = run({job.string(), "--dry-run", "--calibration", (d / "nope.json").string()});
   EXPECT_EQ(missing.status, 2) << missing.out;
   EXPECT_NE(missing.out.find("nope.json: cannot read it"), std::string::npos) << missing.out;

@@ -28,6 +28,14 @@ void appendf(std::string& out, const char* format, ...) {
 
 int PlanReport::hosts() const { return ranks.empty() ? 1 : ranks.back().host + 1; }
 
+std::string PlanReport::hierarchy_warning() const {
+  if (hosts() < 2 || estimates.empty() || !estimates.front().hierarchical_data_required) return "";
+  const DataGroupFit fit = data_group_fit(plan, host_map);
+  if (fit.first_unfit.empty()) return "";
+  return "warning: data_parallel.hierarchical on needs the same number (> 1) of data ranks on each of more than one "
+         "host, and a data group runs " + fit.first_unfit + ": the run stops at attach; set it to auto";
+}
+
 nlohmann::json PlanReport::json() const {
   nlohmann::json j;
   j["job"] = plan.spec().name;
@@ -47,6 +55,7 @@ nlohmann::json PlanReport::json() const {
   j["estimate"] = estimate_json(estimates);  // per rank: memory, and bytes per axis per step
   j["hosts"] = {{"count", hosts()}, {"processes_per_host", per_host},
                 {"placement", MeshLayout(plan.processes()).host_placement(host_map)}};
+  if (const std::string w = hierarchy_warning(); !w.empty()) j["hosts"]["warning"] = w;
   j["cost"] = prediction_json(prediction, calibration);
   if (!rounds_samples_per_s.empty()) j["cost"]["rounds_samples_per_s"] = rounds_samples_per_s;
   if (!rounds_samples_per_s.empty())
@@ -93,6 +102,7 @@ std::string PlanReport::text() const {
           " processes (consecutive ranks share a host, as mpirun --map-by slot and srun place them)\n";
     for (const std::string& line : MeshLayout(plan.processes()).host_placement(host_map))
       out += "  " + line + "\n";
+    if (const std::string w = hierarchy_warning(); !w.empty()) out += "  " + w + "\n";
   }
   out += "ranks      " + std::to_string(ranks.size()) + " (" + std::to_string(plan.process_count()) + " process" +
          (plan.process_count() == 1 ? "" : "es") +

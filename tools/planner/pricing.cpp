@@ -52,6 +52,7 @@ std::vector<RankPlace> rank_rows(const Plan& plan, int local_processes, const co
 
 DataGroupFit data_group_fit(const Plan& plan, const collectives::HostMap& hosts) {
   DataGroupFit out;
+  if (plan.processes().size("data") == 1) return out;  // nothing to reduce: data_parallel asks no hosts
   const MeshLayout layout(plan.processes());
   std::vector<bool> seen(static_cast<size_t>(plan.process_count()), false);
   for (int p = 0; p < plan.process_count(); ++p) {
@@ -59,12 +60,15 @@ DataGroupFit data_group_fit(const Plan& plan, const collectives::HostMap& hosts)
     const std::vector<int> members = layout.group(p, "data");
     for (int m : members) seen[static_cast<size_t>(m)] = true;
     const collectives::HostMap group = hosts.of(members);
-    if (hierarchical_fits(group))
+    if (hierarchical_fits(group)) {
       ++out.fit;
-    else if (group.hosts.size() > 1)
+      continue;
+    }
+    if (group.hosts.size() > 1)
       ++out.unfit_across;
     else
       ++out.one_host;
+    if (out.first_unfit.empty()) out.first_unfit = group.describe();
   }
   return out;
 }

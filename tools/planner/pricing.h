@@ -73,6 +73,7 @@ struct DataGroupFit {
   int fit = 0;           // the same number (> 1) of its ranks on each of several hosts
   int unfit_across = 0;  // across hosts, unevenly or one rank a host
   int one_host = 0;      // inside one host
+  std::string first_unfit;  // the first group that does not fit, as HostMap::describe says where it runs
 };
 DataGroupFit data_group_fit(const core::Plan& plan, const collectives::HostMap& hosts);
 
@@ -117,6 +118,10 @@ struct PlanReport {
     bool busy = false;
   } machine;
   int hosts() const;
+  // With data_parallel.hierarchical on, where a data group does not fit these hosts: the
+  // run's ConfigError at attach, as a warning ("" otherwise, and on one host, where a dry
+  // run does not know the launch's hosts).
+  std::string hierarchy_warning() const;
   std::string text() const;
   nlohmann::json json() const;
 };

@@ -85,9 +85,9 @@ void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, Model
   if (h != c.keys.end() && h->second == "on") {
     const int per_host = o.ranks_per_host > 0 ? std::min(o.ranks_per_host, o.np) : o.np;
     const DataGroupFit fit = data_group_fit(plan, collectives::consecutive_hosts(plan.process_count(), per_host));
-    if (fit.unfit_across + fit.one_host > 0)
+    if (!fit.first_unfit.empty())
       throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on each of more "
-                        "than one host");
+                        "than one host; a data group runs " + fit.first_unfit);
   }
   c.yaml = resolved_yaml(parsed.resolved);
   c.spec = std::move(parsed.spec);
