@@ -114,8 +114,8 @@ StepPrediction predict(const Plan& plan, ModelPlan& job, const std::vector<RankE
   // data_parallel.hierarchical does where the run would: not where a data group spans hosts
   // that it does not fit (data_group_fit).
   const MeshLayout layout(plan.processes());
-  const bool hierarchical =
-      R > 1 || (!estimates.empty() && estimates.front().hierarchical_data && data_group_fit(plan, hosts).unfit_across == 0);
+  const bool hierarchical = R > 1 || (!estimates.empty() && estimates.front().hierarchical_data &&
+                                      data_group_fit(plan, hosts).unfit_across == 0);
   const int virtual_stages = estimates.empty() ? 1 : estimates.front().virtual_stages;
   const double bubble = estimates.empty() ? -1 : estimates.front().pipeline_bubble;
   std::vector<AxisLinks> links;
