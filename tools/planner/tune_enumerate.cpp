@@ -66,6 +66,11 @@ class ModelRules {
   std::map<int, std::unique_ptr<ModelPlan>> built_;
 };
 
+// The processes a host of the tuned launch holds (--ranks-per-host; all np on one without).
+int tuned_ranks_per_host(const TuneOptions& o) {
+  return o.ranks_per_host > 0 ? std::min(o.ranks_per_host, o.np) : o.np;
+}
+
 // Note [Auto axis]: the world a job's auto axis fills is the one it is tuned for.
 JobWorld tuning_world(const TuneOptions& o) { return {o.np, "--np " + std::to_string(o.np)}; }
 
@@ -83,8 +88,8 @@ void build(Candidate& c, const YAML::Node& resolved, const TuneOptions& o, Model
   // "on" where a data group does not fit its hosts stops the run at attach.
   const auto h = c.keys.find("data_parallel.hierarchical");
   if (h != c.keys.end() && h->second == "on") {
-    const int per_host = o.ranks_per_host > 0 ? std::min(o.ranks_per_host, o.np) : o.np;
-    const DataGroupFit fit = data_group_fit(plan, collectives::consecutive_hosts(plan.process_count(), per_host));
+    const DataGroupFit fit =
+        data_group_fit(plan, collectives::consecutive_hosts(plan.process_count(), tuned_ranks_per_host(o)));
     if (!fit.first_unfit.empty())
       throw ConfigError("data_parallel.hierarchical: on needs the same number (> 1) of data ranks on each of more "
                         "than one host; a data group runs " + fit.first_unfit);
@@ -228,7 +233,7 @@ std::vector<Candidate> enumerate_candidates(const TuneOptions& o, int* rejected)
   ModelRules rules;
   const int N = o.np;
   if (N < 1) throw ConfigError("--np " + std::to_string(N) + ": the tuner needs the processes the job will run on (--np N)");
-  const int per_host = o.ranks_per_host > 0 ? std::min(o.ranks_per_host, N) : N;
+  const int per_host = tuned_ranks_per_host(o);
   const bool cpu = spec.train.device == DeviceKind::kCpu;
   // Replica threads share a process's device; priced by a FLOP rate per device (a plan on
   // paper with a calibration file) they would seem to multiply it.
